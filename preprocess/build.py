@@ -1,0 +1,231 @@
+"""``preprocess build``: discover → probe headers → plan → write shards in parallel → index.
+
+Each shard is written under a temporary name, renamed when complete, then acknowledged by a
+receipt in ``OUT/.build/`` (its count, sha256, rejections and feature sums). A rerun skips
+every shard with a valid receipt, so a build killed at any moment resumes where it was and
+ends byte-identical to an uninterrupted one. The index is written last, from the receipts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from preprocess.audio import AudioError, encode_flac, load_mono, probe
+from preprocess.config import BuildConfig, FeatureConfig
+from preprocess.discover import discover
+from preprocess.errors import UserError
+from preprocess.features import MelExtractor
+from preprocess.format import encode_sample, file_sha256, open_tar_writer, write_atomic
+from preprocess.index import write_cache_files
+from preprocess.parallel import Runner, ordered_map
+from preprocess.plan import Plan, ShardTask, make_plan
+
+log = logging.getLogger(__name__)
+RECEIPTS = ".build"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """What ``build`` was asked to do, beyond the config."""
+
+    src: Path
+    out: Path
+    workers: int
+    part: tuple[int, int] = (0, 1)
+    keep_audio: bool = False
+
+
+def build(
+    options: BuildOptions, features: FeatureConfig, config: BuildConfig
+) -> dict[str, Any] | None:
+    """Build (or resume) the cache; return the index, or ``None`` if other parts are pending."""
+    utterances, discovered_rejections, _ = discover(options.src)
+    log.info(
+        "found %d utterances (%d rejected while discovering)",
+        len(utterances),
+        len(discovered_rejections),
+    )
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / RECEIPTS).mkdir(exist_ok=True)
+    with ordered_map(options.workers, _init_worker, (features,)) as run:
+        headers = list(
+            tqdm(
+                run(_probe, [u.audio for u in utterances], 256),
+                total=len(utterances),
+                desc="probe",
+                unit="file",
+                disable=None,
+            )
+        )
+        plan = make_plan(utterances, headers, features, config, options.keep_audio)
+        receipts = _valid_receipts(options.out, plan)
+        k, n = options.part
+        todo = [t for t in plan.shards if t.number % n == k and t.name not in receipts]
+        _write_shards(run, todo, options, features, config, plan.digest, receipts)
+    if len(receipts) < len(plan.shards):
+        log.info(
+            "part %d/%d done: %d of %d shards complete; the index is written once all parts are",
+            k,
+            n,
+            len(receipts),
+            len(plan.shards),
+        )
+        return None
+    rejections = [*discovered_rejections, *plan.rejections]
+    return write_cache_files(
+        options.out,
+        plan,
+        [receipts[t.name] for t in plan.shards],
+        rejections,
+        features,
+        config,
+        options.keep_audio,
+    )
+
+
+def _write_shards(
+    run: Runner,
+    todo: Sequence[ShardTask],
+    options: BuildOptions,
+    features: FeatureConfig,
+    config: BuildConfig,
+    digest: str,
+    receipts: dict[str, dict[str, Any]],
+) -> None:
+    jobs = [(t, options.out, features, config, options.keep_audio, digest) for t in todo]
+    total = sum(len(t.items) for t in todo)
+    seconds = 0.0
+    with tqdm(total=total, desc="build", unit="utt", disable=None) as bar:
+        for receipt in run(_build_shard_job, jobs):
+            receipts[receipt["name"]] = receipt
+            seconds += receipt["seconds"]
+            bar.set_postfix(hours=f"{seconds / 3600:.2f}", refresh=False)
+            bar.update(receipt["planned"])
+
+
+# ---- pool ------------------------------------------------------------------------------
+_extractor: MelExtractor | None = None
+
+
+def _init_worker(features: FeatureConfig) -> None:
+    # One thread per process: processes already use every core, and a fixed thread count
+    # keeps float sums (hence fp16 bytes) identical whatever --workers is.
+    global _extractor
+    torch.set_num_threads(1)
+    _extractor = MelExtractor(features)
+
+
+def _probe(path: str) -> tuple[int, int] | str:
+    try:
+        return probe(path)
+    except AudioError as exc:
+        return str(exc)
+
+
+def _build_shard_job(
+    job: tuple[ShardTask, Path, FeatureConfig, BuildConfig, bool, str],
+) -> dict[str, Any]:
+    return build_shard(*job)
+
+
+# ---- one shard -----------------------------------------------------------------------------
+def build_shard(
+    task: ShardTask,
+    out: Path,
+    features: FeatureConfig,
+    config: BuildConfig,
+    keep_audio: bool,
+    digest: str,
+) -> dict[str, Any]:
+    """Decode, featurise and write one shard atomically; then write and return its receipt."""
+    assert _extractor is not None, "worker not initialised"  # internal invariant, not user input
+    final, temp = out / task.name, out / f"{task.name}.tmp"
+    sums = np.zeros(features.n_mels, np.float64)
+    squares = np.zeros(features.n_mels, np.float64)
+    frames: list[int] = []
+    rejected: list[dict[str, str]] = []
+    seconds = 0.0
+    with open(temp, "wb") as stream, open_tar_writer(stream) as writer:
+        for item in task.items:
+            utt = item.utterance
+            try:
+                audio = load_mono(
+                    utt.audio, features.sample_rate, item.samples, config.silence_dbfs
+                )
+            except AudioError as exc:
+                rejected.append({"source": utt.source, "reason": str(exc), "stage": "decode"})
+                continue
+            mel16, mel32 = _extractor.compute(audio)
+            sums += mel32.sum(axis=0, dtype=np.float64)
+            squares += np.square(mel32, dtype=np.float64).sum(axis=0)
+            meta = {
+                "text": utt.text,
+                "speaker": utt.speaker,
+                "seconds": round(item.samples / features.sample_rate, 4),
+                "frames": int(mel16.shape[0]),
+                "sample_rate": features.sample_rate,
+                "source": utt.source,
+                "bucket": task.bucket,
+            }
+            flac = encode_flac(audio, features.sample_rate) if keep_audio else None
+            writer.write(encode_sample(utt.key, mel16, meta, flac))
+            frames.append(int(mel16.shape[0]))
+            seconds += meta["seconds"]
+    if frames:
+        os.replace(temp, final)
+    else:  # every utterance was rejected: no empty tar, the receipt says so
+        temp.unlink()
+    receipt = {
+        "plan": digest,
+        "name": task.name,
+        "bucket": task.bucket,
+        "planned": len(task.items),
+        "samples": len(frames),
+        "frames": sum(frames),
+        "min_frames": min(frames, default=0),
+        "max_frames": max(frames, default=0),
+        "seconds": seconds,
+        "bytes": final.stat().st_size if frames else 0,
+        "sha256": file_sha256(final) if frames else None,
+        "rejected": rejected,
+        "mel_sum": sums.tolist(),
+        "mel_sum_squares": squares.tolist(),
+    }
+    write_atomic(out / RECEIPTS / f"{task.name}.json", json.dumps(receipt).encode())
+    return receipt
+
+
+def _valid_receipts(out: Path, plan: Plan) -> dict[str, dict[str, Any]]:
+    """Receipts of shards already complete for this very plan; refuse another build's."""
+    for stale in out.glob("*.tmp"):
+        stale.unlink()
+    done: dict[str, dict[str, Any]] = {}
+    planned = {t.name for t in plan.shards}
+    for path in sorted((out / RECEIPTS).glob("*.json")):
+        try:
+            receipt = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a receipt is written atomically; unreadable means foreign: rebuild
+        if receipt.get("plan") != plan.digest:
+            raise UserError(
+                f"--out {out} holds a build of a different corpus or config "
+                f"({path.name} has plan {receipt.get('plan')}, this build is {plan.digest}); "
+                "use another --out or delete that folder"
+            )
+        shard = out / receipt["name"]
+        if receipt["name"] in planned and (
+            receipt["samples"] == 0
+            or (shard.is_file() and shard.stat().st_size == receipt["bytes"])
+        ):
+            done[receipt["name"]] = receipt
+    return done

@@ -1,0 +1,152 @@
+"""Command line: ``python -m preprocess {build,verify,inspect}``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from preprocess.config import load_config
+from preprocess.errors import UserError
+
+log = logging.getLogger("preprocess")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; user errors print one line and return 2."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return args.run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def _build(args: argparse.Namespace) -> int:
+    from preprocess.build import BuildOptions, build
+
+    if args.workers < 1:
+        raise UserError(f"--workers {args.workers}: expected at least 1")
+    features, config = load_config(args.config)
+    options = BuildOptions(args.src, args.out, args.workers, args.part, args.keep_audio)
+    started = time.perf_counter()
+    index = build(options, features, config)
+    if index is None:
+        return 0
+    totals = index["totals"]
+    wall = time.perf_counter() - started
+    print(
+        f"{args.out}: {totals['utterances']} utterances, {totals['hours']:.3f} h in "
+        f"{totals['shards']} shards; {totals['rejected']} rejected (see {args.out}/rejected.jsonl); "
+        f"{wall:.1f} s wall, {totals['seconds'] / max(wall, 1e-9):.0f}x real time"
+    )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from preprocess.verify import verify
+
+    problems = verify(args.cache, workers=args.workers)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{args.cache}: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    print(f"{args.cache}: OK")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from preprocess.summary import summarize
+
+    print(summarize(args.cache))
+    return 0
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part {text!r}: expected K/N such as 0/4") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"--part {text!r}: K must be in 0..N-1")
+    return k, n
+
+
+def _default_part() -> tuple[int, int]:
+    """torchrun's RANK/WORLD_SIZE, so ``torchrun --nnodes N -m preprocess build`` splits itself."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m preprocess",
+        description="Decode a speech corpus once into length-bucketed log-mel WebDataset shards.",
+    )
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    build = commands.add_parser(
+        "build",
+        help="build (or resume) a cache",
+        description=(
+            "Decode, resample and featurise a corpus into tar shards bucketed by length, then "
+            "write index.json. Rerunning the same command after an interruption resumes and gives "
+            "byte-identical shards. SRC is a folder of audio with <stem>.txt/.lab/.normalized.txt "
+            "transcripts, an LJSpeech folder (metadata.csv + wavs/), or a JSONL manifest "
+            "(audio_filepath, text, speaker)."
+        ),
+    )
+    build.add_argument("--src", type=Path, required=True, help="corpus folder or .jsonl manifest")
+    build.add_argument(
+        "--out", type=Path, default=Path("shards"), help="output folder (default: shards)"
+    )
+    build.add_argument(
+        "--config",
+        type=Path,
+        help="TOML preset with [features] and [build] (default: ChatTTS/vocos mel)",
+    )
+    build.add_argument(
+        "--workers", type=int, default=_default_workers(), help="processes (default: all cores)"
+    )
+    build.add_argument(
+        "--part",
+        type=_part,
+        default=_default_part(),
+        metavar="K/N",
+        help="build only part K of N (default: torchrun's RANK/WORLD_SIZE, else 0/1); see shards/README.md",
+    )
+    build.add_argument(
+        "--keep-audio", action="store_true", help="also store the resampled audio as FLAC"
+    )
+    build.set_defaults(run=_build)
+
+    verify = commands.add_parser(
+        "verify",
+        help="re-check a cache against its index",
+        description="Check every shard's presence, sha256, samples, dtypes, frames and buckets; exit 1 listing each problem.",
+    )
+    verify.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    verify.add_argument(
+        "--workers", type=int, default=_default_workers(), help="processes (default: all cores)"
+    )
+    verify.set_defaults(run=_verify)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a cache",
+        description="Print hours, utterances, buckets with counts and implied padding, shards and rejections.",
+    )
+    inspect.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    inspect.set_defaults(run=_inspect)
+    return parser

@@ -1,0 +1,159 @@
+"""The on-disk format of a melcache cache: the one module that knows member names and dtypes.
+
+A cache folder holds ``index.json`` (written last: its presence means the cache is
+complete), ``rejected.jsonl``, ``stats.zarr`` and tar shards named ``bNN-NNNNNN.tar``.
+Each shard holds utterances of one length bucket, one WebDataset sample per utterance:
+
+- ``<key>.mel.npy``: float16 ``[frames, n_mels]`` natural-log mel, ``np.save`` format;
+- ``<key>.json``: UTF-8 metadata (text, speaker, seconds, frames, sample_rate, source, bucket);
+- ``<key>.flac``: the resampled mono audio, only when built with ``--keep-audio``.
+
+Readers decode only these members, ``np.load(..., allow_pickle=False)`` for the mel, and
+ignore anything else, so a planted ``.pickle`` member is never deserialised.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import webdataset as wds
+
+from preprocess.errors import ShardError
+
+FORMAT_VERSION = 1
+INDEX_NAME = "index.json"
+REJECTED_NAME = "rejected.jsonl"
+STATS_NAME = "stats.zarr"
+MEL_MEMBER = "mel.npy"
+META_MEMBER = "json"
+AUDIO_MEMBER = "flac"
+KNOWN_MEMBERS = (MEL_MEMBER, META_MEMBER, AUDIO_MEMBER)
+MEL_DTYPE = np.dtype("<f2")
+SHARD_PATTERN = re.compile(r"^b(\d{2})-(\d{6})\.tar$")
+# Fixed tar metadata: same input and config give byte-identical shards.
+TAR_MTIME = 0
+TAR_OWNER = "melcache"
+
+
+def shard_name(bucket: int, number: int) -> str:
+    """File name of shard ``number`` (global in the build plan) of length bucket ``bucket``."""
+    return f"b{bucket:02d}-{number:06d}.tar"
+
+
+def encode_sample(
+    key: str, mel: np.ndarray, meta: dict[str, Any], flac: bytes | None = None
+) -> dict[str, Any]:
+    """Serialise one utterance into the tar members of a WebDataset sample."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(mel, dtype=MEL_DTYPE), allow_pickle=False)
+    sample: dict[str, Any] = {
+        "__key__": key,
+        MEL_MEMBER: buffer.getvalue(),
+        META_MEMBER: json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8"),
+    }
+    if flac is not None:
+        sample[AUDIO_MEMBER] = flac
+    return sample
+
+
+def decode_mel(data: bytes, n_mels: int, where: str) -> np.ndarray:
+    """Parse a ``mel.npy`` member without unpickling; check dtype and shape."""
+    try:
+        mel = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ShardError(f"{where}: mel.npy is not a plain numpy array ({exc})") from None
+    if mel.dtype != MEL_DTYPE or mel.ndim != 2 or mel.shape[1] != n_mels:
+        raise ShardError(
+            f"{where}: mel.npy has dtype {mel.dtype} shape {mel.shape}, "
+            f"expected float16 [frames, {n_mels}]"
+        )
+    return mel
+
+
+def decode_meta(data: bytes, where: str) -> dict[str, Any]:
+    """Parse a ``json`` member."""
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ShardError(f"{where}: json member is not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ShardError(f"{where}: json member is not an object")
+    return meta
+
+
+def open_tar_writer(stream: IO[bytes]) -> wds.TarWriter:
+    """A WebDataset tar writer with the fixed metadata that makes shards reproducible."""
+    return wds.TarWriter(stream, user=TAR_OWNER, group=TAR_OWNER, encoder=False, mtime=TAR_MTIME)
+
+
+def iter_members(
+    stream: IO[bytes], where: str, on_unknown: Callable[[str], None] | None = None
+) -> Iterator[tuple[str, str, bytes]]:
+    """Yield ``(key, member, data)`` for each known member of a shard stream, in tar order.
+
+    Unknown members (``.pickle``, ``.pyd``, …) are skipped unread (reported to
+    ``on_unknown``); a key with a path
+    separator (``../x``, ``/etc/x``) is rejected. Nothing is ever extracted to the filesystem.
+    """
+    select = functools.partial(_is_known_member, on_unknown=on_unknown)
+    entries = wds.tariterators.tar_file_iterator(stream, select_files=select)
+    try:
+        for entry in entries:
+            name = entry["fname"]
+            key, member = name.split(".", 1)
+            if "/" in key or "\\" in key:  # melcache keys are flat; anything else was planted
+                raise ShardError(f"{where}: unsafe member name {name!r}")
+            yield key, member, entry["data"]
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
+        raise ShardError(f"{where}: not a readable tar ({exc})") from None
+
+
+def _is_known_member(name: str, on_unknown: Callable[[str], None] | None) -> bool:
+    known = name.partition(".")[2] in KNOWN_MEMBERS
+    if not known and on_unknown is not None:
+        on_unknown(name)
+    return known
+
+
+def group_samples(
+    members: Iterator[tuple[str, str, bytes]], where: str
+) -> Iterator[dict[str, bytes | str]]:
+    """Group consecutive members of one key into a sample dict keyed by member name."""
+    sample: dict[str, bytes | str] = {}
+    for key, member, data in members:
+        if sample and sample["__key__"] != key:
+            yield sample
+            sample = {}
+        if member in sample:
+            raise ShardError(f"{where}: duplicate member {key}.{member}")
+        sample["__key__"] = key
+        sample[member] = data
+    if sample:
+        yield sample
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary name beside ``path``, then rename: never half a file."""
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_bytes(data)
+    os.replace(temp, path)

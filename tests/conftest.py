@@ -1,0 +1,68 @@
+"""Shared fixtures: the committed sample corpus and a cache built from it by the real build."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_CORPUS = REPO / "examples" / "wavs"
+# Few buckets and small shards: the 30-utterance corpus then spreads over ≥ 8 shards,
+# enough for 2 ranks × 2 workers.
+SMALL_SHARDS_TOML = """
+[build]
+num_buckets = 4
+min_shards = 8
+"""
+
+
+def run_preprocess(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m preprocess ARGS`` as a user would; return the finished process."""
+    done = subprocess.run(
+        [sys.executable, "-m", "preprocess", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(
+            f"preprocess {' '.join(args)} exited {done.returncode}:\n{done.stderr}"
+        )
+    return done
+
+
+@pytest.fixture(scope="session")
+def small_shards_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A build config TOML giving many small shards."""
+    path = tmp_path_factory.mktemp("config") / "small.toml"
+    path.write_text(SMALL_SHARDS_TOML)
+    return path
+
+
+@pytest.fixture(scope="session")
+def sample_cache(tmp_path_factory: pytest.TempPathFactory, small_shards_config: Path) -> Path:
+    """The sample corpus built once per test session (read-only: copy it before damaging it)."""
+    out = tmp_path_factory.mktemp("sample_cache")
+    run_preprocess(
+        "build",
+        "--src",
+        str(SAMPLE_CORPUS),
+        "--out",
+        str(out),
+        "--config",
+        str(small_shards_config),
+        "--workers",
+        "1",
+    )
+    return out
+
+
+@pytest.fixture
+def preprocess_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """The ``run_preprocess`` helper as a fixture."""
+    return run_preprocess
