@@ -1,4 +1,4 @@
-"""The log-mel extractor, built from torchaudio transforms so it can run on a GPU too."""
+"""The log-mel extractor, in torch and torchaudio so the same code can run on a GPU."""
 
 from __future__ import annotations
 
@@ -11,41 +11,44 @@ from preprocess.format import MEL_DTYPE
 
 
 class MelExtractor(torch.nn.Module):
-    """Mono waveform ``[samples]`` at ``cfg.sample_rate`` → log-mel ``[frames, n_mels]``."""
+    """Mono waveform ``[samples]`` at ``cfg.sample_rate`` → log-mel ``[frames, n_mels]``.
+
+    Equal (within float rounding; tests compare to upstream) to torchaudio's
+    ``MelSpectrogram`` for ``center=True`` and to HiFi-GAN's ``mel_spectrogram`` otherwise.
+    """
 
     def __init__(self, cfg: FeatureConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        # power=1 is |X|; a magnitude epsilon (HiFi-GAN's sqrt(re²+im²+1e-9)) needs |X|².
-        self.spectrogram = torchaudio.transforms.Spectrogram(
-            n_fft=cfg.n_fft,
-            win_length=cfg.win_length,
-            hop_length=cfg.hop_length,
-            power=2.0 if cfg.magnitude_eps > 0 else 1.0,
-            center=cfg.center,
-            pad_mode="reflect",
+        left = (cfg.n_fft - cfg.win_length) // 2  # torch.stft centres a short window
+        window = torch.hann_window(cfg.win_length)
+        self.register_buffer(
+            "window", torch.nn.functional.pad(window, (left, cfg.n_fft - cfg.win_length - left))
         )
-        self.mel_scale = torchaudio.transforms.MelScale(
-            n_mels=cfg.n_mels,
-            sample_rate=cfg.sample_rate,
+        fbank = torchaudio.functional.melscale_fbanks(
+            n_freqs=cfg.n_fft // 2 + 1,
             f_min=cfg.f_min,
             f_max=cfg.f_max,
-            n_stft=cfg.n_fft // 2 + 1,
+            n_mels=cfg.n_mels,
+            sample_rate=cfg.sample_rate,
             norm=None if cfg.mel_norm == "none" else cfg.mel_norm,
             mel_scale=cfg.mel_scale,
         )
+        self.register_buffer("fbank", fbank)  # [n_freqs, n_mels]
+        self.pad = cfg.n_fft // 2 if cfg.center else (cfg.n_fft - cfg.hop_length) // 2
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
         """Float32 log-mel ``[frames, n_mels]`` of a 1-D waveform tensor."""
         cfg = self.cfg
-        if not cfg.center:
-            side = (cfg.n_fft - cfg.hop_length) // 2
-            audio = torch.nn.functional.pad(audio[None, None], (side, side), mode="reflect")[0, 0]
-        magnitude = self.spectrogram(audio)
-        if cfg.magnitude_eps > 0:
-            magnitude = torch.sqrt(magnitude + cfg.magnitude_eps)
-        mel = self.mel_scale(magnitude)
-        return torch.log(torch.clamp(mel, min=cfg.log_floor)).T
+        padded = torch.nn.functional.pad(audio[None, None], (self.pad, self.pad), mode="reflect")[
+            0, 0
+        ]
+        # rfft over unfolded frames: same numbers as torch.stft, about twice as fast on CPU.
+        spectrum = torch.fft.rfft(padded.unfold(0, cfg.n_fft, cfg.hop_length) * self.window)
+        # sqrt(re² + im² + eps): |X| for vocos (eps 0), HiFi-GAN's form with eps 1e-9; also
+        # cheaper than complex abs().
+        magnitude = torch.sqrt(spectrum.real.square() + spectrum.imag.square() + cfg.magnitude_eps)
+        return torch.log(torch.clamp(magnitude @ self.fbank, min=cfg.log_floor))
 
     @torch.inference_mode()
     def compute(self, audio: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

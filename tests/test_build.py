@@ -73,12 +73,19 @@ def test_layouts_ljspeech_and_manifest(tmp_path: Path) -> None:
         shutil.copy(src, manifest.parent / "audio" / f"m{i}.wav")
         entry = {"audio_filepath": f"audio/m{i}.wav", "text": "hello there", "speaker": "spk7"}
         lines.append(json.dumps(entry))
-    lines += ["{not json", json.dumps({"audio_filepath": str(sources[0].resolve()), "text": "outside"})]
+    lines += [
+        "{not json",
+        json.dumps({"audio_filepath": str(sources[0].resolve()), "text": "outside"}),
+    ]
     manifest.write_text("\n".join(lines) + "\n")
 
     for src, written, reasons in [
         (lj, 3, {"audio file not found (listed in metadata.csv)", "malformed metadata.csv row"}),
-        (manifest, 3, {"manifest line is not UTF-8 JSON", "audio path is outside the manifest's folder"}),
+        (
+            manifest,
+            3,
+            {"manifest line is not UTF-8 JSON", "audio path is outside the manifest's folder"},
+        ),
     ]:
         out = tmp_path / f"out_{src.name}"
         run_preprocess("build", "--src", str(src), "--out", str(out), "--workers", "1")
@@ -88,13 +95,17 @@ def test_layouts_ljspeech_and_manifest(tmp_path: Path) -> None:
         assert {r["reason"].split(":")[0] for r in rejected} == reasons
         assert index["totals"]["discovered"] == written + len(rejected)
         assert run_preprocess("verify", str(out)).returncode == 0
-    meta = decode_meta(read_samples(next((tmp_path / "out_train.jsonl").glob("*.tar")))[0]["json"], "x")
+    meta = decode_meta(
+        read_samples(next((tmp_path / "out_train.jsonl").glob("*.tar")))[0]["json"], "x"
+    )
     assert meta["speaker"] == "spk7" and meta["source"].startswith("audio/m")
     meta = decode_meta(read_samples(next((tmp_path / "out_lj").glob("*.tar")))[0]["json"], "x")
     assert meta["text"].islower()  # the normalized column wins
 
 
-def write_wav(path: Path, audio: np.ndarray, rate: int, text: str | bytes | None = "words", **kw) -> None:
+def write_wav(
+    path: Path, audio: np.ndarray, rate: int, text: str | bytes | None = "words", **kw
+) -> None:
     sf.write(path, audio, rate, **kw)
     if isinstance(text, str):
         path.with_suffix(".txt").write_text(text, encoding="utf-8")
@@ -122,7 +133,10 @@ def test_bad_inputs_are_rejected_with_reasons(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = run_preprocess("build", "--src", str(src), "--out", str(out), "--workers", "1")
     assert "2 utterances" in done.stdout
-    rejected = {json.loads(x)["source"]: json.loads(x)["reason"] for x in (out / "rejected.jsonl").read_text().splitlines()}
+    rejected = {
+        json.loads(x)["source"]: json.loads(x)["reason"]
+        for x in (out / "rejected.jsonl").read_text().splitlines()
+    }
     assert rejected["silence.wav"].startswith("all-silent audio")
     assert rejected["tiny.wav"].startswith("too short")
     assert rejected["long.wav"].startswith("too long")
@@ -135,12 +149,25 @@ def test_bad_inputs_are_rejected_with_reasons(tmp_path: Path) -> None:
     assert sum(index["totals"]["rejected_by_reason"].values()) == 7
 
 
-def test_killed_build_resumes_byte_identical(tmp_path: Path, sample_cache: Path, small_shards_config: Path) -> None:
+def test_killed_build_resumes_byte_identical(
+    tmp_path: Path, sample_cache: Path, small_shards_config: Path
+) -> None:
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "preprocess", "build", "--src", str(SAMPLE_CORPUS), "--out", str(out)]
+    args = [
+        sys.executable,
+        "-m",
+        "preprocess",
+        "build",
+        "--src",
+        str(SAMPLE_CORPUS),
+        "--out",
+        str(out),
+    ]
     args += ["--config", str(small_shards_config), "--workers", "1"]
     for _ in range(2):  # kill twice, at different points
-        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 120
         receipts = len(list((out / ".build").glob("*.json"))) if out.exists() else 0
         while time.monotonic() < deadline and proc.poll() is None:
@@ -154,9 +181,21 @@ def test_killed_build_resumes_byte_identical(tmp_path: Path, sample_cache: Path,
     assert digests(out) == digests(sample_cache)
 
 
-def test_parts_build_one_cache(tmp_path: Path, sample_cache: Path, small_shards_config: Path) -> None:
+def test_parts_build_one_cache(
+    tmp_path: Path, sample_cache: Path, small_shards_config: Path
+) -> None:
     out = tmp_path / "out"
-    common = ["build", "--src", str(SAMPLE_CORPUS), "--out", str(out), "--config", str(small_shards_config), "--workers", "1"]
+    common = [
+        "build",
+        "--src",
+        str(SAMPLE_CORPUS),
+        "--out",
+        str(out),
+        "--config",
+        str(small_shards_config),
+        "--workers",
+        "1",
+    ]
     run_preprocess(*common, "--part", "1/2")
     assert not (out / INDEX_NAME).exists()
     run_preprocess(*common, "--part", "0/2")

@@ -1,0 +1,119 @@
+"""Build throughput: ``preprocess build`` against a naive one-file-at-a-time librosa loop.
+
+    python -m benchmarks.build_bench [--hours 3] [--workers N] [--data bench-data]
+
+Makes (or reuses) ≥ 3 h of espeak-ng speech, builds it and a tiny corpus with the real
+command, and reports the steady-state real-time factor, (big − tiny audio) ÷ (big − tiny
+wall), so start-up is not counted. The naive loop (librosa.load with soxr, melspectrogram,
+np.save) runs on a slice of the same corpus in the same run. One JSON line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import librosa
+import numpy as np
+
+from benchmarks.speech import make_corpus
+
+
+def timed_build(src: Path, out: Path, workers: int) -> tuple[float, float]:
+    """Wall seconds of a fresh ``preprocess build`` and the audio seconds it wrote."""
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.perf_counter()
+    command = [
+        sys.executable,
+        "-m",
+        "preprocess",
+        "build",
+        "--src",
+        str(src),
+        "--out",
+        str(out),
+        "--workers",
+        str(workers),
+    ]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    return wall, json.loads((out / "index.json").read_text())["totals"]["seconds"]
+
+
+def naive_librosa(src: Path, budget_seconds: float) -> tuple[float, float]:
+    """The loop a seed script writes: one file at a time, librosa for everything."""
+    files = sorted(src.rglob("*.wav"))
+    audio_seconds, started = 0.0, time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        for i, path in enumerate(files):
+            y, _ = librosa.load(path, sr=24000, res_type="soxr_hq")
+            mel = librosa.feature.melspectrogram(
+                y=y,
+                sr=24000,
+                n_fft=1024,
+                hop_length=256,
+                n_mels=100,
+                fmax=12000,
+                power=1.0,
+                htk=True,
+                norm=None,
+            )
+            np.save(Path(out) / f"{i}.npy", np.log(np.maximum(mel, 1e-5)).T.astype(np.float16))
+            audio_seconds += len(y) / 24000
+            if time.perf_counter() - started > budget_seconds:
+                break
+    return time.perf_counter() - started, audio_seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--hours", type=float, default=3.0, help="size of the big corpus (default 3)"
+    )
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument(
+        "--data", type=Path, default=Path("bench-data"), help="where corpora and caches go"
+    )
+    args = parser.parse_args()
+    big = make_corpus(args.data / f"speech-{args.hours:g}h", args.hours)
+    tiny = make_corpus(args.data / "speech-tiny", 0.02)
+    tiny_wall, tiny_audio = timed_build(tiny, args.data / "cache-tiny", args.workers)
+    big_wall, big_audio = timed_build(big, args.data / "cache-big", args.workers)
+    steady = (big_audio - tiny_audio) / (big_wall - tiny_wall)
+    naive_wall, naive_audio = naive_librosa(big, budget_seconds=30)
+    naive = naive_audio / naive_wall
+    rows = [
+        {
+            "row": "preprocess build",
+            "workers": args.workers,
+            "audio_hours": round(big_audio / 3600, 3),
+            "wall_s": round(big_wall, 2),
+            "real_time_x": round(big_audio / big_wall),
+            "steady_real_time_x": round(steady),
+            "startup_s": round(tiny_wall, 2),
+            "wall_s_per_audio_hour": round(3600 / steady, 2),
+        },
+        {
+            "row": "naive librosa loop",
+            "workers": 1,
+            "audio_hours": round(naive_audio / 3600, 3),
+            "wall_s": round(naive_wall, 2),
+            "real_time_x": round(naive),
+        },
+        {"row": "ratio", "build_steady_over_naive": round(steady / naive, 1)},
+    ]
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
