@@ -81,6 +81,8 @@ def build(
             len(plan.shards),
         )
         return None
+    for stale in options.out.glob("*.tmp"):  # left by killed runs; every shard is complete now
+        stale.unlink()
     rejections = [*discovered_rejections, *plan.rejections]
     return write_cache_files(
         options.out,
@@ -207,8 +209,6 @@ def build_shard(
 
 def _valid_receipts(out: Path, plan: Plan) -> dict[str, dict[str, Any]]:
     """Receipts of shards already complete for this very plan; refuse another build's."""
-    for stale in out.glob("*.tmp"):
-        stale.unlink()
     done: dict[str, dict[str, Any]] = {}
     planned = {t.name for t in plan.shards}
     for path in sorted((out / RECEIPTS).glob("*.json")):

@@ -154,6 +154,6 @@ def file_sha256(path: Path) -> str:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``path``, then rename: never half a file."""
-    temp = path.with_name(path.name + ".tmp")
+    temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # parts may finish at once
     temp.write_bytes(data)
     os.replace(temp, path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import Counter
 from collections.abc import Sequence
@@ -104,7 +105,7 @@ def _write_stats(out: Path, receipts: Sequence[dict[str, Any]], frames: int) -> 
     squares = np.sum([r["mel_sum_squares"] for r in receipts], axis=0, dtype=np.float64)
     mean = sums / max(frames, 1)
     std = np.sqrt(np.maximum(squares / max(frames, 1) - mean**2, 0.0))
-    temp, final = out / (STATS_NAME + ".tmp"), out / STATS_NAME
+    temp, final = out / f"{STATS_NAME}.{os.getpid()}.tmp", out / STATS_NAME
     shutil.rmtree(temp, ignore_errors=True)
     zarr.save_group(str(temp), mean=mean.astype(np.float32), std=std.astype(np.float32))
     zarr.open_group(str(temp), mode="r+").attrs["frames"] = frames
