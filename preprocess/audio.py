@@ -22,6 +22,7 @@ class AudioError(Exception):
 
 def probe(path: str) -> tuple[int, int]:
     """Return ``(num_samples, sample_rate)`` from the file header, without decoding."""
+    _check_readable(path)
     try:
         info = sf.info(path)
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
@@ -42,6 +43,7 @@ def load_mono(path: str, target_rate: int, length: int, silence_dbfs: float) -> 
     The result has exactly ``length`` samples (``resampled_length`` of the header's count),
     so frame counts predicted from headers at planning time hold after decoding.
     """
+    _check_readable(path)
     try:
         audio, rate = sf.read(path, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
@@ -65,6 +67,14 @@ def encode_flac(audio: np.ndarray, sample_rate: int) -> bytes:
     buffer = io.BytesIO()
     sf.write(buffer, np.clip(audio, -1.0, 1.0), sample_rate, format="FLAC", subtype="PCM_16")
     return buffer.getvalue()
+
+
+def _check_readable(path: str) -> None:
+    """Name the OS's reason (permission, missing link target): libsndfile only says "System error"."""
+    try:
+        open(path, "rb").close()
+    except OSError as exc:
+        raise AudioError(f"unreadable audio: {exc.strerror}") from None
 
 
 def _plain(exc: Exception) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from preprocess.features import MelExtractor
 from preprocess.format import encode_sample, file_sha256, open_tar_writer, write_atomic
 from preprocess.index import write_cache_files
 from preprocess.parallel import Runner, ordered_map
-from preprocess.plan import Plan, ShardTask, make_plan
+from preprocess.plan import Plan, PlannedUtterance, ShardTask, make_plan
 
 log = logging.getLogger(__name__)
 RECEIPTS = ".build"
@@ -82,7 +83,7 @@ def build(
         )
         return None
     for stale in options.out.glob("*.tmp"):  # left by killed runs; every shard is complete now
-        stale.unlink()
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
     rejections = [*discovered_rejections, *plan.rejections]
     return write_cache_files(
         options.out,
@@ -141,6 +142,17 @@ def _build_shard_job(
 
 
 # ---- one shard -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Tally:
+    """What one shard's writer has seen so far."""
+
+    sums: np.ndarray
+    squares: np.ndarray
+    frames: list[int] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    rejected: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+
 def build_shard(
     task: ShardTask,
     out: Path,
@@ -150,44 +162,64 @@ def build_shard(
     digest: str,
 ) -> dict[str, Any]:
     """Decode, featurise and write one shard atomically; then write and return its receipt."""
+    # A per-process temp name: an orphaned worker of a killed build cannot scribble on a rerun's.
+    final, temp = out / task.name, out / f"{task.name}.{os.getpid()}.tmp"
+    tally = _Tally(np.zeros(features.n_mels, np.float64), np.zeros(features.n_mels, np.float64))
+    try:
+        with open(temp, "wb") as stream, open_tar_writer(stream) as writer:
+            for item in task.items:
+                _write_utterance(writer, item, task.bucket, features, config, keep_audio, tally)
+        if tally.frames:
+            os.replace(temp, final)
+        else:  # every utterance was rejected: no empty tar, the receipt says so
+            temp.unlink()
+        receipt = _receipt(task, final, digest, tally)
+        write_atomic(out / RECEIPTS / f"{task.name}.json", json.dumps(receipt).encode())
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise UserError(
+            f"cannot write {final}: {exc.strerror}; free space and rerun to resume"
+        ) from None
+    return receipt
+
+
+def _write_utterance(
+    writer: Any,
+    item: PlannedUtterance,
+    bucket: int,
+    features: FeatureConfig,
+    config: BuildConfig,
+    keep_audio: bool,
+    tally: _Tally,
+) -> None:
     assert _extractor is not None, "worker not initialised"  # internal invariant, not user input
-    final, temp = out / task.name, out / f"{task.name}.tmp"
-    sums = np.zeros(features.n_mels, np.float64)
-    squares = np.zeros(features.n_mels, np.float64)
-    frames: list[int] = []
-    rejected: list[dict[str, str]] = []
-    seconds = 0.0
-    with open(temp, "wb") as stream, open_tar_writer(stream) as writer:
-        for item in task.items:
-            utt = item.utterance
-            try:
-                audio = load_mono(
-                    utt.audio, features.sample_rate, item.samples, config.silence_dbfs
-                )
-            except AudioError as exc:
-                rejected.append({"source": utt.source, "reason": str(exc), "stage": "decode"})
-                continue
-            mel16, mel32 = _extractor.compute(audio)
-            sums += mel32.sum(axis=0, dtype=np.float64)
-            squares += np.square(mel32, dtype=np.float64).sum(axis=0)
-            meta = {
-                "text": utt.text,
-                "speaker": utt.speaker,
-                "seconds": round(item.samples / features.sample_rate, 4),
-                "frames": int(mel16.shape[0]),
-                "sample_rate": features.sample_rate,
-                "source": utt.source,
-                "bucket": task.bucket,
-            }
-            flac = encode_flac(audio, features.sample_rate) if keep_audio else None
-            writer.write(encode_sample(utt.key, mel16, meta, flac))
-            frames.append(int(mel16.shape[0]))
-            seconds += meta["seconds"]
-    if frames:
-        os.replace(temp, final)
-    else:  # every utterance was rejected: no empty tar, the receipt says so
-        temp.unlink()
-    receipt = {
+    utt = item.utterance
+    try:
+        audio = load_mono(utt.audio, features.sample_rate, item.samples, config.silence_dbfs)
+    except AudioError as exc:
+        tally.rejected.append({"source": utt.source, "reason": str(exc), "stage": "decode"})
+        return
+    mel16, mel32 = _extractor.compute(audio)
+    meta = {
+        "text": utt.text,
+        "speaker": utt.speaker,
+        "seconds": round(item.samples / features.sample_rate, 4),
+        "frames": int(mel16.shape[0]),
+        "sample_rate": features.sample_rate,
+        "source": utt.source,
+        "bucket": bucket,
+    }
+    flac = encode_flac(audio, features.sample_rate) if keep_audio else None
+    writer.write(encode_sample(utt.key, mel16, meta, flac))
+    tally.sums += mel32.sum(axis=0, dtype=np.float64)
+    tally.squares += np.square(mel32, dtype=np.float64).sum(axis=0)
+    tally.frames.append(meta["frames"])
+    tally.seconds += meta["seconds"]
+
+
+def _receipt(task: ShardTask, final: Path, digest: str, tally: _Tally) -> dict[str, Any]:
+    frames = tally.frames
+    return {
         "plan": digest,
         "name": task.name,
         "bucket": task.bucket,
@@ -196,15 +228,13 @@ def build_shard(
         "frames": sum(frames),
         "min_frames": min(frames, default=0),
         "max_frames": max(frames, default=0),
-        "seconds": seconds,
+        "seconds": tally.seconds,
         "bytes": final.stat().st_size if frames else 0,
         "sha256": file_sha256(final) if frames else None,
-        "rejected": rejected,
-        "mel_sum": sums.tolist(),
-        "mel_sum_squares": squares.tolist(),
+        "rejected": tally.rejected,
+        "mel_sum": tally.sums.tolist(),
+        "mel_sum_squares": tally.squares.tolist(),
     }
-    write_atomic(out / RECEIPTS / f"{task.name}.json", json.dumps(receipt).encode())
-    return receipt
 
 
 def _valid_receipts(out: Path, plan: Plan) -> dict[str, dict[str, Any]]:

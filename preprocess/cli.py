@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full or gone while writing the index: say which file
+        print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume", file=sys.stderr)
         return 130
@@ -67,6 +70,14 @@ def _inspect(args: argparse.Namespace) -> int:
     from preprocess.summary import summarize
 
     print(summarize(args.cache))
+    if args.png is not None:
+        from preprocess.plots import plot_cache
+
+        paths = plot_cache(
+            args.cache, args.png, batch_frames=args.batch_frames, max_batch_size=args.max_batch_size
+        )
+        for path in paths:
+            print(f"wrote {path}")
     return 0
 
 
@@ -148,5 +159,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Print hours, utterances, buckets with counts and implied padding, shards and rejections.",
     )
     inspect.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    inspect.add_argument(
+        "--png",
+        type=Path,
+        metavar="DIR",
+        help="also write durations.png, mels.png, rejected.png here (needs matplotlib)",
+    )
+    inspect.add_argument(
+        "--batch-frames",
+        type=int,
+        default=20_000,
+        help="frame budget for the padding shown per bucket (default 20000)",
+    )
+    inspect.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=64,
+        help="batch size cap for that padding (default 64)",
+    )
     inspect.set_defaults(run=_inspect)
     return parser

@@ -72,12 +72,15 @@ def discover(src: Path) -> tuple[list[Utterance], list[Rejection], Path]:
 
 
 def _from_folder(root: Path) -> Iterator[Found]:
-    for path, loop in _walk_files(root):
+    for path, problem in _walk_files(root):
         source = path.relative_to(root).as_posix()
-        if loop:
-            yield Rejection(source, "symlink loop: folder already visited, not searched again")
+        if problem is not None:
+            yield Rejection(source, problem)
             continue
         if path.suffix.lower() not in AUDIO_EXTENSIONS:
+            continue
+        if not path.is_file():  # a FIFO would block the decoder forever
+            yield Rejection(source, "not a regular file: pipe, socket, device or dangling symlink")
             continue
         stem = path.name[: -len(path.suffix)]
         transcript = next(
@@ -97,33 +100,46 @@ def _from_folder(root: Path) -> Iterator[Found]:
         yield _checked(root, path, _read_text(transcript), None if parent == "." else parent)
 
 
-def _walk_files(root: Path) -> Iterator[tuple[Path, bool]]:
-    """Sorted recursive walk following symlinks; a folder seen before is reported as a loop."""
+def _walk_files(root: Path) -> Iterator[tuple[Path, str | None]]:
+    """Sorted recursive walk following symlinks: ``(path, None)`` per file, or the problem
+    that stops a folder or link from being searched (a loop, no permission)."""
     seen: set[str] = set()
 
-    def visit(folder: Path) -> Iterator[tuple[Path, bool]]:
+    def visit(folder: Path) -> Iterator[tuple[Path, str | None]]:
         real = os.path.realpath(folder)
         if real in seen:
-            yield folder, True
+            yield folder, "symlink loop: folder already visited, not searched again"
             return
         seen.add(real)
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as exc:
-            raise UserError(f"cannot list folder {folder}: {exc.strerror}") from None
+            if folder == root:
+                raise UserError(f"cannot list --src {folder}: {exc.strerror}") from None
+            yield folder, f"unreadable folder: {exc.strerror}"
+            return
         for entry in entries:
             path = Path(entry.path)
-            if entry.is_dir(follow_symlinks=True):
+            try:
+                is_dir = entry.is_dir(follow_symlinks=True)
+            except OSError as exc:  # a link to itself: ELOOP
+                yield path, f"symlink loop: {exc.strerror}"
+                continue
+            if is_dir:
                 yield from visit(path)
             else:
-                yield path, False
+                yield path, None
 
     yield from visit(root)
 
 
 def _from_ljspeech(root: Path) -> Iterator[Found]:
     metadata = root / "metadata.csv"
-    for number, raw in enumerate(metadata.read_bytes().splitlines(), start=1):
+    try:
+        rows = metadata.read_bytes().splitlines()
+    except OSError as exc:
+        raise UserError(f"cannot read {metadata}: {exc.strerror}") from None
+    for number, raw in enumerate(rows, start=1):
         where = f"metadata.csv:{number}"
         try:
             line = raw.decode("utf-8-sig" if number == 1 else "utf-8").strip()
@@ -139,6 +155,9 @@ def _from_ljspeech(root: Path) -> Iterator[Found]:
             )
             continue
         uid = fields[0].strip()
+        if uid in (".", "..") or "/" in uid or "\\" in uid:  # ids name files inside wavs/ only
+            yield Rejection(where, "malformed metadata.csv row: id is a path")
+            continue
         text = fields[2] if len(fields) == 3 and fields[2].strip() else fields[1]
         audio = next(
             (

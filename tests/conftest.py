@@ -66,3 +66,35 @@ def sample_cache(tmp_path_factory: pytest.TempPathFactory, small_shards_config: 
 def preprocess_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
     """The ``run_preprocess`` helper as a fixture."""
     return run_preprocess
+
+
+# --- Trainer tests (tests/test_train*.py) -------------------------------------------------
+# Short utterances only (≤ 4.5 s, 23 of the 30): attention cost grows with the square of the
+# length, and the trainer tests run several 2-process jobs on shared CPU cores.
+TRAIN_CACHE_TOML = """
+[build]
+num_buckets = 3
+min_shards = 8
+max_seconds = 4.5
+"""
+
+
+@pytest.fixture(scope="session")
+def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample corpus's short utterances, built once by the real build (read-only)."""
+    root = tmp_path_factory.mktemp("train_cache")
+    config = root / "short.toml"
+    config.write_text(TRAIN_CACHE_TOML)
+    out = root / "cache"
+    run_preprocess(
+        "build",
+        "--src",
+        str(SAMPLE_CORPUS),
+        "--out",
+        str(out),
+        "--config",
+        str(config),
+        "--workers",
+        "1",
+    )
+    return out

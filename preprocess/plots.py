@@ -1,0 +1,155 @@
+"""``preprocess inspect --png``: pictures of a cache (matplotlib, an optional extra)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from preprocess.errors import UserError
+from preprocess.format import MEL_MEMBER, META_MEMBER, decode_mel, group_samples, iter_members
+from preprocess.index import read_index
+
+SHARDS_PER_BUCKET = 16  # enough samples for a faithful histogram without reading a huge cache
+
+
+def plot_cache(
+    cache: Path, out_dir: Path, *, batch_frames: int, max_batch_size: int, examples: int = 3
+) -> list[Path]:
+    """Write durations.png, mels.png and rejected.png into ``out_dir``; return their paths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("inspect --png needs matplotlib: pip install 'melcache[plot]'") from None
+    index = read_index(cache)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples = _read_samples(cache, index)
+    paths = [out_dir / "durations.png", out_dir / "mels.png", out_dir / "rejected.png"]
+    _plot_durations(plt, index, samples, batch_frames, max_batch_size, paths[0])
+    _plot_mels(plt, index, samples, examples, paths[1])
+    _plot_rejected(plt, index, paths[2])
+    return paths
+
+
+def _read_samples(cache: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
+    """Metadata (and the mel, for the first sample of each shard) of up to 16 shards per bucket."""
+    taken: dict[int, int] = {}
+    samples: list[dict[str, Any]] = []
+    for shard in index["shards"]:
+        if taken.setdefault(shard["bucket"], 0) >= SHARDS_PER_BUCKET:
+            continue
+        taken[shard["bucket"]] += 1
+        with open(cache / shard["name"], "rb") as stream:
+            for i, sample in enumerate(
+                group_samples(iter_members(stream, shard["name"]), shard["name"])
+            ):
+                meta = json.loads(sample[META_MEMBER])
+                meta["shard"] = shard["name"]
+                if i == 0:
+                    meta["mel"] = decode_mel(
+                        sample[MEL_MEMBER], index["features"]["n_mels"], shard["name"]
+                    )
+                samples.append(meta)
+    return samples
+
+
+def bucket_padding(
+    frames_by_shard: dict[str, list[int]], batch_frames: int, max_batch_size: int
+) -> float:
+    """Padded ÷ all frames when the loader batches these shards under ``batch_frames``."""
+    from train.batching import make_rng, plan_batches, round_up  # the loader's own batching
+
+    real = padded = 0
+    for number, frames in enumerate(frames_by_shard.values()):
+        batches = plan_batches(
+            frames,
+            rng=make_rng(0, number),
+            batch_frames=batch_frames,
+            max_batch_size=max_batch_size,
+            pad_multiple=8,
+        )
+        for batch in batches:
+            lengths = [frames[i] for i in batch]
+            real += sum(lengths)
+            padded += len(lengths) * round_up(max(lengths), 8)
+    return 1 - real / padded if padded else 0.0
+
+
+def _plot_durations(
+    plt: Any,
+    index: dict[str, Any],
+    samples: list[dict[str, Any]],
+    batch_frames: int,
+    max_batch_size: int,
+    path: Path,
+) -> None:
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    seconds = [s["seconds"] for s in samples]
+    axis.hist(seconds, bins=min(80, max(10, len(seconds) // 4)), color="#4c72b0")
+    top = axis.get_ylim()[1]
+    for bucket in index["buckets"]:
+        axis.axvline(bucket["min_seconds"], color="#c44e52", linewidth=1)
+        shards: dict[str, list[int]] = {}
+        for s in samples:
+            if s["bucket"] == bucket["bucket"]:
+                shards.setdefault(s["shard"], []).append(s["frames"])
+        if shards:
+            share = bucket_padding(shards, batch_frames, max_batch_size)
+            middle = (bucket["min_seconds"] + min(bucket["max_seconds"], max(seconds))) / 2
+            axis.text(
+                middle, top * 0.95, f"{share:.1%}", ha="center", va="top", fontsize=8, rotation=90
+            )
+    axis.set_xlabel("utterance duration (s)")
+    axis.set_ylabel("utterances")
+    axis.set_title(
+        f"{len(seconds)} utterances; red: bucket edges; text: padding at batch_frames={batch_frames}"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _plot_mels(
+    plt: Any, index: dict[str, Any], samples: list[dict[str, Any]], examples: int, path: Path
+) -> None:
+    chosen = [s for s in samples if "mel" in s]
+    chosen = [chosen[int(i)] for i in np.linspace(0, len(chosen) - 1, min(examples, len(chosen)))]
+    figure, axes = plt.subplots(len(chosen), 1, figsize=(10, 2.6 * len(chosen)), squeeze=False)
+    hop_seconds = index["features"]["hop_length"] / index["features"]["sample_rate"]
+    for axis, sample in zip(axes[:, 0], chosen, strict=True):
+        mel = sample["mel"].astype(np.float32).T
+        axis.imshow(
+            mel,
+            origin="lower",
+            aspect="auto",
+            extent=(0, mel.shape[1] * hop_seconds, 0, mel.shape[0]),
+        )
+        text = sample["text"] if len(sample["text"]) <= 90 else sample["text"][:87] + "…"
+        axis.set_title(text, fontsize=9)
+        axis.set_ylabel("mel band")
+    axes[-1, 0].set_xlabel("seconds")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _plot_rejected(plt: Any, index: dict[str, Any], path: Path) -> None:
+    reasons = index["totals"]["rejected_by_reason"]
+    figure, axis = plt.subplots(figsize=(8, 1.5 + 0.4 * max(1, len(reasons))))
+    if reasons:
+        axis.barh(list(reasons), list(reasons.values()), color="#dd8452")
+        axis.invert_yaxis()
+        axis.set_xlabel("utterances")
+    else:
+        axis.text(0.5, 0.5, "nothing rejected", ha="center", va="center")
+        axis.set_axis_off()
+    totals = index["totals"]
+    axis.set_title(f"rejected: {totals['rejected']} of {totals['discovered']} discovered")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

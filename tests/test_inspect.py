@@ -1,0 +1,39 @@
+"""``preprocess inspect``: the text summary and the pictures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import run_preprocess
+from PIL import Image
+
+from preprocess.format import INDEX_NAME
+
+
+def test_summary_lists_buckets_and_totals(sample_cache: Path) -> None:
+    index = json.loads((sample_cache / INDEX_NAME).read_text())
+    text = run_preprocess("inspect", str(sample_cache)).stdout
+    assert f"{index['totals']['utterances']} utterances" in text
+    assert f"{len(index['shards'])} shards" in text
+    bucket_rows = [line for line in text.splitlines() if line.strip()[:1].isdigit() and "–" in line]
+    assert len(bucket_rows) == len(index["buckets"])
+    assert "rejected: 0 of 30 discovered" in text
+
+
+def test_pictures_are_real_images(sample_cache: Path, tmp_path: Path) -> None:
+    done = run_preprocess(
+        "inspect", str(sample_cache), "--png", str(tmp_path), "--batch-frames", "4000"
+    )
+    names = {"durations.png", "mels.png", "rejected.png"}
+    assert {
+        Path(line.split()[-1]).name for line in done.stdout.splitlines() if line.startswith("wrote")
+    } == names
+    for name in names:
+        with Image.open(tmp_path / name) as image:
+            image.verify()  # a complete, uncorrupted PNG
+        with Image.open(tmp_path / name) as image:
+            width, height = image.size
+            assert image.format == "PNG" and width >= 600 and height >= 150
+            # not a blank canvas: a real plot has many distinct colours
+            assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 50

@@ -1,0 +1,427 @@
+"""The streaming loader over caches made by the real build: coverage, budget, resume, faults."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train.collate
+import train.stream
+from preprocess.config import FeatureConfig
+from preprocess.errors import ShardError, UserError
+from preprocess.format import (
+    INDEX_NAME,
+    decode_mel,
+    decode_meta,
+    encode_sample,
+    group_samples,
+    iter_members,
+    open_tar_writer,
+)
+from train.batching import make_rng, plan_batches, round_up, worker_shards
+from train.data import Batch, StreamLoader, make_loader
+from train.shard_reader import fast_decode_mel, tar_members
+from train.transport import BatchRing
+
+TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def take(loader: Iterable[Batch], count: int) -> list[Batch]:
+    return [batch for _, batch in zip(range(count), loader, strict=False)]
+
+
+def assert_same(got: list[Batch], want: list[Batch]) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.keys == b.keys, f"batch {i}"
+        assert a.speaker == b.speaker, f"batch {i}"
+        for name in TENSORS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), f"batch {i} {name}"
+
+
+def epoch_keys(loader: StreamLoader, epoch: int) -> list[str]:
+    """Keys of the batches of ``epoch`` (per worker) from a fresh loader.
+
+    A worker's saved position before a batch names the epoch that batch comes from.
+    """
+    keys: list[str] = []
+    stream = iter(loader)
+    for _ in range(10_000):  # a bound, so that a bug fails instead of hanging
+        state = loader.state_dict()
+        if min(p[0] for p in state["positions"]) > epoch:
+            loader.close()
+            return keys
+        producer_epoch = state["positions"][state["next_worker"]][0]
+        batch = next(stream)
+        if producer_epoch == epoch:
+            keys.extend(batch.keys)
+    raise AssertionError(f"epoch {epoch} did not end within 10,000 batches")
+
+
+def index_of(cache: Path) -> dict:
+    return json.loads((cache / INDEX_NAME).read_text())
+
+
+def all_keys(cache: Path) -> dict[str, dict]:
+    """Every utterance's metadata by key, read with the format module."""
+    out = {}
+    for entry in index_of(cache)["shards"]:
+        with open(cache / entry["name"], "rb") as stream:
+            for sample in group_samples(iter_members(stream, entry["name"]), entry["name"]):
+                out[sample["__key__"]] = decode_meta(sample["json"], entry["name"])
+    return out
+
+
+@pytest.fixture
+def cache_copy(sample_cache: Path, tmp_path: Path) -> Path:
+    """A private copy of the sample cache, to damage."""
+    return Path(shutil.copytree(sample_cache, tmp_path / "cache"))
+
+
+def loader(cache: Path | str, **kwargs) -> StreamLoader:
+    options = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0, "seed": 1}
+    return make_loader(cache, **{**options, **kwargs})
+
+
+# --- pure planning ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_frames, max_batch_size", [(1000, 64), (4000, 5), (20_000, 64)])
+def test_plan_batches_keeps_budget_and_takes_every_sample(batch_frames, max_batch_size) -> None:
+    frames = np.random.default_rng(0).integers(30, 900, size=500).tolist()
+    batches = plan_batches(
+        frames,
+        rng=make_rng(0, 1),
+        batch_frames=batch_frames,
+        max_batch_size=max_batch_size,
+        pad_multiple=8,
+    )
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    for b in batches:
+        assert len(b) <= max_batch_size
+        assert len(b) * round_up(max(frames[i] for i in b), 8) <= batch_frames
+
+
+def test_plan_batches_pads_little_and_reshuffles_every_epoch() -> None:
+    # One shard of one length bucket (4.0-5.5 s), as a large cache has them.
+    frames = np.random.default_rng(1).integers(375, 516, size=1500).tolist()
+    plans = [
+        plan_batches(frames, rng=make_rng(0, 2, epoch, 7), batch_frames=20_000,
+                     max_batch_size=64, pad_multiple=8)
+        for epoch in range(2)
+    ]  # fmt: skip
+    for plan in plans:
+        real = sum(frames)
+        padded = sum(len(b) * round_up(max(frames[i] for i in b), 8) for b in plan)
+        assert 1 - real / padded < 0.02
+    groups = [{frozenset(b) for b in plan} for plan in plans]
+    assert len(groups[0] & groups[1]) < len(groups[0]) / 10  # composition changes
+    assert plans[0] == plan_batches(frames, rng=make_rng(0, 2, 0, 7), batch_frames=20_000,
+                                    max_batch_size=64, pad_multiple=8)  # fmt: skip
+
+
+def test_worker_shards_split_each_epoch_disjointly() -> None:
+    for epoch in range(3):
+        lists = [worker_shards(10, seed=5, epoch=epoch, slot=s, num_slots=4) for s in range(4)]
+        assert sorted(i for lst in lists for i in lst) == list(range(10))
+    orders = [worker_shards(10, seed=5, epoch=e, slot=0, num_slots=1) for e in range(3)]
+    assert orders[0] != orders[1] != orders[2]
+
+
+# --- the stream -------------------------------------------------------------------------------
+
+
+def test_every_utterance_once_per_epoch_two_ranks_two_workers(sample_cache: Path) -> None:
+    utterances = set(all_keys(sample_cache))
+    for epoch in (0, 1):
+        seen = Counter()
+        for rank in range(2):
+            seen.update(
+                epoch_keys(loader(sample_cache, rank=rank, world_size=2, num_workers=2), epoch)
+            )
+        assert set(seen) == utterances
+        assert set(seen.values()) == {1}
+
+
+def test_batches_keep_the_budget_within_one_bucket(sample_cache: Path) -> None:
+    meta = all_keys(sample_cache)
+    buckets = {b["bucket"]: b for b in index_of(sample_cache)["buckets"]}
+    stream = loader(sample_cache, batch_frames=1200, max_batch_size=3, num_workers=2)
+    for batch in take(stream, 40):
+        size, length, n_mels = batch.mel.shape
+        assert size <= 3 and size * length <= 1200 and length % 8 == 0 and n_mels == 100
+        (bucket,) = {meta[k]["bucket"] for k in batch.keys}
+        # Padding is bounded by the bucket's spread (plus rounding up to 8 frames).
+        worst = 1 - buckets[bucket]["min_frames"] / round_up(buckets[bucket]["max_frames"], 8)
+        assert 1 - batch.mel_lengths.sum().item() / (size * length) <= worst
+    stream.close()
+
+
+def test_batch_holds_the_utterances(sample_cache: Path) -> None:
+    meta = all_keys(sample_cache)
+    stream = loader(sample_cache)
+    batch = next(iter(stream))
+    assert batch.mel.dtype == torch.float16 and batch.text.dtype == torch.int64
+    assert batch.mel_lengths.dtype == batch.text_lengths.dtype == torch.int64
+    floor = np.float16(np.log(stream.features.log_floor))
+    for row, key in enumerate(batch.keys):
+        frames, text = meta[key]["frames"], meta[key]["text"]
+        assert batch.mel_lengths[row] == frames
+        assert (batch.mel[row, frames:] == torch.tensor(floor)).all()  # padding is silence
+        ids = batch.text[row, : batch.text_lengths[row]]
+        assert bytes((ids - 1).tolist()).decode("utf-8") == text  # bytes + 1, 0 = pad
+        assert (batch.text[row, batch.text_lengths[row] :] == 0).all()
+        assert batch.speaker[row] == meta[key]["speaker"]
+    moved = batch.to("cpu")
+    assert torch.equal(moved.mel, batch.mel) and moved.keys == batch.keys
+    if torch.cuda.is_available():
+        assert batch.pin_memory().mel.is_pinned()
+    assert stream.features == FeatureConfig()
+    assert stream.index["shards"]
+    stream.close()
+
+
+def test_global_torch_rng_is_left_alone(sample_cache: Path) -> None:
+    before = torch.random.get_rng_state()
+    take(loader(sample_cache, num_workers=2), 3)
+    assert torch.equal(before, torch.random.get_rng_state())
+
+
+def test_custom_tokenizer(sample_cache: Path) -> None:
+    stream = loader(sample_cache, tokenizer=lambda text: [len(text)])
+    batch = next(iter(stream))
+    assert batch.text.shape[1] == 1 and (batch.text_lengths == 1).all()
+    stream.close()
+
+
+def test_url_prefix_gives_the_same_stream(sample_cache: Path) -> None:
+    local = take(loader(sample_cache), 12)
+    assert_same(take(loader(f"pipe:cat {sample_cache}"), 12), local)
+
+
+def test_ring_hands_over_copies_and_catches_an_overrun() -> None:
+    ring = BatchRing(2, 12)
+    ring.slot(0, (1, 3, 4))[:] = 1.0
+    ring.publish(0)
+    first = ring.take(0, (1, 3, 4), pin_memory=False)
+    ring.slot(2, (1, 3, 4))[:] = 2.0  # same slot, next lap: the copy taken is unaffected
+    ring.publish(2)
+    assert (first == 1.0).all()
+    with pytest.raises(RuntimeError, match="ran ahead"):
+        ring.take(0, (1, 3, 4), pin_memory=False)
+
+
+# --- resume -----------------------------------------------------------------------------------
+
+
+def test_resume_continues_with_exactly_the_next_batches(sample_cache: Path, tmp_path: Path) -> None:
+    options = {"num_workers": 2, "batch_frames": 1500, "max_batch_size": 2, "seed": 7}
+    reference = loader(sample_cache, **options)
+    stream = iter(reference)
+    batches, states, epochs = [], [], []
+    for _ in range(44):  # about three epochs of this cache per worker
+        state = reference.state_dict()
+        states.append(state)
+        epochs.append([p[0] for p in state["positions"]])
+        batches.append(next(stream))
+    reference.close()
+    rollover = next(i for i, e in enumerate(epochs) if max(e) > 0)  # a worker's epoch ends
+    assert 2 < rollover < 40
+    for cut in sorted({0, 1, 5, rollover - 1, rollover, rollover + 1, 39}):
+        path = tmp_path / f"state{cut}.pt"
+        torch.save(states[cut], path)
+        resumed = loader(sample_cache, **options)
+        resumed.load_state_dict(torch.load(path, weights_only=True))
+        assert_same(take(resumed, 44 - cut), batches[cut:])
+        resumed.close()
+
+
+def test_resume_reads_only_the_partial_shard(sample_cache: Path, monkeypatch) -> None:
+    reads, decodes = [], []
+    real_read, real_decode = train.stream.read_shard, train.collate.fast_decode_mel
+    monkeypatch.setattr(
+        train.stream, "read_shard", lambda *a, **k: reads.append(a[0]) or real_read(*a, **k)
+    )
+    monkeypatch.setattr(
+        train.collate, "fast_decode_mel", lambda *a: decodes.append(1) or real_decode(*a)
+    )
+    options = {"batch_frames": 1000, "max_batch_size": 1}
+    for cut in (2, 25):  # early and late in the first epoch (30 one-sample batches)
+        first = loader(sample_cache, **options)
+        stream = iter(first)
+        take(stream, cut)
+        state = first.state_dict()
+        expected = next(stream)
+        first.close()
+        reads.clear()
+        decodes.clear()
+        resumed = loader(sample_cache, **options)
+        resumed.load_state_dict(state)
+        assert_same(take(resumed, 1), [expected])
+        assert len(reads) == 1 and len(decodes) == 1
+        resumed.close()
+
+
+def test_restore_refuses_a_different_layout(sample_cache: Path) -> None:
+    source = loader(sample_cache, num_workers=2, world_size=2)
+    take(source, 3)
+    state = source.state_dict()
+    source.close()
+    for changed, key in [
+        ({"world_size": 1}, "world_size"),
+        ({"num_workers": 1}, "workers_per_rank"),
+        ({"seed": 2}, "seed"),
+        ({"batch_frames": 4000}, "batch_frames"),
+    ]:
+        options = {"num_workers": 2, "world_size": 2, **changed}
+        with pytest.raises(UserError, match=key):
+            loader(sample_cache, **options).load_state_dict(state)
+
+
+# --- faults and safety ------------------------------------------------------------------------
+
+
+def biggest_shard(cache: Path) -> str:
+    return max(index_of(cache)["shards"], key=lambda s: s["samples"])["name"]
+
+
+def keys_of_shard(cache: Path, name: str) -> set[str]:
+    with open(cache / name, "rb") as stream:
+        return {s["__key__"] for s in group_samples(iter_members(stream, name), name)}
+
+
+def test_truncated_shard_is_skipped_or_raises(cache_copy: Path) -> None:
+    name = biggest_shard(cache_copy)
+    lost = keys_of_shard(cache_copy, name)
+    shard = cache_copy / name
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+    skipping = loader(cache_copy, on_error="skip", num_workers=2)
+    seen = Counter(epoch_keys(skipping, 0))
+    assert set(seen) == set(all_keys_except(cache_copy, name)) and set(seen.values()) == {1}
+    assert not lost & set(seen)
+    assert list(skipping.skipped_shards) == [name]
+
+    with pytest.raises(ShardError, match=name):
+        take(loader(cache_copy, on_error="raise", num_workers=2), 30)
+
+
+def all_keys_except(cache: Path, broken: str) -> list[str]:
+    keys = []
+    for entry in index_of(cache)["shards"]:
+        if entry["name"] != broken:
+            keys.extend(keys_of_shard(cache, entry["name"]))
+    return keys
+
+
+def test_missing_shards_are_counted_and_never_hang(cache_copy: Path) -> None:
+    names = [s["name"] for s in index_of(cache_copy)["shards"]]
+    (cache_copy / names[0]).unlink()
+    stream = loader(cache_copy, on_error="skip")
+    take(stream, 30)
+    assert list(stream.skipped_shards) == [names[0]]
+    for name in names[1:]:
+        (cache_copy / name).unlink()
+    with pytest.raises(ShardError, match="failed"):  # every shard gone: an error, not a hang
+        take(loader(cache_copy, on_error="skip"), 1)
+
+
+def test_sha256_is_checked_on_request(cache_copy: Path) -> None:
+    name = biggest_shard(cache_copy)
+    shard = cache_copy / name
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 0xFF  # inside the first mel's data: still a readable tar
+    shard.write_bytes(bytes(data))
+    take(loader(cache_copy), 30)  # unchecked: not noticed
+    with pytest.raises(ShardError, match=f"{name}: sha256"):
+        take(loader(cache_copy, check_sha256=True), 30)
+    checked = loader(cache_copy, check_sha256=True, on_error="skip")
+    take(checked, 30)
+    assert list(checked.skipped_shards) == [name]
+
+
+class _Planted:
+    """Creates ``path`` if it is ever unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_pickle_members_are_never_unpickled(cache_copy: Path) -> None:
+    marker = cache_copy.parent / "unpickled"
+    name = biggest_shard(cache_copy)
+    with open(cache_copy / name, "rb") as stream:
+        samples = list(group_samples(iter_members(stream, name), name))
+    buffer = io.BytesIO()
+    writer = open_tar_writer(buffer)
+    for i, sample in enumerate(samples):
+        sample["pickle"] = pickle.dumps(_Planted(marker))
+        if i == 0:  # and one mel.npy that is an object array holding a pickle
+            npy = io.BytesIO()
+            np.save(npy, np.array([_Planted(marker)], dtype=object), allow_pickle=True)
+            sample["mel.npy"] = npy.getvalue()
+        writer.write(sample)
+    writer.close()
+    (cache_copy / name).write_bytes(buffer.getvalue())
+
+    with pytest.raises(ShardError, match=r"mel\.npy"):
+        take(loader(cache_copy, num_workers=2), 30)
+    skipping = loader(cache_copy, on_error="skip")
+    take(skipping, 30)
+    assert list(skipping.skipped_shards) == [name]
+    assert not marker.exists()
+
+
+def test_fast_paths_match_the_format_module(sample_cache: Path) -> None:
+    name = biggest_shard(sample_cache)
+    data = (sample_cache / name).read_bytes()
+    fast = [(k, m, bytes(d)) for k, m, d in tar_members(data, name)]
+    assert fast == list(iter_members(io.BytesIO(data), name))
+    for key, member, payload in fast:
+        if member == "mel.npy":
+            assert np.array_equal(fast_decode_mel(payload, 100, key), decode_mel(payload, 100, key))
+    # A key that needs a pax header takes the format module's path, with the same result.
+    buffer = io.BytesIO()
+    writer = open_tar_writer(buffer)
+    writer.write(encode_sample("ü" * 120, np.zeros((3, 100)), {"frames": 3}))
+    writer.close()
+    members = list(tar_members(buffer.getvalue(), "pax"))
+    assert [(k, m) for k, m, _ in members] == [("ü" * 120, "json"), ("ü" * 120, "mel.npy")]
+
+
+def test_cache_with_other_features_is_refused(sample_cache: Path) -> None:
+    with pytest.raises(UserError, match=r"features\.n_mels = 100.*80"):
+        loader(sample_cache, expect_features={"n_mels": 80})
+    with pytest.raises(UserError, match="sample_rate"):
+        loader(sample_cache, expect_features=FeatureConfig(sample_rate=22050, f_max=8000.0))
+    with pytest.raises(UserError, match="nmels"):
+        loader(sample_cache, expect_features={"nmels": 100})
+    loader(sample_cache, expect_features=FeatureConfig())  # the same config is fine
+
+
+def test_bad_layouts_and_arguments_are_refused(sample_cache: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="fewer than world_size × workers"):
+        loader(sample_cache, world_size=4, num_workers=4)
+    with pytest.raises(UserError, match="batch_frames"):
+        loader(sample_cache, batch_frames=100)
+    with pytest.raises(UserError, match="on_error"):
+        loader(sample_cache, on_error="ignore")
+    with pytest.raises(UserError, match="rank"):
+        loader(sample_cache, rank=2, world_size=2)
+    with pytest.raises(UserError, match="index"):
+        loader(tmp_path)

@@ -1,0 +1,84 @@
+"""Trainer config: TOML tables, overrides, validation messages, round trip, shipped presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from preprocess.errors import UserError
+from train.config import Config, load_config, parse_overrides
+from train.model import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    assert load_config(path) == Config()
+
+
+def test_overrides_are_typed_and_nested() -> None:
+    assert parse_overrides(
+        ["train.max_steps=20", "optim.betas=[0.9, 0.95]", "model.args.dim=64", "model.impl=a.b:C"]
+    ) == {
+        "train": {"max_steps": 20},
+        "optim": {"betas": [0.9, 0.95]},
+        "model": {"args": {"dim": 64}, "impl": "a.b:C"},
+    }
+    cfg = load_config(REPO / "configs" / "tiny.toml", ["model.args.dim=64", "train.precision=fp16"])
+    assert cfg.model.args["dim"] == 64
+    assert cfg.model.args["layers"] == 3  # the rest of [model.args] is kept
+    assert cfg.train.precision == "fp16"
+    assert cfg.optim.betas == (0.9, 0.98)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("train.grad_accum=0", "train.grad_accum"),
+        ("train.precision=fp8", "train.precision"),
+        ("train.keep_checkpoints=1", "train.keep_checkpoints"),
+        ("train.comm_hook=zip", "train.comm_hook"),
+        ("optim.decay_steps=5", "optim.decay_steps"),
+        ("optim.lr=true", "optim.lr"),
+        ("data.batch_frames=0", "data.batch_frames"),
+        ("data.on_error=ignore", "data.on_error"),
+        ("model.impl=nocolon", "model.impl"),
+        ("train.max_step=3", "train.max_step"),
+        ("trian.max_steps=3", "trian"),
+        ("max_steps=3", "max_steps=3"),
+    ],
+)
+def test_bad_values_name_the_key(override: str, named: str) -> None:
+    with pytest.raises(UserError, match=named.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_round_trip_through_dict() -> None:
+    cfg = load_config(REPO / "configs" / "base.toml")
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_shipped_presets_have_the_promised_sizes() -> None:
+    def params(name: str) -> int:
+        model = build_model(load_config(REPO / "configs" / name).model)
+        return sum(p.numel() for p in model.parameters())
+
+    assert params("tiny.toml") <= 1_000_000
+    assert 10_000_000 <= params("base.toml") < 100_000_000
+
+
+def test_unknown_model_class_names_the_key() -> None:
+    cfg = load_config(None, ["model.impl=train.model:NoSuchModel"])
+    with pytest.raises(UserError, match=r"model\.impl"):
+        build_model(cfg.model)
+    cfg = load_config(None, ["model.args.depth=3"])
+    with pytest.raises(UserError, match=r"\[model.args\]"):
+        build_model(cfg.model)

@@ -1,0 +1,117 @@
+"""The loop in one process on the real cache: metrics, graceful stop, resume, plot, checks."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from preprocess.errors import UserError
+from train.config import load_config
+from train.distributed import Env
+from train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+SMALL = [
+    "data.batch_frames=800",
+    "data.num_workers=0",
+    "model.args.dim=64",
+    "model.args.layers=2",
+    "train.precision=fp32",
+    "train.log_every=2",
+    "train.ckpt_every=100",
+]
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "mel_loss",
+    "stop_loss",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
+    "frames_per_s",
+    "text_tokens_per_s",
+    "padding_pct",
+    "data_wait_pct",
+    "step_time_s",
+    "peak_rss_mib",
+}
+
+
+def make_trainer(cache: Path, out: Path, *extra: str) -> Trainer:
+    return Trainer(
+        load_config(REPO / "configs" / "tiny.toml", [*SMALL, *extra]), str(cache), out, CPU
+    )
+
+
+def test_feature_mismatch_is_a_clear_error(train_cache: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="n_mels"):
+        make_trainer(train_cache, tmp_path, "model.n_mels=80")
+    with pytest.raises(UserError, match="hop_length"):
+        make_trainer(train_cache, tmp_path, "model.hop_length=240")
+
+
+def test_sigterm_checkpoints_and_resume_continues(train_cache: Path, tmp_path: Path) -> None:
+    trainer = make_trainer(train_cache, tmp_path)
+    step_once = trainer.train_step
+
+    def step_then_signal(micro):
+        if trainer.step == 2:
+            signal.raise_signal(signal.SIGTERM)  # as a scheduler's SIGTERM would arrive
+        return step_once(micro)
+
+    trainer.train_step = step_then_signal
+    try:
+        assert trainer.fit(max_steps=50) == "signal"
+    finally:
+        trainer.close()
+    # The vote taken during step 3 is acted on one step later, by every rank alike.
+    assert trainer.step == 4
+    assert (tmp_path / "checkpoints" / "step-00000004" / "COMPLETE.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    assert set(records[0]) >= METRIC_KEYS
+    assert 0 <= records[0]["padding_pct"] < 100 and 0 <= records[0]["data_wait_pct"] <= 100
+
+    resumed = make_trainer(train_cache, tmp_path)
+    try:
+        assert resumed.step == 4
+        assert resumed.loader.state_dict() == trainer.loader.state_dict()
+        resumed.fit(max_steps=6)
+    finally:
+        resumed.close()
+    assert resumed.step == 6
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from train.__main__ import main
+
+    lines = [
+        {
+            "step": s,
+            "loss": 1.0 / s,
+            "mel_loss": 0.5 / s,
+            "frames_per_s": 100.0 + s,
+            "data_wait_pct": 2.0,
+        }
+        for s in (2, 4, 6)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_reports_bad_input_with_status_2(train_cache: Path, tmp_path: Path) -> None:
+    from train.__main__ import main
+
+    status = main(["--shards", str(train_cache), "--out", str(tmp_path), "train.grad_accum=0"])
+    assert status == 2
+    assert main(["--shards", str(tmp_path / "nothing"), "--out", str(tmp_path)]) == 2

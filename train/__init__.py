@@ -1,0 +1,1 @@
+"""melcache trainer: stream the cached log-mel shards into a DDP/AMP training loop."""

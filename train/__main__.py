@@ -1,0 +1,81 @@
+"""Command line: ``[torchrun ...] -m train --shards DIR --config FILE --out RUN`` and
+``python -m train plot RUN``.
+
+Examples::
+
+    torchrun --standalone --nproc-per-node 2 -m train --shards shards \\
+        --config configs/tiny.toml --out runs/tiny --max-steps 50 train.precision=fp32
+    python -m train plot runs/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from preprocess.errors import ShardError, UserError
+
+log = logging.getLogger("train")
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Train on a melcache cache; the same command under torchrun runs DDP. "
+        "Rerunning with the same --out resumes from its latest complete checkpoint.",
+    )
+    p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
+    p.add_argument("--config", type=Path, help="trainer TOML ([model], [data], [optim], [train])")
+    p.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, metrics")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument("overrides", nargs="*", metavar="table.key=value", help="config overrides")
+    return p
+
+
+def _plot_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train plot", description="Plot a run's metrics.")
+    p.add_argument("run", type=Path, help="run folder holding metrics.jsonl")
+    p.add_argument("--output", type=Path, help="PNG to write (default RUN/metrics.png)")
+    return p
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; return the exit status (2 for bad input)."""
+    argv = sys.argv[1:] if argv is None else argv
+    _setup_logging()
+    try:
+        if argv[:1] == ["plot"]:
+            from train.plot import plot_run
+
+            args = _plot_parser().parse_args(argv[1:])
+            print(plot_run(args.run, args.output))
+            return 0
+        args = _train_parser().parse_args(argv)
+        from train.config import load_config
+        from train.trainer import run
+
+        overrides = list(args.overrides)
+        if args.max_steps is not None:
+            overrides.append(f"train.max_steps={args.max_steps}")
+        cfg = load_config(args.config, overrides)
+        run(cfg, args.shards, args.out)
+        return 0
+    except (UserError, ShardError) as exc:
+        log.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Pure planning for the streaming loader: which shards a worker reads, and how one shard's
+samples are cut into batches.
+
+Every function here is deterministic in its arguments. Randomness comes only from
+:func:`make_rng`, keyed by ``(seed, purpose, epoch, ...)``, so a worker's place in the stream
+is a few integers and resuming never has to replay anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+# Purpose tags keep the random streams of different decisions independent.
+SHARD_ORDER = 1
+BATCH_PLAN = 2
+# Length jitter of the sort inside a shard, as a fraction of the length (at least one frame,
+# which only breaks ties): neighbours stay within about 1 % of each other (little padding)
+# while batch membership changes every epoch (static batches give a cyclic loss).
+SORT_JITTER = 0.01
+
+
+def make_rng(seed: int, *parts: int) -> np.random.Generator:
+    """The one source of randomness: an independent generator for ``(seed, *parts)``."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *parts])))
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is at least ``value``."""
+    return -(-value // multiple) * multiple
+
+
+def worker_shards(
+    num_shards: int, *, seed: int, epoch: int, slot: int, num_slots: int
+) -> list[int]:
+    """Shard ids (indices into the index's shard list) that worker ``slot`` reads in ``epoch``.
+
+    The shard list is permuted from ``(seed, epoch)`` and dealt round-robin to the
+    ``num_slots = world_size × workers`` slots, so the slots' lists are disjoint and together
+    cover every shard exactly once per epoch.
+    """
+    if not 0 <= slot < num_slots <= num_shards:
+        raise ValueError(f"slot {slot} of {num_slots} needs 0 <= slot < num_slots <= {num_shards}")
+    order = make_rng(seed, SHARD_ORDER, epoch).permutation(num_shards)
+    return order[slot::num_slots].tolist()
+
+
+def plan_batches(
+    frames: Sequence[int],
+    *,
+    rng: np.random.Generator,
+    batch_frames: int,
+    max_batch_size: int,
+    pad_multiple: int,
+) -> list[list[int]]:
+    """Cut one shard's samples (given by their frame counts) into batches of sample indices.
+
+    A batch of ``B`` samples whose longest has ``n`` frames costs ``B × round_up(n,
+    pad_multiple)`` frames, padding included; that never exceeds ``batch_frames``, and
+    ``B <= max_batch_size``. Samples are sorted by length plus a small random jitter and cut
+    greedily from the longest, so a batch holds near-equal lengths; the batch order is then
+    shuffled. The last batch of a shard may be smaller: the budget is a maximum.
+    """
+    lengths = np.asarray(frames, dtype=np.float64)
+    if len(lengths) and round_up(int(lengths.max()), pad_multiple) > batch_frames:
+        raise ValueError(
+            f"a sample of {int(lengths.max())} frames does not fit batch_frames = {batch_frames}"
+        )
+    jitter = rng.random(len(lengths)) * np.maximum(1.0, lengths * SORT_JITTER)
+    order = np.argsort(-(lengths + jitter), kind="stable").tolist()
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        top = max(longest, int(frames[i]))
+        full = len(current) == max_batch_size
+        if current and (full or (len(current) + 1) * round_up(top, pad_multiple) > batch_frames):
+            batches.append(current)
+            current, top = [], int(frames[i])
+        current.append(i)
+        longest = top
+    if current:
+        batches.append(current)
+    return [batches[j] for j in rng.permutation(len(batches)).tolist()]
+
+
+def padding_fraction(lengths: Sequence[int], padded_length: int) -> float:
+    """Padded frames ÷ all frames of one batch whose rows are padded to ``padded_length``."""
+    total = len(lengths) * padded_length
+    return 1.0 - sum(lengths) / total if total else 0.0

@@ -1,0 +1,179 @@
+"""Checkpoints that are complete or invisible: temp folder, marker written last, atomic rename.
+
+Layout of ``OUT/checkpoints``::
+
+    step-00001000/        a complete checkpoint (it holds COMPLETE.json)
+      shared.pt           rank 0: model, optimizer, scheduler, scaler, EMA, step, config
+      rank-00000.pt       each rank: its RNG states and its loader's exact-resume state
+      rank-00001.pt
+      COMPLETE.json       written last: step, world size, files
+    .tmp-step-00001500/   being written, or left by a killed writer: never "latest"
+
+Every rank writes its own file into the temp folder, the ranks meet at a barrier, and rank 0
+writes the marker, renames the folder to its final name and drops all but the newest
+``keep`` checkpoints. A writer killed at any point leaves at most a temp folder, removed at
+the next start. With ``async_save`` the state is first copied to CPU memory (so training can
+modify the live tensors) and written by one background thread, one save in flight; the
+barrier then runs on a separate gloo group so it never mixes with the training collectives.
+With several nodes, ``OUT`` must be on a filesystem every node sees (rank 0 commits the
+folder that all ranks write into).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from preprocess.errors import UserError
+from train.distributed import Env
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE.json"
+SHARED = "shared.pt"
+FINAL = re.compile(r"^step-(\d{8})$")
+TEMP_PREFIX = ".tmp-"
+
+
+def rank_file(rank: int) -> str:
+    """Name of one rank's private state file."""
+    return f"rank-{rank:05d}.pt"
+
+
+class Checkpointer:
+    """``save(step, shared, local)`` / ``load()`` over the folder layout above."""
+
+    def __init__(self, folder: Path, env: Env, *, keep: int, async_save: bool) -> None:
+        self.folder, self.env, self.keep = Path(folder), env, keep
+        self._group = dist.new_group(backend="gloo") if env.distributed else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1) if async_save else None
+        self._inflight: concurrent.futures.Future | None = None
+        if env.is_main:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for stale in self.folder.glob(TEMP_PREFIX + "*"):
+                log.info("removing unfinished checkpoint %s", stale)
+                shutil.rmtree(stale)
+        self._barrier()  # nobody writes before the stale folders are gone
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint whose marker exists, or None."""
+        done = [
+            p for p in self.folder.glob("step-*") if FINAL.match(p.name) and (p / MARKER).is_file()
+        ]
+        return max(done, key=lambda p: p.name, default=None)
+
+    def save(self, step: int, shared: Mapping[str, Any], local: Mapping[str, Any]) -> None:
+        """Write checkpoint ``step`` (every rank calls this, at the same step).
+
+        ``shared`` is written by rank 0 only (other ranks may pass an empty dict). In async
+        mode this returns once the state is copied to CPU; call :meth:`wait` before exit.
+        """
+        self.wait()  # one save in flight
+        files = {rank_file(self.env.rank): dict(local)}
+        if self.env.is_main:
+            files[SHARED] = dict(shared)
+        if self._pool is None:
+            self._write(step, files)
+        else:
+            self._inflight = self._pool.submit(self._write, step, _to_cpu(files))
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its error."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.result()
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+
+    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(shared, local)`` of checkpoint ``path`` for this rank, loaded ``weights_only``."""
+        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+        if marker["world_size"] != self.env.world_size:
+            raise UserError(
+                f"{path} was written by {marker['world_size']} ranks but this job has "
+                f"{self.env.world_size}: each rank resumes its own loader position, so restart "
+                f"with --nproc-per-node/--nnodes giving {marker['world_size']} processes, or "
+                "start a new --out"
+            )
+        shared = torch.load(path / SHARED, map_location="cpu", weights_only=True)
+        local = torch.load(path / rank_file(self.env.rank), map_location="cpu", weights_only=True)
+        return shared, local
+
+    def _write(self, step: int, files: dict[str, dict[str, Any]]) -> None:
+        name = f"step-{step:08d}"
+        temp = self.folder / (TEMP_PREFIX + name)
+        temp.mkdir(parents=True, exist_ok=True)
+        for file_name, state in files.items():
+            _write(state, temp / file_name)
+        self._barrier()  # every rank's file is on disk
+        if self.env.is_main:
+            self._commit(step, temp, self.folder / name)
+
+    def _commit(self, step: int, temp: Path, final: Path) -> None:
+        names = [SHARED] + [rank_file(r) for r in range(self.env.world_size)]
+        marker = {"step": step, "world_size": self.env.world_size, "files": names}
+        with open(temp / MARKER, "w", encoding="utf-8") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # same step saved again (e.g. a re-run of a finished job)
+            _remove(final)
+        os.replace(temp, final)
+        _fsync_dir(self.folder)
+        log.info("checkpoint %s written", final)
+        done = sorted(p for p in self.folder.glob("step-*") if FINAL.match(p.name))
+        for old in done[: -self.keep]:
+            _remove(old)
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+
+def _write(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` then fsync, so the marker is never on disk before the data."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(path: Path) -> None:
+    """Delete the marker first: a half-deleted checkpoint must not look complete."""
+    (path / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Deep copy with every tensor copied to CPU memory, detached from the live training state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,126 @@
+"""The padded training batch and how raw samples become one.
+
+Conventions the model relies on:
+
+- ``mel`` stays float16 on the host (half the bytes to copy); padded frames hold
+  ``ln(log_floor)`` of the cache's features, the value of silence in log space, not 0.0
+  (which is a loud mel). Mask by ``mel_lengths`` anyway.
+- The default tokenizer is UTF-8 bytes shifted by one, so any language works with a
+  vocabulary of :data:`BYTE_VOCAB_SIZE` = 257 where id 0 is padding. A custom tokenizer
+  must likewise keep id 0 free: ``text`` is padded with 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from preprocess.errors import ShardError
+from train.batching import round_up
+from train.shard_reader import RawSample, fast_decode_mel
+
+PAD_ID = 0
+BYTE_VOCAB_SIZE = 257
+
+Tokenizer = Callable[[str], Sequence[int]]
+
+
+def utf8_tokens(text: str) -> np.ndarray:
+    """Default tokenizer: the UTF-8 bytes of ``text`` plus one (0 is the padding id)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) + 1
+
+
+@dataclasses.dataclass
+class Batch:
+    """A padded batch of ``B`` utterances; tensors are on the host until :meth:`to`."""
+
+    mel: torch.Tensor  # float16 [B, T, n_mels], T a multiple of pad_multiple
+    mel_lengths: torch.Tensor  # int64 [B], true frame counts
+    text: torch.Tensor  # int64 [B, L] token ids, 0-padded
+    text_lengths: torch.Tensor  # int64 [B]
+    keys: list[str]
+    speaker: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        return dataclasses.replace(
+            self,
+            mel=fn(self.mel),
+            mel_lengths=fn(self.mel_lengths),
+            text=fn(self.text),
+            text_lengths=fn(self.text_lengths),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> Batch:
+        """Copy the tensors to ``device``; asynchronous when they are in pinned memory."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copy, called by DataLoader's pin-memory thread."""
+        return self._map(lambda t: t.pin_memory())
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """A batch as it leaves a worker: the mel is already in a shared ring slot (see
+    ``train/transport.py``), the rest travels as small arrays."""
+
+    seq: int  # ring item number
+    mel_shape: tuple[int, int, int]
+    mel_lengths: np.ndarray
+    text: np.ndarray
+    text_lengths: np.ndarray
+    keys: list[str]
+    speaker: list[str | None]
+
+    def unpack(self, mel: torch.Tensor, pin_memory: bool) -> Batch:
+        """The :class:`Batch`, given the mel copied out of the ring."""
+        small = [torch.from_numpy(a) for a in (self.mel_lengths, self.text, self.text_lengths)]
+        if pin_memory:
+            small = [t.pin_memory() for t in small]
+        return Batch(mel, *small, keys=self.keys, speaker=self.speaker)
+
+
+def collate(
+    samples: Sequence[RawSample],
+    *,
+    seq: int,
+    mel_out: Callable[[tuple[int, int, int]], np.ndarray],
+    n_mels: int,
+    pad_multiple: int,
+    pad_value: float,
+    tokenizer: Tokenizer,
+    where: str,
+) -> PackedBatch:
+    """Decode the mels (never unpickling) and pad them into ``mel_out(shape)``, the rest
+    into a :class:`PackedBatch`."""
+    mels = [fast_decode_mel(s.mel, n_mels, f"{where}:{s.key}") for s in samples]
+    for sample, mel in zip(samples, mels, strict=True):
+        if mel.shape[0] != sample.frames:
+            raise ShardError(
+                f"{where}:{sample.key}: mel.npy has {mel.shape[0]} frames, "
+                f"metadata says {sample.frames}"
+            )
+    shape = (len(samples), round_up(max(s.frames for s in samples), pad_multiple), n_mels)
+    out = mel_out(shape)
+    for row, mel in enumerate(mels):
+        out[row, : len(mel)] = mel
+        out[row, len(mel) :] = pad_value
+    tokens = [np.asarray(tokenizer(s.text), dtype=np.int64) for s in samples]
+    text = np.full((len(samples), max(1, *(len(t) for t in tokens))), PAD_ID, dtype=np.int64)
+    for row, ids in enumerate(tokens):
+        text[row, : len(ids)] = ids
+    return PackedBatch(
+        seq=seq,
+        mel_shape=shape,
+        mel_lengths=np.array([s.frames for s in samples], dtype=np.int64),
+        text=text,
+        text_lengths=np.array([len(t) for t in tokens], dtype=np.int64),
+        keys=[s.key for s in samples],
+        speaker=[s.speaker for s in samples],
+    )

@@ -1,0 +1,286 @@
+"""Trainer configuration: one frozen dataclass per concern, read from a TOML file.
+
+A trainer config has four tables — ``[model]``, ``[data]``, ``[optim]``, ``[train]`` —
+separate from the build config (``[features]``/``[build]``) that made the cache. Every key
+has a default, so an empty file is valid; ``key=value`` overrides on the command line use
+the dotted path (``train.max_steps=20``, ``model.args.dim=64``) and TOML value syntax.
+The resolved config is saved in every checkpoint and in ``OUT/config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from preprocess.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
+ON_ERROR = ("raise", "skip")
+
+
+def _require(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise UserError(f"config key {key} = {value!r} is invalid: expected {expected}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to build and the mel features it expects from the cache.
+
+    ``impl`` is any ``"package.module:Class"`` honouring the contract in ``train.model``;
+    ``args`` are passed to its constructor as keyword arguments.
+    """
+
+    impl: str = "train.model:TextToMel"
+    n_mels: int = 100
+    sample_rate: int = 24_000
+    hop_length: int = 256
+    args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        module, _, name = self.impl.partition(":")
+        _require(bool(module and name), "model.impl", self.impl, '"package.module:Class"')
+        _require(self.n_mels > 0, "model.n_mels", self.n_mels, "a positive number of bands")
+        _require(self.sample_rate > 0, "model.sample_rate", self.sample_rate, "a rate in Hz")
+        _require(self.hop_length > 0, "model.hop_length", self.hop_length, "a hop in samples")
+        _require(isinstance(self.args, Mapping), "model.args", self.args, "a table")
+
+    def expected_features(self) -> dict[str, int]:
+        """The feature keys the cache must match (passed to the loader's ``expect_features``)."""
+        return {
+            "n_mels": self.n_mels,
+            "sample_rate": self.sample_rate,
+            "hop_length": self.hop_length,
+        }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """How the streaming loader batches the cache (see ``train.data.make_loader``)."""
+
+    batch_frames: int = 6_000  # padded mel frames per micro-batch per rank
+    max_batch_size: int = 64
+    num_workers: int = 2
+    pad_multiple: int = 8
+    on_error: str = "raise"
+    check_sha256: bool = False
+    mel_stats: bool = True  # hand the cache's per-channel mean/std (stats.zarr) to the model
+
+    def __post_init__(self) -> None:
+        _require(self.batch_frames > 0, "data.batch_frames", self.batch_frames, "a positive count")
+        _require(self.max_batch_size > 0, "data.max_batch_size", self.max_batch_size, "≥ 1")
+        _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
+        _require(self.pad_multiple > 0, "data.pad_multiple", self.pad_multiple, "≥ 1")
+        _require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay to ``min_lr`` over ``decay_steps``.
+
+    The schedule depends on these keys only, never on ``--max-steps``, so a run stopped
+    early and resumed with a larger ``--max-steps`` follows the same learning-rate curve.
+    """
+
+    lr: float = 1e-3
+    min_lr: float = 1e-5
+    warmup_steps: int = 100
+    decay_steps: int = 10_000  # cosine reaches min_lr here and stays there
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", self.lr, "a positive learning rate")
+        _require(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"in [0, lr={self.lr}]")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "0 or more")
+        _require(
+            self.decay_steps > self.warmup_steps,
+            "optim.decay_steps",
+            self.decay_steps,
+            f"more than warmup_steps ({self.warmup_steps})",
+        )
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "0 or more")
+        _require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optim.betas",
+            list(self.betas),
+            "two numbers in [0, 1), e.g. [0.9, 0.98]",
+        )
+        _require(self.eps > 0, "optim.eps", self.eps, "a small positive number")
+        _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "0 (off) or a norm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The loop: length, precision, accumulation, logging, checkpoints and speed options."""
+
+    max_steps: int = 1_000  # optimizer steps; --max-steps overrides
+    grad_accum: int = 1  # micro-batches per optimizer step
+    # bf16 autocast (no scaler), fp16 autocast + GradScaler, or fp32; "auto" is bf16 where
+    # the hardware has it (CUDA with bf16, CPUs with AVX-512/AMX) and fp32 elsewhere.
+    precision: str = "auto"
+    seed: int = 0
+    log_every: int = 10
+    ckpt_every: int = 500
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = False  # stage on CPU, write in a background thread
+    compile: bool = False
+    activation_checkpointing: bool = False
+    ema_decay: float = 0.0  # 0 turns the EMA of weights off; 0.999 is typical
+    comm_hook: str = "none"  # DDP gradient compression from torch's ddp_comm_hooks
+    powersgd_rank: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
+        _require(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "1 or more")
+        _require(
+            self.precision in PRECISIONS, "train.precision", self.precision, " or ".join(PRECISIONS)
+        )
+        _require(self.log_every >= 1, "train.log_every", self.log_every, "1 or more")
+        _require(self.ckpt_every >= 1, "train.ckpt_every", self.ckpt_every, "1 or more")
+        _require(
+            self.keep_checkpoints >= 2,
+            "train.keep_checkpoints",
+            self.keep_checkpoints,
+            "2 or more, so a checkpoint killed mid-write always leaves a complete one",
+        )
+        _require(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "0 (off) or in (0, 1)")
+        _require(
+            self.comm_hook in COMM_HOOKS, "train.comm_hook", self.comm_hook, " or ".join(COMM_HOOKS)
+        )
+        _require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole trainer config."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict of builtins: JSON-able and ``weights_only``-loadable."""
+        out = dataclasses.asdict(self)
+        out["model"]["args"] = dict(self.model.args)
+        out["optim"]["betas"] = list(self.optim.betas)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> Config:
+        """Build and validate from nested tables; unknown tables or keys are errors."""
+        unknown = sorted(set(data) - set(_SECTIONS))
+        if unknown:
+            raise UserError(
+                f"{source}: unknown table [{unknown[0]}]; expected {', '.join(_SECTIONS)}"
+            )
+        parts = {
+            name: _make(kind, data.get(name, {}), name, source) for name, kind in _SECTIONS.items()
+        }
+        return cls(**parts)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+}
+
+
+def _make(kind: type, table: Any, section: str, source: str) -> Any:
+    if not isinstance(table, Mapping):
+        raise UserError(f"{source}: [{section}] must be a table, got {table!r}")
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise UserError(
+            f"{source}: unknown key {section}.{unknown[0]}; known keys are {', '.join(sorted(known))}"
+        )
+    values = dict(table)
+    if "betas" in values and isinstance(values["betas"], list):
+        values["betas"] = tuple(values["betas"])
+    if "args" in values and isinstance(values["args"], Mapping):
+        values["args"] = dict(values["args"])
+    for field in dataclasses.fields(kind):
+        if field.name in values:
+            _check_type(values[field.name], field, f"{section}.{field.name}")
+    return kind(**values)
+
+
+_SCALARS = {"int": int, "float": (int, float), "bool": bool, "str": str}
+
+
+def _check_type(value: Any, field: dataclasses.Field, key: str) -> None:
+    """TOML gives typed values; reject the wrong type here rather than deep inside torch."""
+    expected = _SCALARS.get(str(field.type))
+    if expected is None:
+        return
+    wrong_bool = isinstance(value, bool) and field.type != "bool"
+    if wrong_bool or not isinstance(value, expected):
+        raise UserError(f"config key {key} = {value!r} is invalid: expected a {field.type}")
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["train.max_steps=20", "model.impl=pkg.mod:Cls"]`` → nested dict.
+
+    Values use TOML syntax (``20``, ``1e-3``, ``true``, ``[0.9, 0.95]``, ``"text"``); a value
+    that is not valid TOML is taken as a bare string, so quotes are optional for strings.
+    """
+    nested: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        path = key.strip().split(".")
+        if not sep or len(path) < 2 or not all(path):
+            raise UserError(f"override {item!r} is not of the form table.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = nested
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override {item!r} conflicts with another override of {part}")
+        node[path[-1]] = value
+    return nested
+
+
+def merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``extra`` into a copy of ``base`` (tables merge, values replace)."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Read a trainer TOML (``None``: all defaults) and apply ``table.key=value`` overrides."""
+    data: dict[str, Any] = {}
+    source = "defaults" if path is None else str(path)
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise UserError(f"config file {path} cannot be read: {exc}") from None
+    if overrides:
+        data = merge(data, parse_overrides(overrides))
+        source += " with overrides"
+    return Config.from_dict(data, source)

@@ -1,0 +1,421 @@
+"""Streaming loader: a melcache cache as an endless stream of padded batches, one per rank.
+
+Usage::
+
+    from train.data import make_loader, Batch
+    loader = make_loader("shards/", rank=rank, world_size=world, batch_frames=20_000)
+    loader.load_state_dict(saved)          # optional, before iterating
+    for step, batch in zip(range(steps), loader):
+        batch = batch.to(device)           # non-blocking: the host copy is pinned with CUDA
+        ...
+        saved = loader.state_dict()        # what *this loop* has consumed, not the prefetch
+
+A :class:`Batch` holds ``mel`` float16 ``[B, T, n_mels]`` (T a multiple of ``pad_multiple``,
+padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, ``text`` int64
+``[B, L]`` (UTF-8 bytes + 1 by default: vocabulary 257, 0 = padding), ``text_lengths``,
+``keys`` and ``speaker`` (``None`` where unknown). ``B × T <= batch_frames`` and
+``B <= max_batch_size``; all samples of a batch come from one shard, hence one length bucket.
+
+Splitting: every epoch the shard list is permuted from ``(seed, epoch)`` and dealt to the
+``world_size × max(1, num_workers)`` workers of the job, so each shard is read exactly once
+per epoch. A worker cuts each of its shards into frame-budget batches (near-equal lengths,
+membership reshuffled every epoch) and rolls on into its next epoch by itself, so the
+stream never ends and no rank can run dry (no DDP hang on uneven data). "Epoch" is per
+worker: a fast worker may start epoch 2 while another finishes epoch 1.
+
+Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
+worker's position after it (epoch, shard in the worker's list, batches taken from it); the
+loader records it as the batch is handed to the caller. A restore skips whole shards unread
+and re-reads at most one shard per worker, skipping its consumed batches without decoding
+a mel, so it costs the same at 1 % or 90 % of an epoch. A state from a different world
+size, worker count, seed, cache or batch budget is refused, naming the key.
+
+Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (with
+``check_sha256``) altered shard with a :class:`ShardError` naming it; ``"skip"`` logs each such
+shard once, records it in ``loader.skipped_shards`` and goes on, and still raises if no
+shard can be read at all rather than spin. Only ``mel.npy`` and ``json`` members are read,
+never with pickle.
+
+Throughput: workers pad mels straight into shared-memory ring slots (``train/transport.py``)
+and DataLoader carries only the small rest; the consumer copies each mel out, into pinned
+memory when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from preprocess.config import FeatureConfig, features_from_dict
+from preprocess.errors import ShardError, UserError
+from train.batching import round_up
+from train.collate import BYTE_VOCAB_SIZE, PAD_ID, Batch, PackedBatch, utf8_tokens
+from train.shard_reader import read_index
+from train.stream import Cursor, Position, StreamSpec, worker_stream
+from train.transport import BatchRing
+
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "PAD_ID",
+    "Batch",
+    "LoaderConfig",
+    "ShardError",
+    "StreamLoader",
+    "make_loader",
+    "utf8_tokens",
+]
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+# Batches each worker keeps ready: a batch is ~1 MB-10 MB and costs one shard read at most,
+# 4 hides a shard boundary without holding much memory.
+PREFETCH_FACTOR = 4
+ON_ERROR = ("raise", "skip")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """How one rank streams batches; validated on creation, errors name the field."""
+
+    rank: int = 0
+    world_size: int = 1
+    num_workers: int = 2
+    batch_frames: int
+    max_batch_size: int = 64
+    seed: int = 0
+    pad_multiple: int = 8
+    on_error: str = "raise"
+    check_sha256: bool = False
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.world_size >= 1, "world_size", self.world_size, "at least 1")
+        _require(
+            0 <= self.rank < self.world_size, "rank", self.rank, f"in 0..{self.world_size - 1}"
+        )
+        _require(self.num_workers >= 0, "num_workers", self.num_workers, "0 or more")
+        _require(self.batch_frames >= 1, "batch_frames", self.batch_frames, "a positive budget")
+        _require(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "at least 1")
+        _require(self.seed >= 0, "seed", self.seed, "a non-negative integer")
+        _require(self.pad_multiple >= 1, "pad_multiple", self.pad_multiple, "at least 1")
+        _require(self.on_error in ON_ERROR, "on_error", self.on_error, '"raise" or "skip"')
+
+    @property
+    def workers_per_rank(self) -> int:
+        """Producers per rank: ``num_workers = 0`` reads in the main process, as one worker."""
+        return max(1, self.num_workers)
+
+
+def _require(ok: bool, field: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise UserError(f"loader {field} = {value!r} is invalid: expected {expected}")
+
+
+class _WorkerDataset(IterableDataset):
+    """Runs in each DataLoader worker: picks its logical worker and streams from its position.
+
+    DataLoader worker ``i`` plays logical worker ``(i + first) % n``: DataLoader always asks
+    its worker 0 first, while a restored stream must continue with whichever worker's turn
+    it was.
+    """
+
+    def __init__(
+        self, spec: StreamSpec, positions: list[Position], first: int, rings: list[BatchRing]
+    ) -> None:
+        self.spec, self.positions, self.first, self.rings = spec, positions, first, rings
+
+    def __iter__(self) -> Iterator[tuple[PackedBatch, Cursor]]:
+        info = get_worker_info()
+        worker = ((0 if info is None else info.id) + self.first) % self.spec.workers_per_rank
+        return worker_stream(self.spec, worker, self.positions[worker], self.rings[worker])
+
+
+def _keep(item: Any) -> Any:
+    """DataLoader ``collate_fn`` for ready-made batches (module level: picklable)."""
+    return item
+
+
+class StreamLoader:
+    """Endless iterable of :class:`Batch` for one rank, with exact save/restore.
+
+    Build it with :func:`make_loader`. Attributes: ``features`` (the cache's
+    :class:`FeatureConfig`), ``index`` (the parsed ``index.json``), ``skipped_shards``
+    (shard name → reason, each logged once, under ``on_error="skip"``).
+    """
+
+    def __init__(
+        self,
+        cache: str | Path,
+        config: LoaderConfig,
+        spec: StreamSpec,
+        index: dict[str, Any],
+        features: FeatureConfig,
+    ) -> None:
+        self.cache, self.config, self._spec = cache, config, spec
+        self.index, self.features = index, features
+        self.skipped_shards: dict[str, str] = {}
+        self._positions = [Position()] * config.workers_per_rank
+        self._next_worker = 0  # logical worker whose batch the consumer gets next
+        self._batches = 0
+        self._active: Iterator[Batch] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """Epochs every worker of this rank has finished (workers roll over independently)."""
+        return min(p.epoch for p in self._positions)
+
+    @property
+    def batches_consumed(self) -> int:
+        """Batches handed out since the start of training (restored with the state)."""
+        return self._batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.close()  # one live stream at a time: it owns the state
+        self._active = self._stream()
+        return self._active
+
+    def close(self) -> None:
+        """Stop the running stream, if any, and its worker processes."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def _stream(self) -> Iterator[Batch]:
+        config = self.config
+        # prefetch_factor + 1 slots suffice (see train/transport.py); one more for margin.
+        rings = [
+            BatchRing(PREFETCH_FACTOR + 2, config.batch_frames * self._spec.n_mels)
+            for _ in range(config.workers_per_rank)
+        ]
+        dataset = _WorkerDataset(self._spec, list(self._positions), self._next_worker, rings)
+        loader = DataLoader(
+            dataset,
+            batch_size=None,  # the dataset yields whole batches
+            collate_fn=_keep,
+            num_workers=config.num_workers,
+            # Pinning happens as the mel is copied out of the ring, not in DataLoader's
+            # pin thread: one copy instead of two.
+            pin_memory=False,
+            persistent_workers=config.num_workers > 0,
+            prefetch_factor=PREFETCH_FACTOR if config.num_workers > 0 else None,
+            # DataLoader draws its workers' base seed from this generator; the default would
+            # consume the global torch RNG, which belongs to the model (dropout on resume).
+            generator=torch.Generator().manual_seed(config.seed),
+            worker_init_fn=_leave_process_group,
+        )
+        batches = iter(loader)
+        try:
+            for packed, cursor in batches:
+                mel = rings[cursor.worker].take(packed.seq, packed.mel_shape, config.pin_memory)
+                self._consume(cursor)
+                yield packed.unpack(mel, config.pin_memory)
+        finally:
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:  # now, rather than whenever the iterator is collected
+                shutdown()
+
+    def _consume(self, cursor: Cursor) -> None:
+        if cursor.worker != self._next_worker:  # DataLoader broke its round-robin promise
+            raise RuntimeError(
+                f"batch from worker {cursor.worker}, expected worker {self._next_worker}"
+            )
+        self._positions[cursor.worker] = cursor.after
+        self._next_worker = (cursor.worker + 1) % self.config.workers_per_rank
+        self._batches += 1
+        for name, reason in cursor.skipped:
+            if name not in self.skipped_shards:
+                logger.warning("skipping shard %s: %s", name, reason)
+                self.skipped_shards[name] = reason
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the consumer has taken so far; plain ints/strs/lists/dicts, so it loads
+        with ``torch.load(weights_only=True)``."""
+        return {
+            "version": STATE_VERSION,
+            **self._identity(),
+            "next_worker": self._next_worker,
+            "batches": self._batches,
+            "positions": [[p.epoch, p.shard, p.batch] for p in self._positions],
+            "skipped_shards": dict(self.skipped_shards),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue exactly after the last batch the saved loader handed out.
+
+        Call before iterating (a running iterator stops). Raises :class:`UserError` naming
+        the key when the state belongs to a different job layout, seed, cache or budget.
+        """
+        self.close()
+        if state.get("version") != STATE_VERSION:
+            raise UserError(
+                f"loader state version {state.get('version')!r}, expected {STATE_VERSION}"
+            )
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise UserError(
+                    f"loader state was saved with {key} = {state.get(key)!r} but this loader "
+                    f"has {key} = {value!r}; resume with the same value (or start the data "
+                    "stream afresh without load_state_dict)"
+                )
+        positions = [Position(*map(int, p)) for p in state["positions"]]
+        next_worker = int(state["next_worker"])
+        if len(positions) != len(self._positions) or not 0 <= next_worker < len(positions):
+            raise UserError(
+                f"loader state has {len(positions)} worker positions and next_worker = "
+                f"{next_worker}; expected {len(self._positions)} positions"
+            )
+        self._positions = positions
+        self._next_worker = next_worker
+        self._batches = int(state["batches"])
+        self.skipped_shards = dict(state.get("skipped_shards", {}))
+
+    def _identity(self) -> dict[str, Any]:
+        """What a state is only valid for: job layout, seed, cache content and budget."""
+        config = self.config
+        return {
+            "rank": config.rank,
+            "world_size": config.world_size,
+            "workers_per_rank": config.workers_per_rank,
+            "seed": config.seed,
+            "batch_frames": config.batch_frames,
+            "max_batch_size": config.max_batch_size,
+            "pad_multiple": config.pad_multiple,
+            "cache_digest": _shards_digest(self._spec.shards),
+        }
+
+
+def _shards_digest(shards: tuple[dict[str, Any], ...]) -> str:
+    blob = json.dumps([[s["name"], s["samples"], s.get("sha256")] for s in shards]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_features(
+    features: FeatureConfig, expect: Mapping[str, Any] | FeatureConfig | None, cache: str
+) -> None:
+    """Refuse a cache whose feature config differs from what the caller expects."""
+    if expect is None:
+        return
+    wanted = expect.to_dict() if isinstance(expect, FeatureConfig) else dict(expect)
+    have = features.to_dict()
+    for key, value in wanted.items():
+        if key not in have:
+            raise UserError(
+                f"expect_features names unknown feature key {key!r}; known: {', '.join(have)}"
+            )
+        same = (
+            math.isclose(have[key], value, rel_tol=1e-9)
+            if isinstance(value, float) and isinstance(have[key], (int, float))
+            else have[key] == value
+        )
+        if not same:
+            raise UserError(
+                f"cache {cache} was built with features.{key} = {have[key]!r}, but "
+                f"{value!r} is expected; rebuild the cache or change the model's features"
+            )
+
+
+def make_loader(
+    cache: str | Path,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 2,
+    batch_frames: int,
+    max_batch_size: int = 64,
+    seed: int = 0,
+    pad_multiple: int = 8,
+    on_error: str = "raise",
+    check_sha256: bool = False,
+    expect_features: Mapping[str, Any] | FeatureConfig | None = None,
+    tokenizer: Callable[[str], list[int]] | None = None,
+    pin_memory: bool | None = None,
+) -> StreamLoader:
+    """Open the cache at ``cache`` (folder or URL prefix) as rank ``rank``'s endless stream.
+
+    ``batch_frames`` bounds ``B × T`` with ``T`` the padded length (a multiple of
+    ``pad_multiple``); ``max_batch_size`` bounds ``B``. ``tokenizer`` maps text to ids with
+    0 kept free for padding (default: UTF-8 bytes + 1, vocabulary 257). ``pin_memory``
+    defaults to whether CUDA is available. Raises :class:`UserError` for a bad argument,
+    an unfinished cache, a feature mismatch, a budget below the longest utterance, or fewer
+    shards than ``world_size × max(1, num_workers)``.
+    """
+    config = LoaderConfig(
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        batch_frames=batch_frames,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        pad_multiple=pad_multiple,
+        on_error=on_error,
+        check_sha256=check_sha256,
+        pin_memory=_resolve_pin_memory(pin_memory),
+    )
+    index = read_index(cache)
+    features = features_from_dict(index["features"], source=f"{cache} index")
+    check_features(features, expect_features, str(cache))
+    shards = tuple(index["shards"])
+    _check_layout(shards, config, str(cache))
+    spec = StreamSpec(
+        cache=str(cache),
+        shards=shards,
+        rank=config.rank,
+        workers_per_rank=config.workers_per_rank,
+        world_size=config.world_size,
+        seed=config.seed,
+        batch_frames=config.batch_frames,
+        max_batch_size=config.max_batch_size,
+        pad_multiple=config.pad_multiple,
+        on_error=config.on_error,
+        check_sha256=config.check_sha256,
+        n_mels=features.n_mels,
+        pad_value=math.log(features.log_floor),
+        tokenizer=tokenizer or utf8_tokens,
+    )
+    return StreamLoader(cache, config, spec, index, features)
+
+
+def _resolve_pin_memory(requested: bool | None) -> bool:
+    """Pin when CUDA is there to copy to; like DataLoader, warn and skip it otherwise."""
+    if requested and not torch.cuda.is_available():
+        logger.warning("pin_memory=True without CUDA: batches stay in pageable memory")
+        return False
+    return torch.cuda.is_available() if requested is None else requested
+
+
+def _check_layout(shards: tuple[dict[str, Any], ...], config: LoaderConfig, cache: str) -> None:
+    slots = config.world_size * config.workers_per_rank
+    if len(shards) < slots:
+        raise UserError(
+            f"cache {cache} has {len(shards)} shards, fewer than world_size × workers = "
+            f"{config.world_size} × {config.workers_per_rank} = {slots}, so a worker would get "
+            "none; use fewer workers or rebuild with [build] min_shards >= "
+            f"{slots} (ideally several times more)"
+        )
+    empty = [s["name"] for s in shards if s.get("samples", 0) < 1]
+    if empty:
+        raise UserError(f"cache {cache}: shard {empty[0]} holds no samples per the index")
+    longest = max(int(s["max_frames"]) for s in shards)
+    if round_up(longest, config.pad_multiple) > config.batch_frames:
+        raise UserError(
+            f"loader batch_frames = {config.batch_frames} is below the longest utterance of "
+            f"cache {cache} ({longest} frames, {round_up(longest, config.pad_multiple)} padded); "
+            "raise batch_frames"
+        )
+
+
+def _leave_process_group(worker_id: int) -> None:
+    """torchrun signals each rank's whole process group: a worker in its own group outlives
+    the SIGTERM so the rank can take its checkpoint, and the rank still stops it after."""
+    os.setpgrp()

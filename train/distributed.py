@@ -1,0 +1,247 @@
+"""Process group, device, DDP wrapping, seeding, RNG state and the graceful-stop flag.
+
+Launch is plain ``torchrun`` (single node ``--standalone``, multi-node ``--nnodes`` with a
+rendezvous); without torchrun the trainer runs as one process with no process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Env:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes metrics, the shared checkpoint file and the logs."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True under torchrun (even with one process), False for a plain ``python -m``."""
+        return dist.is_available() and dist.is_initialized()
+
+
+def setup() -> Env:
+    """Join the torchrun job if there is one; pick the device (nccl on CUDA, gloo on CPU)."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return Env(0, 1, 0, torch.device("cuda" if cuda else "cpu"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return Env(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def teardown(env: Env) -> None:
+    """Leave the process group (lets torchrun see a clean exit)."""
+    if env.distributed:
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor, env: Env) -> torch.Tensor:
+    """Sum ``tensor`` over ranks in place, on its device, without waiting on the host."""
+    if env.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier(env: Env) -> None:
+    """Wait for every rank (start-up and checkpoint bookkeeping only, never the hot loop)."""
+    if env.distributed:
+        dist.barrier()
+
+
+def wrap_model(model: nn.Module, env: Env, cfg: TrainConfig) -> nn.Module:
+    """``torch.compile`` (optional), then DDP with bucket-view gradients.
+
+    Compile goes inside DDP, as in nanoGPT, so DDP's ``no_sync`` runs eagerly around the
+    compiled module. ``static_graph`` stays off: with ``no_sync`` it crashes or silently
+    skips the gradient all-reduce (pytorch#143580, accelerate#3679).
+    """
+    if cfg.compile:
+        model = torch.compile(model)
+    if not env.distributed:
+        return model
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        find_unused_parameters=False,
+    )
+    _register_comm_hook(ddp, cfg)
+    return ddp
+
+
+def _register_comm_hook(ddp: DistributedDataParallel, cfg: TrainConfig) -> None:
+    """Gradient compression from torch's own ``ddp_comm_hooks`` (none: DDP's C++ all-reduce).
+
+    bf16/fp16 halve the bytes on the wire (bf16 needs NCCL ≥ 2.10); PowerSGD sends a low-rank
+    approximation with error feedback after 1,000 plain steps. PowerSGD's error memory is not
+    checkpointed: a resumed run rebuilds it, so it is not bitwise equal to an uninterrupted one.
+    """
+    if cfg.comm_hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif cfg.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif cfg.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            random_seed=derive_seed(cfg.seed, "powersgd"),
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync`` around forward *and* backward of a micro-batch that must not
+    all-reduce; a no-op for the last micro-batch and for an unwrapped model."""
+    if sync or not isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def derive_seed(seed: int, *parts: int | str) -> int:
+    """A 32-bit seed from the config seed and a purpose (``"init"``, a rank, …): all the
+    trainer's randomness flows from ``seed`` through here, never from time or pid."""
+    words = [seed] + [
+        p if isinstance(p, int) else int.from_bytes(p.encode(), "little") for p in parts
+    ]
+    return int(np.random.SeedSequence(words).generate_state(1)[0])
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch (CPU and CUDA), Python's ``random`` and NumPy's global generator."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every generator's state as tensors and builtins (``weights_only``-loadable)."""
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class StopFlag:
+    """SIGTERM / SIGINT ask for a graceful stop: finish the step, checkpoint, exit 0.
+
+    The handler only sets a flag. Ranks may get the signal at different moments, so the
+    trainer sums the flag over ranks inside the per-step all-reduce it does anyway and acts
+    on that sum one step later (:class:`Lagged`): every rank stops at the same step and the
+    host never waits for the step in flight.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopFlag]:
+        """Handlers active inside the ``with`` (main thread only; a no-op elsewhere)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    @property
+    def local(self) -> float:
+        """1.0 once this process got a signal (the value it contributes to the all-reduce)."""
+        return 0.0 if self.received is None else 1.0
+
+
+class Lagged:
+    """A device scalar read on the host one step late, so reading it never stalls the GPU.
+
+    ``push(value)`` queues this step's value (a copy to the host after the kernels that make
+    it) and returns the previous step's, which finished long ago. On CPU it is the same
+    logic without events. All ranks push the same all-reduced value, so they agree.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def push(self, value: torch.Tensor) -> float | None:
+        """Queue ``value``; return the value pushed before it (``None`` on the first push)."""
+        host = value.detach().to("cpu", non_blocking=True) if self.cuda else value.detach().clone()
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        previous, self._pending = self._pending, (host, event)
+        if previous is None:
+            return None
+        if previous[1] is not None:
+            previous[1].synchronize()
+        return float(previous[0])

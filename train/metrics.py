@@ -1,0 +1,178 @@
+"""Training metrics without host syncs: counters on the host, loss sums on the device.
+
+Batch sizes, frame and token counts come from the batches while they are still in host
+memory, so counting them costs nothing. Losses and grad norms stay on the device as running
+sums; every ``log_every`` steps :meth:`Meter.summary` all-reduces everything in one tensor
+and reads it once. Rank 0 appends a JSON line to ``OUT/metrics.jsonl`` and updates a tqdm bar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from train.distributed import Env, all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+# Host counters summed over ranks; "wait_s" is the time this rank spent blocked on the loader.
+_HOST_KEYS = ("samples", "frames", "padded_frames", "text_tokens", "wait_s")
+
+
+class Meter:
+    """Sums over one logging window: call ``add_*`` every step, :meth:`summary` at log steps."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self._reset()
+
+    def _reset(self) -> None:
+        self.host = dict.fromkeys(_HOST_KEYS, 0.0)
+        self.device: dict[str, torch.Tensor] = {}
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add_batch(
+        self, mel_lengths: torch.Tensor, mel_shape: torch.Size, text_lengths: torch.Tensor
+    ) -> None:
+        """Count one micro-batch; its tensors must still be on the host (no device sync)."""
+        self.host["samples"] += mel_shape[0]
+        self.host["frames"] += int(mel_lengths.sum())
+        self.host["padded_frames"] += mel_shape[0] * mel_shape[1]
+        self.host["text_tokens"] += int(text_lengths.sum())
+
+    def add_wait(self, seconds: float) -> None:
+        """Time the loop spent blocked on the loader this step."""
+        self.host["wait_s"] += seconds
+
+    def add_device(self, name: str, value: torch.Tensor, *, replicated: bool = False) -> None:
+        """Add a device scalar to the window's running sum.
+
+        Per-rank shares of a global value (a loss sum ÷ the global frame count) are summed
+        over ranks by :meth:`summary`; a ``replicated`` value, equal on every rank (the grad
+        norm after the all-reduce), is divided by the world size first so the sum equals it.
+        """
+        value = value.detach().float()
+        if replicated:
+            value = value / self.env.world_size
+        self.device[name] = self.device[name] + value if name in self.device else value
+
+    def end_step(self) -> None:
+        """Mark one optimizer step done."""
+        self.steps += 1
+
+    def summary(self) -> dict[str, float]:
+        """All-reduce the window's sums (one collective, one host read) and reset.
+
+        Every rank must call this at the same step. Losses are global (Σ ranks), averaged
+        over the window's steps; rates are whole-job rates over this rank's wall time.
+        """
+        elapsed = time.perf_counter() - self.start
+        names = sorted(self.device)
+        host = torch.tensor([self.host[k] for k in _HOST_KEYS], dtype=torch.float64)
+        parts = [host.to(self.env.device)]
+        if names:
+            parts.append(torch.stack([self.device[n] for n in names]).double())
+        totals = all_reduce_sum(torch.cat(parts), self.env).tolist()  # the one host sync
+        sums = dict(zip([*_HOST_KEYS, *names], totals, strict=True))
+        steps = max(self.steps, 1)
+        out = {name: sums[name] / steps for name in names}
+        out.update(
+            step_time_s=elapsed / steps,
+            samples_per_s=sums["samples"] / elapsed,
+            frames_per_s=sums["frames"] / elapsed,
+            text_tokens_per_s=sums["text_tokens"] / elapsed,
+            padding_pct=100.0 * (1.0 - sums["frames"] / max(sums["padded_frames"], 1.0)),
+            data_wait_pct=100.0 * sums["wait_s"] / self.env.world_size / elapsed,
+        )
+        out.update(peak_memory(self.env.device))
+        self._reset()
+        return out
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """CUDA peak allocated/reserved MiB on this rank, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return {
+            "cuda_max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "cuda_max_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20,
+        }
+    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+class MetricsLog:
+    """Rank 0's ``metrics.jsonl`` and progress bar; a no-op object on other ranks."""
+
+    def __init__(self, out: Path, env: Env, *, start_step: int, max_steps: int) -> None:
+        self.enabled = env.is_main
+        self.path = Path(out) / METRICS_NAME
+        self.bar: tqdm | None = None
+        if not self.enabled:
+            return
+        _truncate_after(self.path, start_step)
+        # disable=None: a bar on a terminal, nothing in logs and test pipes.
+        self.bar = tqdm(total=max_steps, initial=start_step, unit="step", disable=None)
+
+    def advance(self) -> None:
+        """One step done (host-only bookkeeping)."""
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Append ``{"step": step, **values}`` to metrics.jsonl and show the main numbers."""
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _round(v) for k, v in values.items()}}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{values['loss']:.4f}",
+                lr=f"{values['lr']:.2e}",
+                fps=f"{values['frames_per_s']:.0f}",
+                wait=f"{values['data_wait_pct']:.0f}%",
+                refresh=False,
+            )
+        log.debug("step %d %s", step, record)
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
+    return value
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (skipping a torn last line from a killed writer)."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s: skipping a line that is not JSON (a torn write?)", path)
+    return records
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """On resume, drop records past the checkpoint's step: the resumed run logs them again."""
+    if not path.exists():
+        return
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    os.replace(temp, path)

@@ -1,0 +1,46 @@
+"""``python -m train plot runs/NAME``: loss and throughput curves of a run as one PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from preprocess.errors import UserError
+from train.metrics import METRICS_NAME, read_metrics
+
+
+def plot_run(run: Path, output: Path | None = None) -> Path:
+    """Draw ``run/metrics.jsonl`` into ``output`` (default ``run/metrics.png``); return its path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("plotting needs matplotlib: pip install 'melcache[plot]'") from None
+    path = Path(run) / METRICS_NAME
+    if not path.is_file():
+        raise UserError(f"{path} not found: is {run} a training run folder?")
+    # A resumed run may have logged a step twice; the later record wins.
+    records = sorted({r["step"]: r for r in read_metrics(path)}.values(), key=lambda r: r["step"])
+    if not records:
+        raise UserError(f"{path} has no records yet")
+    steps = [r["step"] for r in records]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(steps, [r["loss"] for r in records], label="loss")
+    for extra in ("mel_loss", "stop_loss"):
+        if extra in records[0]:
+            top.plot(steps, [r.get(extra) for r in records], label=extra, alpha=0.7)
+    top.set_ylabel("loss (per valid frame)")
+    top.legend()
+    bottom.plot(steps, [r["frames_per_s"] for r in records], label="valid frames/s")
+    bottom.set_ylabel("frames/s")
+    wait = bottom.twinx()
+    wait.plot(steps, [r["data_wait_pct"] for r in records], color="tab:red", alpha=0.6)
+    wait.set_ylabel("data wait %", color="tab:red")
+    bottom.set_xlabel("step")
+    fig.suptitle(Path(run).name)
+    fig.tight_layout()
+    output = Path(output) if output is not None else Path(run) / "metrics.png"
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return output

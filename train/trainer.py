@@ -1,0 +1,335 @@
+"""The training loop. Construction assembles the parts; :meth:`Trainer.fit` is the loop.
+
+One optimizer step (``train_step``): take ``grad_accum`` micro-batches; all-reduce the number
+of valid mel frames they hold over all ranks (with each rank's stop vote riding along); run
+forward and backward of each, the first k−1 under ``no_sync`` so gradients are all-reduced
+once; the loss is Σ per-frame losses ÷ that global frame count, so every frame of every
+utterance weighs the same whatever the batching, accumulation or world size. Then unscale
+(fp16), clip, step, schedule, EMA. Nothing in the step reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from preprocess.errors import UserError
+from preprocess.format import STATS_NAME
+from train.checkpoint import Checkpointer
+from train.config import Config
+from train.data import Batch, make_loader
+from train.distributed import (
+    Env,
+    Lagged,
+    StopFlag,
+    all_reduce_sum,
+    derive_seed,
+    no_sync,
+    rng_state,
+    seed_all,
+    set_rng_state,
+    setup,
+    teardown,
+    wrap_model,
+)
+from train.metrics import Meter, MetricsLog
+from train.model import build_model, describe
+from train.optim import EMA, build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Config keys that may change between a run and its resumption without a warning.
+_RESUMABLE_CHANGES = {
+    "train.max_steps",
+    "train.log_every",
+    "train.ckpt_every",
+    "train.keep_checkpoints",
+    "train.async_checkpoint",
+}
+
+
+class Trainer:
+    """Model, loader, optimizer, checkpoints and metrics of one run in ``out``."""
+
+    def __init__(self, cfg: Config, shards: str, out: Path, env: Env) -> None:
+        self.cfg, self.env, self.out = cfg, env, Path(out)
+        t, device = cfg.train, env.device
+        self.precision = resolve_precision(t.precision, device)
+        if device.type == "cuda":  # TF32 matmuls: ~fp32 accuracy at tensor-core speed
+            torch.set_float32_matmul_precision("high")
+        seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
+        self.loader = make_loader(
+            shards,
+            rank=env.rank,
+            world_size=env.world_size,
+            num_workers=cfg.data.num_workers,
+            batch_frames=cfg.data.batch_frames,
+            max_batch_size=cfg.data.max_batch_size,
+            seed=t.seed,
+            pad_multiple=cfg.data.pad_multiple,
+            on_error=cfg.data.on_error,
+            check_sha256=cfg.data.check_sha256,
+            expect_features=cfg.model.expected_features(),
+        )
+        self.raw_model = build_model(cfg.model).to(device)
+        self.optimizer = build_optimizer(self.raw_model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+        if self.scaler.is_enabled():  # a skipped fp16 step is normal, not a misordered schedule
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        self.ema = EMA(self.raw_model, t.ema_decay) if t.ema_decay > 0 else None
+        self.ckpt = Checkpointer(
+            self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
+        )
+        self.step = self._resume_or_start(shards)
+        if t.activation_checkpointing:
+            _enable_activation_checkpointing(self.raw_model, cfg.model.impl)
+        self.model = wrap_model(self.raw_model, env, t)
+        self.meter = Meter(env)
+        self.stop = StopFlag()
+        self._lr = self.optimizer.param_groups[0]["lr"]
+        log.info(
+            "model %s on %s × %d, %s, step %d",
+            describe(self.raw_model),
+            device,
+            env.world_size,
+            self.precision,
+            self.step,
+        )
+
+    def fit(self, max_steps: int | None = None) -> str:
+        """Train until ``max_steps`` (default: the config's) or a stop signal; say which."""
+        t = self.cfg.train
+        max_steps = t.max_steps if max_steps is None else max_steps
+        metrics = MetricsLog(self.out, self.env, start_step=self.step, max_steps=max_steps)
+        stop_votes = Lagged(self.env.device)
+        batches = _without_global_rng(self.loader)
+        self.meter = Meter(self.env)  # the first window starts now, not at construction
+        try:
+            with self.stop.installed():
+                while self.step < max_steps:
+                    t0 = time.perf_counter()
+                    micro = [next(batches) for _ in range(t.grad_accum)]
+                    self.meter.add_wait(time.perf_counter() - t0)
+                    votes = self.train_step(micro)
+                    self.step += 1
+                    metrics.advance()
+                    if self.step % t.log_every == 0 or self.step == max_steps:
+                        metrics.log(self.step, self._summary())
+                    stopping = (stop_votes.push(votes) or 0.0) > 0
+                    if stopping or self.step % t.ckpt_every == 0 or self.step == max_steps:
+                        self.save()
+                    if stopping:
+                        log.info(
+                            "stopping at step %d (%s)", self.step, self.stop.received or "peer"
+                        )
+                        return "signal"
+        finally:
+            metrics.close()
+        return "max_steps"
+
+    def train_step(self, micro: list[Batch]) -> torch.Tensor:
+        """One optimizer step over ``micro``; returns the ranks' summed stop votes (device)."""
+        frames = sum(int(b.mel_lengths.sum()) for b in micro)  # host tensors: no sync
+        counts = torch.tensor([frames, self.stop.local], dtype=torch.float64)
+        counts = all_reduce_sum(counts.to(self.env.device, non_blocking=True), self.env)
+        inv_frames = (1.0 / counts[0]).float()  # 1 / global valid frames of this step
+        # DDP averages gradients over ranks; × world size turns that mean into the sum.
+        loss_scale = inv_frames * self.env.world_size
+        for i, batch in enumerate(micro):
+            self.meter.add_batch(batch.mel_lengths, batch.mel.shape, batch.text_lengths)
+            batch = batch.to(self.env.device)
+            with no_sync(self.model, sync=i == len(micro) - 1):
+                with self._autocast():
+                    out = self.model(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
+                self.scaler.scale(out["loss_sum"] * loss_scale).backward()
+            for name, value in out.items():
+                if name.endswith("_sum"):
+                    self.meter.add_device(name.removesuffix("_sum"), value * inv_frames)
+        self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.optim.grad_clip or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip, foreach=True)
+        self.meter.add_device("grad_norm", norm, replicated=True)
+        self._lr = self.optimizer.param_groups[0]["lr"]
+        # fp16: skips the step on inf/NaN gradients; the fused AdamW reads the found-inf flag
+        # on the device, so GradScaler needs no host sync here.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
+        self.meter.end_step()
+        return counts[1]
+
+    def save(self) -> None:
+        """Checkpoint the current step (every rank calls this at the same step)."""
+        shared: dict[str, Any] = {}
+        if self.env.is_main:
+            shared = {
+                "step": self.step,
+                "config": self.cfg.to_dict(),
+                "model": self.raw_model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "ema": None if self.ema is None else self.ema.state_dict(),
+            }
+        local = {
+            "step": self.step,
+            "rank": self.env.rank,
+            "rng": rng_state(self.env.device),
+            "loader": self.loader.state_dict(),
+        }
+        self.ckpt.save(self.step, shared, local)
+
+    def close(self) -> None:
+        """Finish the checkpoint in flight and stop the loader's workers; call in a ``finally``."""
+        try:
+            self.ckpt.close()
+        finally:
+            self.loader.close()
+
+    def _summary(self) -> dict[str, float]:
+        values = self.meter.summary()  # all ranks: one all-reduce, one host read
+        values["lr"] = self._lr
+        if not math.isfinite(values["loss"]) and self.precision != "fp16":
+            raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
+        return values
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = _AMP_DTYPES.get(self.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.env.device.type, dtype=dtype)
+
+    def _resume_or_start(self, shards: str) -> int:
+        """Restore the latest complete checkpoint in ``out``, or prepare a fresh start."""
+        t = self.cfg.train
+        latest = self.ckpt.latest()
+        if latest is None:
+            if self.cfg.data.mel_stats and hasattr(self.raw_model, "set_mel_stats"):
+                self.raw_model.set_mel_stats(*(s.to(self.env.device) for s in _mel_stats(shards)))
+            if self.env.is_main:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+            # Dropout masks must differ between ranks: one stream per (seed, rank).
+            seed_all(derive_seed(t.seed, "train", self.env.rank))
+            return 0
+        shared, local = self.ckpt.load(latest)
+        _warn_config_changes(shared["config"], self.cfg.to_dict(), latest)
+        try:
+            self.raw_model.load_state_dict(shared["model"])
+            self.optimizer.load_state_dict(shared["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise UserError(f"{latest} does not fit this model/optimizer config: {exc}") from None
+        self.scheduler.load_state_dict(shared["scheduler"])
+        self.scaler.load_state_dict(shared["scaler"])
+        if self.ema is not None and shared["ema"] is not None:
+            self.ema.load_state_dict(shared["ema"])
+        self.loader.load_state_dict(local["loader"])
+        set_rng_state(local["rng"], self.env.device)
+        log.info("resumed from %s", latest)
+        return int(shared["step"])
+
+
+def _without_global_rng(loader: Any) -> Iterator[Batch]:
+    """Iterate ``loader`` without letting it touch the global torch generator.
+
+    DataLoader draws a base seed from it when it starts its workers; in a resumed run that
+    happens at a different point of the stream, so the dropout masks would differ from an
+    uninterrupted run. Only the model may consume the training generator.
+    """
+    batches = None
+    while True:
+        with torch.random.fork_rng(devices=[]):
+            batches = iter(loader) if batches is None else batches
+            batch = next(batches)
+        yield batch
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """Turn ``"auto"`` into bf16 or fp32 for this device; refuse bf16 where CUDA lacks it."""
+    if device.type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported()
+    else:  # without AVX-512 bf16 is emulated and slower than fp32 on CPU
+        try:
+            bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            bf16 = False
+    if precision == "auto":
+        return "bf16" if bf16 else "fp32"
+    if precision == "bf16" and device.type == "cuda" and not bf16:
+        raise UserError(
+            f"config key train.precision = 'bf16' is not supported on "
+            f"{torch.cuda.get_device_name(device)}: use fp16 (with loss scaling) or fp32"
+        )
+    return precision
+
+
+def _enable_activation_checkpointing(model: torch.nn.Module, impl: str) -> None:
+    if not hasattr(model, "set_activation_checkpointing"):
+        raise UserError(
+            f"config key train.activation_checkpointing = true, but {impl} has no "
+            "set_activation_checkpointing method"
+        )
+    model.set_activation_checkpointing(True)
+
+
+def _mel_stats(shards: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std from the cache's stats.zarr (float32 ``[n_mels]``)."""
+    import zarr  # only needed on a fresh start
+
+    path = Path(shards) / STATS_NAME
+    if not path.is_dir():
+        raise UserError(
+            f"{path} not found: data.mel_stats = true needs a local cache with its statistics; "
+            "set data.mel_stats=false to train on unnormalised log-mels"
+        )
+    group = zarr.open_group(str(path), mode="r")
+    return torch.from_numpy(group["mean"][:]).float(), torch.from_numpy(group["std"][:]).float()
+
+
+def _warn_config_changes(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
+    changed = sorted(set(_flatten(saved).items()) ^ set(_flatten(current).items()))
+    keys = sorted({k for k, _ in changed} - _RESUMABLE_CHANGES)
+    if keys:
+        log.warning(
+            "resuming %s with a changed config (%s); the optimizer and schedule state come "
+            "from the checkpoint",
+            where,
+            ", ".join(keys),
+        )
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = repr(value)
+    return out
+
+
+def run(cfg: Config, shards: str, out: Path) -> str:
+    """Join the job, train, checkpoint, leave: the whole ``python -m train`` command."""
+    env = setup()
+    try:
+        trainer = Trainer(cfg, shards, out, env)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+    finally:
+        teardown(env)
