@@ -26,8 +26,8 @@ import numpy as np
 from benchmarks.speech import make_corpus
 
 
-def timed_build(src: Path, out: Path, workers: int) -> tuple[float, float]:
-    """Wall seconds of a fresh ``preprocess build`` and the audio seconds it wrote."""
+def timed_build(src: Path, out: Path, workers: int) -> tuple[float, float, int]:
+    """Wall seconds of a fresh ``preprocess build``, the audio seconds and shard bytes it wrote."""
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
     command = [
@@ -44,7 +44,8 @@ def timed_build(src: Path, out: Path, workers: int) -> tuple[float, float]:
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - started
-    return wall, json.loads((out / "index.json").read_text())["totals"]["seconds"]
+    index = json.loads((out / "index.json").read_text())
+    return wall, index["totals"]["seconds"], sum(s["bytes"] for s in index["shards"])
 
 
 def naive_librosa(src: Path, budget_seconds: float) -> tuple[float, float]:
@@ -86,8 +87,8 @@ def main() -> None:
     args = parser.parse_args()
     big = make_corpus(args.data / f"speech-{args.hours:g}h", args.hours)
     tiny = make_corpus(args.data / "speech-tiny", 0.02)
-    tiny_wall, tiny_audio = timed_build(tiny, args.data / "cache-tiny", args.workers)
-    big_wall, big_audio = timed_build(big, args.data / "cache-big", args.workers)
+    tiny_wall, tiny_audio, _ = timed_build(tiny, args.data / "cache-tiny", args.workers)
+    big_wall, big_audio, big_bytes = timed_build(big, args.data / "cache-big", args.workers)
     steady = (big_audio - tiny_audio) / (big_wall - tiny_wall)
     naive_wall, naive_audio = naive_librosa(big, budget_seconds=30)
     naive = naive_audio / naive_wall
@@ -101,6 +102,7 @@ def main() -> None:
             "steady_real_time_x": round(steady),
             "startup_s": round(tiny_wall, 2),
             "wall_s_per_audio_hour": round(3600 / steady, 2),
+            "cache_mb_per_audio_hour": round(big_bytes / 1e6 / (big_audio / 3600), 1),
         },
         {
             "row": "naive librosa loop",

@@ -47,54 +47,54 @@ class FeatureConfig:
     log_floor: float = 1e-5
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.sample_rate > 0, "features.sample_rate", self.sample_rate, "a positive rate in Hz"
         )
-        _require(self.n_fft > 0, "features.n_fft", self.n_fft, "a positive FFT size")
-        _require(
+        require(self.n_fft > 0, "features.n_fft", self.n_fft, "a positive FFT size")
+        require(
             0 < self.win_length <= self.n_fft,
             "features.win_length",
             self.win_length,
             f"between 1 and n_fft ({self.n_fft})",
         )
-        _require(
+        require(
             0 < self.hop_length <= self.win_length,
             "features.hop_length",
             self.hop_length,
             f"between 1 and win_length ({self.win_length})",
         )
-        _require(self.n_mels > 0, "features.n_mels", self.n_mels, "a positive number of bands")
-        _require(
+        require(self.n_mels > 0, "features.n_mels", self.n_mels, "a positive number of bands")
+        require(
             0 <= self.f_min < self.f_max <= self.sample_rate / 2,
             "features.f_max",
             self.f_max,
             f"above f_min ({self.f_min}) and at most sample_rate / 2 ({self.sample_rate / 2})",
         )
-        _require(
+        require(
             self.mel_scale in ("htk", "slaney"),
             "features.mel_scale",
             self.mel_scale,
             '"htk" or "slaney"',
         )
-        _require(
+        require(
             self.mel_norm in ("none", "slaney"),
             "features.mel_norm",
             self.mel_norm,
             '"none" or "slaney"',
         )
-        _require(
+        require(
             self.magnitude_eps >= 0,
             "features.magnitude_eps",
             self.magnitude_eps,
             "zero or positive",
         )
-        _require(
+        require(
             self.log_floor > 0,
             "features.log_floor",
             self.log_floor,
             "a positive floor such as 1e-5",
         )
-        _require(
+        require(
             self.center or (self.n_fft - self.hop_length) % 2 == 0,
             "features.center",
             self.center,
@@ -136,36 +136,36 @@ class BuildConfig:
     silence_dbfs: float = -70.0
 
     def __post_init__(self) -> None:
-        _require(self.min_seconds > 0, "build.min_seconds", self.min_seconds, "a positive duration")
-        _require(
+        require(self.min_seconds > 0, "build.min_seconds", self.min_seconds, "a positive duration")
+        require(
             self.max_seconds > self.min_seconds,
             "build.max_seconds",
             self.max_seconds,
             f"above min_seconds ({self.min_seconds})",
         )
-        _require(self.num_buckets >= 1, "build.num_buckets", self.num_buckets, "at least 1")
+        require(self.num_buckets >= 1, "build.num_buckets", self.num_buckets, "at least 1")
         edges = self.bucket_edges_seconds
-        _require(
+        require(
             all(self.min_seconds < e < self.max_seconds for e in edges)
             and list(edges) == sorted(set(edges)),
             "build.bucket_edges_seconds",
             list(edges),
             "strictly increasing inner edges between min_seconds and max_seconds",
         )
-        _require(
+        require(
             self.shard_max_samples >= 1,
             "build.shard_max_samples",
             self.shard_max_samples,
             "at least 1",
         )
-        _require(
+        require(
             self.shard_max_bytes >= 1 << 16,
             "build.shard_max_bytes",
             self.shard_max_bytes,
             "at least 65536",
         )
-        _require(self.min_shards >= 1, "build.min_shards", self.min_shards, "at least 1")
-        _require(
+        require(self.min_shards >= 1, "build.min_shards", self.min_shards, "at least 1")
+        require(
             self.silence_dbfs < 0, "build.silence_dbfs", self.silence_dbfs, "negative, e.g. -70"
         )
 
@@ -176,7 +176,8 @@ class BuildConfig:
         return out
 
 
-def _require(ok: bool, key: str, value: Any, expected: str) -> None:
+def require(ok: bool, key: str, value: Any, expected: str) -> None:
+    """Raise a UserError naming the config key, its bad value and what would be valid."""
     if not ok:
         raise UserError(f"config key {key} = {value!r} is invalid: expected {expected}")
 

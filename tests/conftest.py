@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,10 +43,8 @@ def small_shards_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def sample_cache(tmp_path_factory: pytest.TempPathFactory, small_shards_config: Path) -> Path:
-    """The sample corpus built once per test session (read-only: copy it before damaging it)."""
-    out = tmp_path_factory.mktemp("sample_cache")
+def build_cache(out: Path, config: Path, *extra: str) -> Path:
+    """Build the sample corpus into ``out`` with ``config``, one worker, as a user would."""
     run_preprocess(
         "build",
         "--src",
@@ -55,17 +52,18 @@ def sample_cache(tmp_path_factory: pytest.TempPathFactory, small_shards_config: 
         "--out",
         str(out),
         "--config",
-        str(small_shards_config),
+        str(config),
         "--workers",
         "1",
+        *extra,
     )
     return out
 
 
-@pytest.fixture
-def preprocess_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
-    """The ``run_preprocess`` helper as a fixture."""
-    return run_preprocess
+@pytest.fixture(scope="session")
+def sample_cache(tmp_path_factory: pytest.TempPathFactory, small_shards_config: Path) -> Path:
+    """The sample corpus built once per test session (read-only: copy it before damaging it)."""
+    return build_cache(tmp_path_factory.mktemp("sample_cache"), small_shards_config)
 
 
 # --- Trainer tests (tests/test_train*.py) -------------------------------------------------
@@ -85,16 +83,4 @@ def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("train_cache")
     config = root / "short.toml"
     config.write_text(TRAIN_CACHE_TOML)
-    out = root / "cache"
-    run_preprocess(
-        "build",
-        "--src",
-        str(SAMPLE_CORPUS),
-        "--out",
-        str(out),
-        "--config",
-        str(config),
-        "--workers",
-        "1",
-    )
-    return out
+    return build_cache(root / "cache", config)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-from conftest import REPO, SAMPLE_CORPUS, run_preprocess
+from conftest import REPO, SAMPLE_CORPUS, build_cache, run_preprocess
 
 from preprocess.format import INDEX_NAME, decode_meta, group_samples, iter_members
 
@@ -185,20 +185,9 @@ def test_parts_build_one_cache(
     tmp_path: Path, sample_cache: Path, small_shards_config: Path
 ) -> None:
     out = tmp_path / "out"
-    common = [
-        "build",
-        "--src",
-        str(SAMPLE_CORPUS),
-        "--out",
-        str(out),
-        "--config",
-        str(small_shards_config),
-        "--workers",
-        "1",
-    ]
-    run_preprocess(*common, "--part", "1/2")
+    build_cache(out, small_shards_config, "--part", "1/2")
     assert not (out / INDEX_NAME).exists()
-    run_preprocess(*common, "--part", "0/2")
+    build_cache(out, small_shards_config, "--part", "0/2")
     assert digests(out) == digests(sample_cache)
 
 

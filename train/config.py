@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from preprocess.config import require
 from preprocess.errors import UserError
 
 if sys.version_info >= (3, 11):
@@ -25,11 +26,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 ON_ERROR = ("raise", "skip")
-
-
-def _require(ok: bool, key: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise UserError(f"config key {key} = {value!r} is invalid: expected {expected}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,11 +44,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         module, _, name = self.impl.partition(":")
-        _require(bool(module and name), "model.impl", self.impl, '"package.module:Class"')
-        _require(self.n_mels > 0, "model.n_mels", self.n_mels, "a positive number of bands")
-        _require(self.sample_rate > 0, "model.sample_rate", self.sample_rate, "a rate in Hz")
-        _require(self.hop_length > 0, "model.hop_length", self.hop_length, "a hop in samples")
-        _require(isinstance(self.args, Mapping), "model.args", self.args, "a table")
+        require(bool(module and name), "model.impl", self.impl, '"package.module:Class"')
+        require(self.n_mels > 0, "model.n_mels", self.n_mels, "a positive number of bands")
+        require(self.sample_rate > 0, "model.sample_rate", self.sample_rate, "a rate in Hz")
+        require(self.hop_length > 0, "model.hop_length", self.hop_length, "a hop in samples")
+        require(isinstance(self.args, Mapping), "model.args", self.args, "a table")
 
     def expected_features(self) -> dict[str, int]:
         """The feature keys the cache must match (passed to the loader's ``expect_features``)."""
@@ -76,11 +72,11 @@ class DataConfig:
     mel_stats: bool = True  # hand the cache's per-channel mean/std (stats.zarr) to the model
 
     def __post_init__(self) -> None:
-        _require(self.batch_frames > 0, "data.batch_frames", self.batch_frames, "a positive count")
-        _require(self.max_batch_size > 0, "data.max_batch_size", self.max_batch_size, "≥ 1")
-        _require(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
-        _require(self.pad_multiple > 0, "data.pad_multiple", self.pad_multiple, "≥ 1")
-        _require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
+        require(self.batch_frames > 0, "data.batch_frames", self.batch_frames, "a positive count")
+        require(self.max_batch_size > 0, "data.max_batch_size", self.max_batch_size, "≥ 1")
+        require(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
+        require(self.pad_multiple > 0, "data.pad_multiple", self.pad_multiple, "≥ 1")
+        require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,24 +97,24 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "optim.lr", self.lr, "a positive learning rate")
-        _require(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"in [0, lr={self.lr}]")
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "0 or more")
-        _require(
+        require(self.lr > 0, "optim.lr", self.lr, "a positive learning rate")
+        require(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"in [0, lr={self.lr}]")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "0 or more")
+        require(
             self.decay_steps > self.warmup_steps,
             "optim.decay_steps",
             self.decay_steps,
             f"more than warmup_steps ({self.warmup_steps})",
         )
-        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "0 or more")
-        _require(
+        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "0 or more")
+        require(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             "optim.betas",
             list(self.betas),
             "two numbers in [0, 1), e.g. [0.9, 0.98]",
         )
-        _require(self.eps > 0, "optim.eps", self.eps, "a small positive number")
-        _require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "0 (off) or a norm")
+        require(self.eps > 0, "optim.eps", self.eps, "a small positive number")
+        require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "0 (off) or a norm")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,24 +138,24 @@ class TrainConfig:
     powersgd_rank: int = 4
 
     def __post_init__(self) -> None:
-        _require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
-        _require(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "1 or more")
-        _require(
+        require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
+        require(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "1 or more")
+        require(
             self.precision in PRECISIONS, "train.precision", self.precision, " or ".join(PRECISIONS)
         )
-        _require(self.log_every >= 1, "train.log_every", self.log_every, "1 or more")
-        _require(self.ckpt_every >= 1, "train.ckpt_every", self.ckpt_every, "1 or more")
-        _require(
+        require(self.log_every >= 1, "train.log_every", self.log_every, "1 or more")
+        require(self.ckpt_every >= 1, "train.ckpt_every", self.ckpt_every, "1 or more")
+        require(
             self.keep_checkpoints >= 2,
             "train.keep_checkpoints",
             self.keep_checkpoints,
             "2 or more, so a checkpoint killed mid-write always leaves a complete one",
         )
-        _require(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "0 (off) or in (0, 1)")
-        _require(
+        require(0 <= self.ema_decay < 1, "train.ema_decay", self.ema_decay, "0 (off) or in (0, 1)")
+        require(
             self.comm_hook in COMM_HOOKS, "train.comm_hook", self.comm_hook, " or ".join(COMM_HOOKS)
         )
-        _require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
+        require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

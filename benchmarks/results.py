@@ -1,0 +1,123 @@
+"""Run the benchmarks and write their results table into README.md (between markers).
+
+    python -m benchmarks.results [--quick]
+
+Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
+against a naive librosa loop), ``benchmarks.loader_bench`` (streaming loader against
+on-the-fly extraction) and ``benchmarks/trainer_bench.py`` (trainer overhead and data wait),
+collects the JSON lines they print, and replaces the README section between
+``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
+command and the machine. Nothing in the table is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def run_json(command: list[str]) -> list[dict[str, Any]]:
+    """Run a benchmark; return every JSON object it printed on stdout (one per line or block)."""
+    print("$", " ".join(command), file=sys.stderr, flush=True)
+    out = subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True).stdout
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while (start := out.find("{", at)) != -1:
+        obj, at = decoder.raw_decode(out, start)
+        objects.append(obj)
+    return objects
+
+
+def machine() -> str:
+    """One line naming the machine the numbers came from."""
+    cpu = platform.processor() or platform.machine()
+    model = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
+        if Path("/proc/cpuinfo").exists()
+        else cpu
+    )
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{len(os.sched_getaffinity(0))} cores ({model}), {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def table(quick: bool) -> str:
+    """Run the three benchmarks and render their rows as markdown."""
+    py = sys.executable
+    build_cmd = [py, "-m", "benchmarks.build_bench", "--hours", "0.5" if quick else "3"]
+    loader_cmd = [py, "-m", "benchmarks.loader_bench", "--hours", "0.5" if quick else "1"]
+    trainer_cmd = [
+        py,
+        "benchmarks/trainer_bench.py",
+        "--steps",
+        "10" if quick else "20",
+        "--rounds",
+        "3" if quick else "10",
+    ]
+    build = {row["row"]: row for row in run_json(build_cmd)}
+    loader = run_json(loader_cmd)
+    trainer = run_json(trainer_cmd)[0]  # one indented JSON object
+    overhead = trainer["overhead"]
+    b, naive = build["preprocess build"], build["naive librosa loop"]
+    base, ours = loader[0], loader[-1]
+    lines = [
+        f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results`.",
+        "",
+        "| what | melcache | reference | ratio | command |",
+        "|---|---|---|---|---|",
+        f"| build, steady real-time factor ({b['workers']} workers, {b['audio_hours']} h) | {b['steady_real_time_x']}× | naive librosa loop {naive['real_time_x']}× | {build['ratio']['build_steady_over_naive']}× | `{_cmd(build_cmd)}` |",
+        f"| build wall time per hour of audio | {b['wall_s_per_audio_hour']} s | | | same |",
+        f"| storage per hour of audio (float16 mel) | {b['cache_mb_per_audio_hour']} MB | 172.8 MB raw 16-bit 24 kHz PCM | | same |",
+        f"| loader samples/s (warm, {ours.get('workers', 2)} workers) | {ours['samples_per_s']:.0f} | on-the-fly {base['samples_per_s']:.0f} | {ours['ratio']:.1f}× | `{_cmd(loader_cmd)}` |",
+        f"| loader padding (padded ÷ all frames) | {ours['padding_fraction']:.1%} | on-the-fly random batches {base['padding_fraction']:.1%} | | same |",
+        f"| loader: first batch after resuming at 1 % / 90 % of an epoch | {ours['resume_first_batch_s']['1%']} s / {ours['resume_first_batch_s']['90%']} s | | | same |",
+        f"| trainer overhead vs a bare loop (median, CPU time / wall) | {overhead['overhead_pct_cpu']:+.1f} % / {overhead['overhead_pct_wall']:+.1f} % | | | `{_cmd(trainer_cmd)}` |",
+        f"| trainer data wait, 2-process run on the sample corpus (steady) | {trainer['data_wait']['data_wait_pct_steady']:.1f} % | | | same |",
+    ]
+    return "\n".join(lines)
+
+
+def _cmd(command: list[str]) -> str:
+    return " ".join(["python", *command[1:]])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small corpora (a check, not numbers to publish)"
+    )
+    args = parser.parse_args()
+    rendered = table(args.quick)
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no {BEGIN} … {END} section")
+    text = re.sub(
+        re.escape(BEGIN) + ".*?" + re.escape(END), f"{BEGIN}\n{rendered}\n{END}", text, flags=re.S
+    )
+    readme.write_text(text)
+    print(rendered)
+
+
+if __name__ == "__main__":
+    main()
