@@ -1,0 +1,70 @@
+"""benchmarks/gpu_bench.py on CPU: the whole command on a tiny corpus, and its baseline collate."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.gpu_bench import DEFAULT_ROWS, PadToBatch, UtilSampler, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_cpu_run_prints_every_row(tmp_path: Path) -> None:
+    rows_file = tmp_path / "rows.jsonl"
+    command = [sys.executable, "-m", "benchmarks.gpu_bench", "--device", "cpu"]
+    command += ["--model", "tiny", "--steps", "2", "--warmup", "1", "--minutes", "0.3"]
+    command += ["--accum", "2", "--workers", "1", "--data", str(tmp_path / "data")]
+    command += ["--json", str(rows_file)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    lines = done.stdout.splitlines()
+    rows = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [r["row"] for r in rows] == DEFAULT_ROWS
+    assert [json.loads(line) for line in rows_file.read_text().splitlines()] == rows
+    for row in rows:
+        assert row["samples_per_s"] > 0 and row["frames_per_s"] > 0, row
+        assert 0 <= row["data_wait_pct"] <= 100, row
+        assert 0 <= row["padding_pct"] < 100, row
+        assert row["gpu_util_pct"] is None and row["peak_allocated_mib"] is None, row
+        assert row["peak_rss_mib"] > 0 and math.isfinite(row["loss"]), row
+        assert row["micro_batches"] == 2 and row["model"] == "tiny", row
+    assert [r["precision"] for r in rows[:3]] == ["fp32", "fp32", "bf16"]
+    assert [r["grad_accum"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    table = [line for line in lines if line.startswith("| ")]
+    assert table[0].startswith("| row | what | samples/s | frames/s")
+    assert [line.split(" | ")[0].removeprefix("| ") for line in table[1:]] == DEFAULT_ROWS
+    # One rank: skipping the all-reduce of the first micro-batches (no_sync) and recomputing
+    # activations change the cost, never the result (same batches, seeds and dropout masks).
+    assert rows[3]["loss"] == pytest.approx(rows[4]["loss"], rel=1e-3)
+    assert rows[5]["loss"] == pytest.approx(rows[4]["loss"], rel=1e-3)
+
+
+def test_baseline_batch_matches_the_cache_layout() -> None:
+    mels = [torch.randn(5, 3), torch.randn(9, 3)]
+    tokens = [torch.tensor([1, 2]), torch.tensor([3, 4, 5])]
+    batch = PadToBatch(pad_multiple=8, pad_value=-11.5)(list(zip(mels, tokens, strict=True)))
+    assert batch.mel.dtype == torch.float16 and batch.mel.shape == (2, 16, 3)
+    assert batch.mel_lengths.tolist() == [5, 9] and batch.text_lengths.tolist() == [2, 3]
+    assert torch.equal(batch.mel[1, :9], mels[1].half())
+    assert (batch.mel[0, 5:] == -11.5).all() and (batch.mel[1, 9:] == -11.5).all()
+    assert batch.text.tolist() == [[1, 2, 0], [3, 4, 5]]
+    assert len(batch) == 2 and batch.speaker == [None, None]
+
+
+def test_rows_and_sampler_options() -> None:
+    assert parse_args(["--rows", "all"]).rows[-1] == "compile"
+    assert parse_args([]).rows == DEFAULT_ROWS
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "cache-fp32,nope"])
+    sampler = UtilSampler(torch.device("cpu"))  # no GPU: no thread, no samples
+    assert sampler.mean(0.0, 1e9) is None
+    sampler.close()
