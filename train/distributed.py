@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import os
 import random
@@ -57,8 +58,33 @@ def setup() -> Env:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return Env(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo",
+        store=_attempt_store(rank, world_size),
+        rank=rank,
+        world_size=world_size,
+        device_id=device if cuda else None,
+    )
+    return Env(rank, world_size, local_rank, device)
+
+
+def _attempt_store(rank: int, world_size: int) -> dist.Store:
+    """The rendezvous store, with keys private to this restart attempt.
+
+    torchrun's agent keeps one TCPStore across ``--max-restarts``: without a per-attempt
+    prefix, restarted ranks read the dead attempt's peer addresses and gloo cannot connect
+    (pytorch#135712). Outside torchrun's agent, rank 0 hosts the store.
+    """
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_it,
+        timeout=datetime.timedelta(minutes=10),
+    )
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def teardown(env: Env) -> None:
