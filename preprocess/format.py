@@ -116,7 +116,8 @@ def iter_members(
                 raise ShardError(f"{where}: unsafe member name {name!r}")
             yield key, member, entry["data"]
     except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
-        raise ShardError(f"{where}: not a readable tar ({exc})") from None
+        detail = str(exc).split(" @ ", 1)[0]  # webdataset appends " @ <file object>"
+        raise ShardError(f"{where}: not a readable tar ({detail})") from None
 
 
 def _is_known_member(name: str, on_unknown: Callable[[str], None] | None) -> bool:

@@ -25,6 +25,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Mapping
@@ -111,9 +112,7 @@ class Checkpointer:
                 f"with --nproc-per-node/--nnodes giving {marker['world_size']} processes, or "
                 "start a new --out"
             )
-        shared = torch.load(path / SHARED, map_location="cpu", weights_only=True)
-        local = torch.load(path / rank_file(self.env.rank), map_location="cpu", weights_only=True)
-        return shared, local
+        return _load(path / SHARED), _load(path / rank_file(self.env.rank))
 
     def _write(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         name = f"step-{step:08d}"
@@ -177,3 +176,14 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def _load(file: Path) -> dict[str, Any]:
+    """``torch.load(weights_only=True)``: tensors and plain data only, never pickled code."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[-1]
+        raise UserError(
+            f"{file} holds more than weights and plain data, refused (weights_only): {reason}"
+        ) from None
