@@ -16,7 +16,6 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +112,7 @@ class Trainer:
         max_steps = t.max_steps if max_steps is None else max_steps
         metrics = MetricsLog(self.out, self.env, start_step=self.step, max_steps=max_steps)
         stop_votes = Lagged(self.env.device)
-        batches = _without_global_rng(self.loader)
+        batches = iter(self.loader)  # the loader never draws from the global torch RNG
         self.meter = Meter(self.env)  # the first window starts now, not at construction
         try:
             with self.stop.installed():
@@ -241,21 +240,6 @@ class Trainer:
         set_rng_state(local["rng"], self.env.device)
         log.info("resumed from %s", latest)
         return int(shared["step"])
-
-
-def _without_global_rng(loader: Any) -> Iterator[Batch]:
-    """Iterate ``loader`` without letting it touch the global torch generator.
-
-    DataLoader draws a base seed from it when it starts its workers; in a resumed run that
-    happens at a different point of the stream, so the dropout masks would differ from an
-    uninterrupted run. Only the model may consume the training generator.
-    """
-    batches = None
-    while True:
-        with torch.random.fork_rng(devices=[]):
-            batches = iter(loader) if batches is None else batches
-            batch = next(batches)
-        yield batch
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
