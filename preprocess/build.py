@@ -26,7 +26,7 @@ from preprocess.config import BuildConfig, FeatureConfig
 from preprocess.discover import discover
 from preprocess.errors import UserError
 from preprocess.features import MelExtractor
-from preprocess.format import encode_sample, file_sha256, open_tar_writer, write_atomic
+from preprocess.format import HashingStream, encode_sample, open_tar_writer, write_atomic
 from preprocess.index import write_cache_files
 from preprocess.parallel import Runner, ordered_map
 from preprocess.plan import Plan, PlannedUtterance, ShardTask, make_plan
@@ -150,6 +150,7 @@ class _Tally:
     squares: np.ndarray
     frames: list[int] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    sha256: str = ""
     rejected: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
@@ -166,9 +167,12 @@ def build_shard(
     final, temp = out / task.name, out / f"{task.name}.{os.getpid()}.tmp"
     tally = _Tally(np.zeros(features.n_mels, np.float64), np.zeros(features.n_mels, np.float64))
     try:
-        with open(temp, "wb") as stream, open_tar_writer(stream) as writer:
-            for item in task.items:
-                _write_utterance(writer, item, task.bucket, features, config, keep_audio, tally)
+        with open(temp, "wb") as raw:
+            stream = HashingStream(raw)
+            with open_tar_writer(stream) as writer:
+                for item in task.items:
+                    _write_utterance(writer, item, task.bucket, features, config, keep_audio, tally)
+        tally.sha256 = stream.sha256.hexdigest()
         if tally.frames:
             os.replace(temp, final)
         else:  # every utterance was rejected: no empty tar, the receipt says so
@@ -230,7 +234,7 @@ def _receipt(task: ShardTask, final: Path, digest: str, tally: _Tally) -> dict[s
         "max_frames": max(frames, default=0),
         "seconds": tally.seconds,
         "bytes": final.stat().st_size if frames else 0,
-        "sha256": file_sha256(final) if frames else None,
+        "sha256": tally.sha256 if frames else None,
         "rejected": tally.rejected,
         "mel_sum": tally.sums.tolist(),
         "mel_sum_squares": tally.squares.tolist(),

@@ -144,13 +144,34 @@ def group_samples(
         yield sample
 
 
+class HashingStream:
+    """Wraps a binary file and hashes every byte read or written, so a shard is hashed in the
+    same pass that writes or checks it, not in a second read."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.sha256 = hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.sha256.update(data)
+        return data
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self.raw.write(data)
+
+    def hexdigest_to_end(self) -> str:
+        """Hash whatever is left unread (tar padding, a readers' early stop), then the digest."""
+        while self.read(1 << 20):
+            pass
+        return self.sha256.hexdigest()
+
+
 def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
+    """Hex sha256 of a file."""
     with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+        return HashingStream(f).hexdigest_to_end()
 
 
 def write_atomic(path: Path, data: bytes) -> None:

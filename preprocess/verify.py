@@ -18,9 +18,9 @@ from preprocess.format import (
     META_MEMBER,
     REJECTED_NAME,
     SHARD_PATTERN,
+    HashingStream,
     decode_mel,
     decode_meta,
-    file_sha256,
     group_samples,
     iter_members,
 )
@@ -81,20 +81,24 @@ def check_shard(
     size = path.stat().st_size
     if size != entry["bytes"]:
         problems.append(f"{name}: {size} bytes, index says {entry['bytes']}")
-    if file_sha256(path) != entry["sha256"]:
-        problems.append(f"{name}: sha256 differs from the index (corrupt or replaced)")
     foreign: list[str] = []
     keys: list[str] = []
     frames: list[int] = []
-    try:
-        with open(path, "rb") as stream:
-            for sample in group_samples(
-                iter_members(stream, name, on_unknown=foreign.append), name
-            ):
+    member_problems: list[str] = []
+    with open(path, "rb") as raw:
+        stream = HashingStream(raw)
+        try:
+            members = iter_members(stream, name, on_unknown=foreign.append)
+            for sample in group_samples(members, name):
                 keys.append(str(sample["__key__"]))
-                frames.append(_check_sample(name, sample, n_mels, bucket, keep_audio, problems))
-    except ShardError as exc:
-        problems.append(str(exc))
+                frames.append(
+                    _check_sample(name, sample, n_mels, bucket, keep_audio, member_problems)
+                )
+        except ShardError as exc:
+            member_problems.append(str(exc))
+        if stream.hexdigest_to_end() != entry["sha256"]:
+            problems.append(f"{name}: sha256 differs from the index (corrupt or replaced)")
+    problems += member_problems
     problems += [f"{name}: foreign member {m!r} (never read)" for m in foreign]
     if len(keys) != entry["samples"]:
         problems.append(f"{name}: {len(keys)} samples, index says {entry['samples']}")
