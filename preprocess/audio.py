@@ -45,7 +45,7 @@ def load_mono(path: str, target_rate: int, length: int, silence_dbfs: float) -> 
     """
     _check_readable(path)
     try:
-        audio, rate = sf.read(path, dtype="float32", always_2d=True)
+        audio, rate = read_float32(path)
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
         raise AudioError(f"undecodable audio: {_plain(exc)}") from None
     if audio.shape[0] == 0:
@@ -60,6 +60,25 @@ def load_mono(path: str, target_rate: int, length: int, silence_dbfs: float) -> 
     if len(mono) != length:  # compressed formats can decode a few samples off their header
         mono = np.pad(mono[:length], (0, max(0, length - len(mono))))
     return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+# Integer PCM read as integers and scaled here: the same float32 values libsndfile gives
+# (both multiply by 2^-15 or 2^-31), but libsndfile's own conversion is ~2.5× slower.
+_INTEGER_READS = {
+    "PCM_16": ("int16", 2.0**-15),
+    "PCM_24": ("int32", 2.0**-31),
+    "PCM_32": ("int32", 2.0**-31),
+}
+
+
+def read_float32(path: str) -> tuple[np.ndarray, int]:
+    """All channels ``[samples, channels]`` as float32 in [-1, 1], and the sample rate."""
+    with sf.SoundFile(path) as file:
+        if file.subtype not in _INTEGER_READS:
+            return file.read(dtype="float32", always_2d=True), file.samplerate
+        dtype, scale = _INTEGER_READS[file.subtype]
+        samples = file.read(dtype=dtype, always_2d=True)
+        return np.multiply(samples, np.float32(scale), dtype=np.float32), file.samplerate
 
 
 def encode_flac(audio: np.ndarray, sample_rate: int) -> bytes:

@@ -50,11 +50,14 @@ class MelExtractor(torch.nn.Module):
         ]
         # rfft over unfolded frames: same numbers as torch.stft, about twice as fast on CPU.
         spectrum = torch.fft.rfft(padded.unfold(0, cfg.n_fft, cfg.hop_length) * self.window)
-        # sqrt(re² + im² + eps): |X| for vocos (eps 0), HiFi-GAN's form with eps 1e-9; also
-        # cheaper than complex abs().
-        magnitude = torch.sqrt(spectrum.real.square() + spectrum.imag.square() + cfg.magnitude_eps)
-        mel = (self.fbank @ magnitude.T).T
-        return torch.log(torch.clamp(mel, min=cfg.log_floor))
+        # sqrt(re² + im² + eps): |X| for vocos (eps 0), HiFi-GAN's form with eps 1e-9. Done in
+        # place on the real view: a third fewer passes over the spectrum than complex abs().
+        parts = torch.view_as_real(spectrum).square_()
+        power = torch.add(parts[..., 0], parts[..., 1])
+        if cfg.magnitude_eps:
+            power += cfg.magnitude_eps
+        mel = (self.fbank @ power.sqrt_().T).T
+        return mel.clamp_(min=cfg.log_floor).log_()
 
     @torch.inference_mode()
     def compute(self, audio: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
