@@ -15,6 +15,7 @@ import torch
 import torchaudio
 from conftest import REPO, SAMPLE_CORPUS, run_preprocess
 
+from preprocess.audio import read_float32
 from preprocess.config import FeatureConfig, load_config
 from preprocess.format import INDEX_NAME, group_samples, iter_members
 
@@ -114,3 +115,18 @@ def test_presets_match_upstream_parameters() -> None:
         False,
     )
     assert hifigan.num_frames(22050) == 22050 // 256
+
+
+@pytest.mark.parametrize(
+    ("container", "subtype"),
+    [("WAV", "PCM_16"), ("WAV", "PCM_24"), ("WAV", "PCM_32"), ("FLAC", "PCM_24"), ("WAV", "FLOAT")],
+)
+def test_fast_decode_equals_libsndfile_float(tmp_path: Path, container: str, subtype: str) -> None:
+    """Integer PCM is read as integers and scaled by melcache: libsndfile's float32, bit for bit."""
+    signal = np.random.default_rng(7).uniform(-1.0, 1.0, (4000, 2))
+    path = tmp_path / f"clip.{container.lower()}"
+    sf.write(path, signal, 16000, format=container, subtype=subtype)
+    decoded, rate = read_float32(str(path))
+    expected, _ = sf.read(path, dtype="float32", always_2d=True)
+    assert rate == 16000 and decoded.dtype == np.float32
+    np.testing.assert_array_equal(decoded, expected)
