@@ -82,6 +82,7 @@ def table(quick: bool) -> str:
         build["components, one core"],
     )
     bound = comp[f"bound_{b['workers']}_workers_x"]
+    stock_bound = comp[f"stock_bound_{b['workers']}_workers_x"]
     base, ours = loader[0], loader[-1]
     lines = [
         f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results`.",
@@ -90,6 +91,7 @@ def table(quick: bool) -> str:
         "|---|---|---|---|---|",
         f"| build, steady real-time factor ({b['workers']} workers, {b['audio_hours']} h) | {b['steady_real_time_x']}× | naive librosa loop {naive['real_time_x']}× | {build['ratio']['build_steady_over_naive']}× | `{_cmd(build_cmd)}` |",
         f"| build against its bound: decode + soxr HQ + mel measured alone, same run, × {b['workers']} cores | {b['steady_real_time_x']}× | {bound}× (per core: decode {comp['decode_real_time_x']}×, resample {comp['resample_real_time_x']}×, mel {comp['mel_real_time_x']}×) | {build['ratio']['build_steady_over_component_bound']:.0%} of bound | same |",
+        f"| the issue's reference recipe alone (libsndfile float decode + soxr HQ + stock torchaudio mel), same run, × {b['workers']} cores | | {stock_bound}× (per core: decode {comp['decode_stock_real_time_x']}×, mel {comp['mel_stock_real_time_x']}×) | | same |",
         f"| build wall time per hour of audio | {b['wall_s_per_audio_hour']} s | | | same |",
         f"| storage per hour of audio (float16 mel) | {b['cache_mb_per_audio_hour']} MB | 172.8 MB raw 16-bit 24 kHz PCM | | same |",
         f"| loader samples/s (warm, {ours.get('workers', 2)} workers) | {ours['samples_per_s']:.0f} | on-the-fly {base['samples_per_s']:.0f} | {ours['ratio']:.1f}× | `{_cmd(loader_cmd)}` |",
