@@ -8,9 +8,8 @@
   last complete checkpoint and ends at the same final step.
 
 The restart works with torchrun's default shared rendezvous store (each attempt's keys are
-prefixed, ``train/distributed.py``). One case is ``xfail(strict=True)``: under the default
-``data.check_sha256 = false`` bytes flipped inside a mel are not noticed
-(:data:`DEFAULT_SHA256_GAP`).
+prefixed, ``train/distributed.py``). Bytes flipped inside a mel, behind intact tar and .npy
+headers, are caught by the loader's default sha256 check before the shard is used.
 - A checkpoint carrying a pickled payload is refused (``weights_only=True``), and the payload
   never runs, whether the file is loaded by the checkpointer or by a resuming ``python -m
   train``.
@@ -159,7 +158,7 @@ def skip_log_ranks(output: str, name: str) -> list[int]:
     ("how", "extra"),
     [
         pytest.param("truncated", (), id="truncated"),
-        pytest.param("flipped", ("data.check_sha256=true",), id="flipped-sha256"),
+        pytest.param("flipped", (), id="flipped"),
     ],
 )
 def test_damaged_shard_is_skipped_once_and_every_rank_runs_every_step(
@@ -190,14 +189,17 @@ def test_damaged_shard_is_skipped_once_and_every_rank_runs_every_step(
     [
         # Met in rank 1's loader worker process, re-raised in the rank by DataLoader.
         pytest.param(
-            "truncated", ("data.num_workers=1",), "not a readable tar", id="truncated-workers1"
+            "truncated",
+            ("data.num_workers=1",),
+            r"\d+ bytes, the index says",
+            id="truncated-workers1",
         ),
         # Met in rank 1's own process (no loader workers).
         pytest.param(
             "flipped",
-            ("data.num_workers=0", "data.check_sha256=true"),
+            ("data.num_workers=0",),
             "sha256 differs",
-            id="flipped-sha256-workers0",
+            id="flipped-workers0",
         ),
     ],
 )
@@ -225,26 +227,14 @@ def test_damaged_shard_with_on_error_raise_stops_every_rank_in_bounded_time(
     print(f"on_error=raise ({how}): job ended {elapsed:.1f} s after start")
 
 
-DEFAULT_SHA256_GAP = (
-    "data.check_sha256 defaults to false (it costs loader CPU), so a mel whose bytes flipped "
-    "behind intact tar and .npy headers is trained on; set data.check_sha256=true to catch it"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=DEFAULT_SHA256_GAP)
 def test_flipped_mel_bytes_are_caught_under_the_default_config(
     train_cache: Path, tmp_path: Path
 ) -> None:
+    """Neither the trainer's config nor ``make_loader`` needs to be told to check."""
+    assert DataConfig().check_sha256
     name = damaged_copy(train_cache, tmp_path / "cache", "flipped")
-    defaults = DataConfig()
     stream = make_loader(
-        tmp_path / "cache",
-        rank=1,
-        world_size=2,
-        num_workers=0,
-        batch_frames=800,
-        on_error="skip",
-        check_sha256=defaults.check_sha256,
+        tmp_path / "cache", rank=1, world_size=2, num_workers=0, batch_frames=800, on_error="skip"
     )
     try:
         batches = iter(stream)

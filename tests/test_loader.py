@@ -8,6 +8,7 @@ import pickle
 import shutil
 from collections import Counter
 from collections.abc import Iterable
+from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
@@ -338,18 +339,18 @@ def test_missing_shards_are_counted_and_never_hang(cache_copy: Path) -> None:
         take(loader(cache_copy, on_error="skip"), 1)
 
 
-def test_sha256_is_checked_on_request(cache_copy: Path) -> None:
+def test_sha256_is_checked_unless_switched_off(cache_copy: Path) -> None:
     name = biggest_shard(cache_copy)
     shard = cache_copy / name
     data = bytearray(shard.read_bytes())
     data[2000] ^= 0xFF  # inside the first mel's data: still a readable tar
     shard.write_bytes(bytes(data))
-    take(loader(cache_copy), 30)  # unchecked: not noticed
     with pytest.raises(ShardError, match=f"{name}: sha256"):
-        take(loader(cache_copy, check_sha256=True), 30)
-    checked = loader(cache_copy, check_sha256=True, on_error="skip")
+        take(loader(cache_copy), 30)
+    checked = loader(cache_copy, on_error="skip")
     take(checked, 30)
     assert list(checked.skipped_shards) == [name]
+    take(loader(cache_copy, check_sha256=False), 30)  # the opt-out reads it as it is
 
 
 class _Planted:
@@ -378,6 +379,11 @@ def test_pickle_members_are_never_unpickled(cache_copy: Path) -> None:
         writer.write(sample)
     writer.close()
     (cache_copy / name).write_bytes(buffer.getvalue())
+    # The planter also rewrites the index, so size and sha256 agree and the parser must refuse.
+    index = index_of(cache_copy)
+    entry = next(s for s in index["shards"] if s["name"] == name)
+    entry["bytes"], entry["sha256"] = len(buffer.getvalue()), sha256(buffer.getvalue()).hexdigest()
+    (cache_copy / INDEX_NAME).write_text(json.dumps(index))
 
     with pytest.raises(ShardError, match=r"mel\.npy"):
         take(loader(cache_copy, num_workers=2), 30)

@@ -30,8 +30,8 @@ and re-reads at most one shard per worker, skipping its consumed batches without
 a mel, so it costs the same at 1 % or 90 % of an epoch. A state from a different world
 size, worker count, seed, cache or batch budget is refused, naming the key.
 
-Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (with
-``check_sha256``) altered shard with a :class:`ShardError` naming it; ``"skip"`` logs each such
+Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
+``check_sha256=False``) altered shard with a :class:`ShardError` naming it; ``"skip"`` logs each such
 shard once, records it in ``loader.skipped_shards`` and goes on, and still raises if no
 shard can be read at all rather than spin. Only ``mel.npy`` and ``json`` members are read,
 never with pickle.
@@ -96,7 +96,7 @@ class LoaderConfig:
     seed: int = 0
     pad_multiple: int = 8
     on_error: str = "raise"
-    check_sha256: bool = False
+    check_sha256: bool = True
     pin_memory: bool = False
 
     def __post_init__(self) -> None:
@@ -336,7 +336,7 @@ def make_loader(
     seed: int = 0,
     pad_multiple: int = 8,
     on_error: str = "raise",
-    check_sha256: bool = False,
+    check_sha256: bool = True,
     expect_features: Mapping[str, Any] | FeatureConfig | None = None,
     tokenizer: Callable[[str], list[int]] | None = None,
     pin_memory: bool | None = None,

@@ -123,14 +123,18 @@ def read_index(cache: str | Path) -> dict[str, Any]:
 def read_shard(location: str, entry: dict[str, Any], *, check_sha256: bool) -> list[RawSample]:
     """Every sample of one shard, in tar order, checked against its index entry.
 
-    Raises :class:`ShardError` naming the shard when it is missing, unreadable, truncated
-    (fewer samples than the index says), fails its sha256 (if asked), or a sample lacks a
-    member or has bad metadata.
+    Raises :class:`ShardError` naming the shard when it is missing, unreadable, not the size
+    the index gives, fails its sha256 (unless ``check_sha256`` is off), holds fewer samples
+    than the index says, or a sample lacks a member or has bad metadata.
     """
     try:
         data = read_bytes(location)
     except OSError as exc:
         raise ShardError(f"{location}: cannot read shard ({exc})") from None
+    if len(data) != entry.get("bytes", len(data)):  # free, and names the likely cause
+        raise ShardError(
+            f"{location}: {len(data)} bytes, the index says {entry['bytes']} (truncated or replaced?)"
+        )
     if check_sha256 and hashlib.sha256(data).hexdigest() != entry.get("sha256"):
         raise ShardError(f"{location}: sha256 differs from the index (corrupt or replaced)")
     samples = [
