@@ -83,7 +83,7 @@ def table(quick: bool) -> str:
     )
     bound = comp[f"bound_{b['workers']}_workers_x"]
     stock_bound = comp[f"stock_bound_{b['workers']}_workers_x"]
-    base, ours = loader[0], loader[-1]
+    base, ours, unchecked = loader
     lines = [
         f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results`.",
         "",
@@ -95,6 +95,7 @@ def table(quick: bool) -> str:
         f"| build wall time per hour of audio | {b['wall_s_per_audio_hour']} s | | | same |",
         f"| storage per hour of audio (float16 mel) | {b['cache_mb_per_audio_hour']} MB | 172.8 MB raw 16-bit 24 kHz PCM | | same |",
         f"| loader samples/s (warm, {ours.get('workers', 2)} workers) | {ours['samples_per_s']:.0f} | on-the-fly {base['samples_per_s']:.0f} | {ours['ratio']:.1f}× | `{_cmd(loader_cmd)}` |",
+        f"| loader samples/s with `check_sha256=False` | {unchecked['samples_per_s']:.0f} | with the check {ours['samples_per_s']:.0f} | {unchecked['samples_per_s'] / ours['samples_per_s']:.2f}× | same |",
         f"| loader padding (padded ÷ all frames) | {ours['padding_fraction']:.1%} | on-the-fly random batches {base['padding_fraction']:.1%} | | same |",
         f"| loader: first batch after resuming at 1 % / 90 % of an epoch | {ours['resume_first_batch_s']['1%']} s / {ours['resume_first_batch_s']['90%']} s | | | same |",
         f"| trainer overhead vs a bare loop (median, CPU time / wall) | {overhead['overhead_pct_cpu']:+.1f} % / {overhead['overhead_pct_wall']:+.1f} % | | | `{_cmd(trainer_cmd)}` |",

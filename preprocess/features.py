@@ -51,7 +51,7 @@ class MelExtractor(torch.nn.Module):
         # rfft over unfolded frames: same numbers as torch.stft, about twice as fast on CPU.
         spectrum = torch.fft.rfft(padded.unfold(0, cfg.n_fft, cfg.hop_length) * self.window)
         # sqrt(re² + im² + eps): |X| for vocos (eps 0), HiFi-GAN's form with eps 1e-9. Done in
-        # place on the real view: a third fewer passes over the spectrum than complex abs().
+        # place on the real view: two fewer spectrum-sized temporaries than re.square() + ….
         parts = torch.view_as_real(spectrum).square_()
         power = torch.add(parts[..., 0], parts[..., 1])
         if cfg.magnitude_eps:

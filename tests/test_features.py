@@ -15,7 +15,7 @@ import torch
 import torchaudio
 from conftest import REPO, SAMPLE_CORPUS, run_preprocess
 
-from preprocess.audio import read_float32
+from preprocess.audio import _INTEGER_READS, read_float32
 from preprocess.config import FeatureConfig, load_config
 from preprocess.format import INDEX_NAME, group_samples, iter_members
 
@@ -118,14 +118,27 @@ def test_presets_match_upstream_parameters() -> None:
 
 
 @pytest.mark.parametrize(
-    ("container", "subtype"),
-    [("WAV", "PCM_16"), ("WAV", "PCM_24"), ("WAV", "PCM_32"), ("FLAC", "PCM_24"), ("WAV", "FLOAT")],
+    ("container", "subtype", "fast"),
+    [
+        ("WAV", "PCM_16", True),
+        ("FLAC", "PCM_16", True),
+        ("WAV", "PCM_24", True),
+        ("FLAC", "PCM_24", True),
+        ("WAV", "PCM_32", True),
+        ("AIFF", "PCM_16", True),
+        ("WAV", "PCM_U8", False),
+        ("WAV", "FLOAT", False),
+    ],
 )
-def test_fast_decode_equals_libsndfile_float(tmp_path: Path, container: str, subtype: str) -> None:
+def test_fast_decode_equals_libsndfile_float(
+    tmp_path: Path, container: str, subtype: str, fast: bool
+) -> None:
     """Integer PCM is read as integers and scaled by melcache: libsndfile's float32, bit for bit."""
     signal = np.random.default_rng(7).uniform(-1.0, 1.0, (4000, 2))
+    signal[:2] = [[-1.0, 1.0], [1.0, -1.0]]  # full scale both ways
     path = tmp_path / f"clip.{container.lower()}"
     sf.write(path, signal, 16000, format=container, subtype=subtype)
+    assert (sf.info(path).subtype in _INTEGER_READS) == fast  # the path under test is taken
     decoded, rate = read_float32(str(path))
     expected, _ = sf.read(path, dtype="float32", always_2d=True)
     assert rate == 16000 and decoded.dtype == np.float32

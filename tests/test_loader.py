@@ -353,6 +353,21 @@ def test_sha256_is_checked_unless_switched_off(cache_copy: Path) -> None:
     take(loader(cache_copy, check_sha256=False), 30)  # the opt-out reads it as it is
 
 
+def test_reader_checks_stand_without_the_index_size_and_sha256(cache_copy: Path) -> None:
+    """An index without ``bytes``/``sha256`` (hand-made): the tar reader still catches a cut."""
+    name = biggest_shard(cache_copy)
+    index = index_of(cache_copy)
+    for entry in index["shards"]:
+        del entry["bytes"], entry["sha256"]
+    (cache_copy / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ShardError, match="gives no sha256"):
+        take(loader(cache_copy), 30)
+    shard = cache_copy / name
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ShardError, match=f"{name}: (not a readable tar|holds)"):
+        take(loader(cache_copy, check_sha256=False), 30)
+
+
 class _Planted:
     """Creates ``path`` if it is ever unpickled."""
 

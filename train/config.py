@@ -68,7 +68,7 @@ class DataConfig:
     num_workers: int = 2
     pad_multiple: int = 8
     on_error: str = "raise"
-    check_sha256: bool = True  # ~1.3 GB/s per core: cheap next to training; false to skip
+    check_sha256: bool = True  # a quarter of the loader's peak rate (README Results); false skips
     mel_stats: bool = True  # hand the cache's per-channel mean/std (stats.zarr) to the model
 
     def __post_init__(self) -> None:

@@ -135,8 +135,11 @@ def read_shard(location: str, entry: dict[str, Any], *, check_sha256: bool) -> l
         raise ShardError(
             f"{location}: {len(data)} bytes, the index says {entry['bytes']} (truncated or replaced?)"
         )
-    if check_sha256 and hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-        raise ShardError(f"{location}: sha256 differs from the index (corrupt or replaced)")
+    if check_sha256:
+        if not entry.get("sha256"):
+            raise ShardError(f"{location}: the index gives no sha256; set check_sha256=False")
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise ShardError(f"{location}: sha256 differs from the index (corrupt or replaced)")
     samples = [
         _raw_sample(sample, location)
         for sample in group_samples(tar_members(data, location), location)
