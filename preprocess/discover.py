@@ -28,7 +28,7 @@ from preprocess.errors import UserError
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per utterance: no __dict__
 class Utterance:
     """One audio file and its transcript; ``source`` is the path relative to the corpus."""
 
@@ -39,7 +39,7 @@ class Utterance:
     source: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per utterance: no __dict__
 class Rejection:
     """An input that will not be written, and why."""
 

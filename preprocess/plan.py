@@ -24,7 +24,7 @@ from preprocess.format import FORMAT_VERSION, shard_name
 SAMPLE_OVERHEAD_BYTES = 2048
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per utterance: no __dict__
 class PlannedUtterance:
     """An utterance with its length after resampling, known from the header."""
 
