@@ -138,24 +138,24 @@ def component_rates(src: Path, budget_seconds: float) -> dict[str, float]:
         ).half(),
     }
     spent = dict.fromkeys([*decoders, "resample", *mels], 0.0)
+
+    def one_file(path: Path, order: int, into: dict[str, float]) -> float:
+        """Every step on one file, adding times to ``into``; the file's audio seconds."""
+        for name, decode in list(decoders.items())[::order]:
+            audio, rate = _timed(into, name, decode, str(path))
+        audio = _timed(into, "resample", soxr.resample, audio[:, 0], rate, 24000, "HQ")
+        for name, mel in list(mels.items())[::order]:
+            _timed(into, name, mel, audio)
+        return len(audio) / 24000  # the corpus is mono
+
     files = sorted(src.rglob("*.wav"))
+    audio_seconds = 0.0
     with torch.inference_mode():
-        for decode in decoders.values():  # untimed warm-up: FFT plans, first library calls
-            audio, rate = decode(str(files[0]))
-        audio = soxr.resample(audio[:, 0], rate, 24000, "HQ")
-        for mel in mels.values():
-            mel(audio)
-    audio_seconds, started = 0.0, time.perf_counter()
-    with torch.inference_mode():
+        one_file(files[0], 1, dict.fromkeys(spent, 0.0))  # untimed warm-up: FFT plans etc.
+        started = time.perf_counter()
         for i, path in enumerate(files):
             # Ours and stock take turns to go first, so neither always meets caches the other warmed.
-            order = 1 if i % 2 else -1
-            for name, decode in list(decoders.items())[::order]:
-                audio, rate = _timed(spent, name, decode, str(path))
-            audio = _timed(spent, "resample", soxr.resample, audio[:, 0], rate, 24000, "HQ")
-            for name, mel in list(mels.items())[::order]:
-                _timed(spent, name, mel, audio)
-            audio_seconds += len(audio) / 24000  # the corpus is mono
+            audio_seconds += one_file(path, 1 if i % 2 else -1, spent)
             if time.perf_counter() - started > budget_seconds:
                 break
     rates = {k: audio_seconds / v for k, v in spent.items()}
