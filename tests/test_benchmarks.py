@@ -1,0 +1,60 @@
+"""The build and loader benchmarks end to end on small corpora: every row the README reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_rows(module: str, data: Path, *args: str) -> list[dict[str, Any]]:
+    """Run ``python -m benchmarks.MODULE ARGS --data DATA``; its JSON lines, parsed."""
+    command = [sys.executable, "-m", f"benchmarks.{module}", *args, "--data", str(data)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.mark.slow
+def test_build_bench_prints_every_row(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    rows = {
+        r["row"]: r for r in bench_rows("build_bench", data, "--hours", "0.06", "--workers", "2")
+    }
+    build, native = rows["preprocess build"], rows["preprocess build, sources already 24 kHz"]
+    # Steady rates are differences of two short walls here: present, but noise in sign.
+    assert build["audio_hours"] >= 0.06 and build["real_time_x"] > 0
+    assert isinstance(build["steady_real_time_x"], int)
+    assert isinstance(native["steady_real_time_x"], int)
+    assert rows["naive librosa loop"]["real_time_x"] > 0
+    components = rows["components, one core"]
+    for step in ("decode", "decode_stock", "resample", "mel", "mel_stock"):
+        assert components[f"{step}_real_time_x"] > 0, step
+    assert components["bound_2_workers_x"] > 0 and components["stock_bound_2_workers_x"] > 0
+    assert set(rows["ratio"]) == {
+        "row",
+        "build_steady_over_naive",
+        "build_steady_over_component_bound",
+    }
+    # the 24 kHz copy holds the same utterances, resampled once
+    assert sorted(p.name for p in data.glob("speech-0.06h-24k/**/*.wav")) == sorted(
+        p.name for p in data.glob("speech-0.06h/**/*.wav")
+    )
+
+
+@pytest.mark.slow
+def test_loader_bench_prints_baseline_and_both_melcache_rows(tmp_path: Path) -> None:
+    rows = bench_rows("loader_bench", tmp_path / "data", "--hours", "0.05", "--min-seconds", "1")
+    base, checked, unchecked = rows
+    assert base["loader"] == "on-the-fly baseline" and base["samples_per_s"] > 0
+    assert (checked["check_sha256"], unchecked["check_sha256"]) == (True, False)
+    for ours in (checked, unchecked):
+        assert ours["loader"] == "melcache" and ours["samples_per_s"] > 0
+        assert 0 <= ours["padding_fraction"] < base["padding_fraction"]
+        assert set(ours["resume_first_batch_s"]) == {"1%", "90%"}
