@@ -33,8 +33,8 @@ import torch
 import torchaudio
 
 from benchmarks.speech import make_corpus
+from melcache.features import FeatureConfig
 from preprocess.audio import read_float32
-from preprocess.config import FeatureConfig
 from preprocess.features import MelExtractor
 
 

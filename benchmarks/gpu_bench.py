@@ -65,9 +65,9 @@ from torch.utils.data import DataLoader
 import train.trainer
 from benchmarks.loader_bench import OnTheFlyMels
 from benchmarks.speech import make_corpus
-from preprocess.config import FeatureConfig, features_from_dict
-from preprocess.errors import UserError
-from train.batching import round_up
+from melcache.batching import padding_fraction, round_up
+from melcache.errors import UserError
+from melcache.features import FeatureConfig, features_from_dict
 from train.collate import PAD_ID, Batch
 from train.config import Config, load_config
 from train.distributed import Env
@@ -297,7 +297,7 @@ def timed_steps(
         "samples_per_s": round(counts["samples"] / elapsed, 2),
         "frames_per_s": round(counts["frames"] / elapsed, 1),
         "mean_batch": round(counts["samples"] / (steps * accum), 1),
-        "padding_pct": round(100 * (1 - counts["frames"] / counts["padded"]), 1),
+        "padding_pct": round(100 * padding_fraction(counts["frames"], counts["padded"]), 1),
         "data_wait_pct": round(100 * wait / elapsed, 1),
         "gpu_util_pct": sampler.mean(start, end),
     }

@@ -40,10 +40,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.speech import make_corpus
-from preprocess.config import FeatureConfig, features_from_dict
+from melcache.batching import padding_fraction
+from melcache.features import FeatureConfig, features_from_dict
 from preprocess.features import MelExtractor
 from train.collate import utf8_tokens
-from train.data import make_loader
+from train.data import DataConfig, make_loader
 
 
 class OnTheFlyMels(Dataset):
@@ -111,7 +112,7 @@ def report(name: str, stats: dict, features: FeatureConfig, baseline: dict | Non
         "audio_seconds_per_s": round(
             stats["frames"] / features.frames_per_second / stats["wall"], 1
         ),
-        "padding_fraction": round(1 - stats["frames"] / stats["padded"], 4),
+        "padding_fraction": round(padding_fraction(stats["frames"], stats["padded"]), 4),
         "ratio": round(rate / baseline["samples_per_s"], 1) if baseline else 1.0,
     }
     return line
@@ -145,13 +146,10 @@ def mel_batches(stream: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]
 def run_melcache(
     cache: Path, args: argparse.Namespace, utterances: int, check_sha256: bool
 ) -> tuple[dict, dict]:
-    options = {
-        "num_workers": args.workers,
-        "batch_frames": args.batch_frames,
-        "seed": 0,
-        "check_sha256": check_sha256,
-    }
-    loader = make_loader(cache, **options)
+    data = DataConfig(
+        num_workers=args.workers, batch_frames=args.batch_frames, check_sha256=check_sha256
+    )
+    loader = make_loader(cache, data)
     stream = iter(loader)
     measure(mel_batches(stream), utterances // 100)
     state_1 = loader.state_dict()
@@ -167,7 +165,7 @@ def run_melcache(
     resume = {}
     for label, state in (("1%", state_1), ("90%", state_90)):
         started = time.perf_counter()
-        restored = make_loader(cache, **options)
+        restored = make_loader(cache, data)
         restored.load_state_dict(state)
         next(iter(restored))
         resume[label] = round(time.perf_counter() - started, 3)

@@ -21,15 +21,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from melcache.errors import UserError
+from melcache.features import FeatureConfig
+from melcache.format import HashingStream, encode_sample, open_tar_writer, write_atomic
 from preprocess.audio import AudioError, encode_flac, load_mono, probe
-from preprocess.config import BuildConfig, FeatureConfig
+from preprocess.config import BuildConfig
 from preprocess.discover import discover
-from preprocess.errors import UserError
 from preprocess.features import MelExtractor
-from preprocess.format import HashingStream, encode_sample, open_tar_writer, write_atomic
-from preprocess.index import write_cache_files
+from preprocess.finish import finish_cache
 from preprocess.parallel import Runner, ordered_map
-from preprocess.plan import Plan, PlannedUtterance, ShardTask, make_plan
+from preprocess.plan import Plan, PlannedShard, PlannedUtterance, make_plan
 
 log = logging.getLogger(__name__)
 RECEIPTS = ".build"
@@ -50,7 +51,7 @@ def build(
     options: BuildOptions, features: FeatureConfig, config: BuildConfig
 ) -> dict[str, Any] | None:
     """Build (or resume) the cache; return the index, or ``None`` if other parts are pending."""
-    utterances, discovered_rejections, _ = discover(options.src)
+    utterances, discovered_rejections = discover(options.src)
     log.info(
         "found %d utterances (%d rejected while discovering)",
         len(utterances),
@@ -85,7 +86,7 @@ def build(
     for stale in options.out.glob("*.tmp"):  # left by killed runs; every shard is complete now
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
     rejections = [*discovered_rejections, *plan.rejections]
-    return write_cache_files(
+    return finish_cache(
         options.out,
         plan,
         [receipts[t.name] for t in plan.shards],
@@ -98,7 +99,7 @@ def build(
 
 def _write_shards(
     run: Runner,
-    todo: Sequence[ShardTask],
+    todo: Sequence[PlannedShard],
     options: BuildOptions,
     features: FeatureConfig,
     config: BuildConfig,
@@ -136,7 +137,7 @@ def _probe(path: str) -> tuple[int, int] | str:
 
 
 def _build_shard_job(
-    job: tuple[ShardTask, Path, FeatureConfig, BuildConfig, bool, str],
+    job: tuple[PlannedShard, Path, FeatureConfig, BuildConfig, bool, str],
 ) -> dict[str, Any]:
     return build_shard(*job)
 
@@ -155,7 +156,7 @@ class _Tally:
 
 
 def build_shard(
-    task: ShardTask,
+    task: PlannedShard,
     out: Path,
     features: FeatureConfig,
     config: BuildConfig,
@@ -221,7 +222,7 @@ def _write_utterance(
     tally.seconds += meta["seconds"]
 
 
-def _receipt(task: ShardTask, final: Path, digest: str, tally: _Tally) -> dict[str, Any]:
+def _receipt(task: PlannedShard, final: Path, digest: str, tally: _Tally) -> dict[str, Any]:
     frames = tally.frames
     return {
         "plan": digest,

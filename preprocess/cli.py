@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from melcache.errors import UserError
 from preprocess.config import load_config
-from preprocess.errors import UserError
 
 log = logging.getLogger("preprocess")
 
@@ -35,8 +35,6 @@ def main(argv: list[str] | None = None) -> int:
 def _build(args: argparse.Namespace) -> int:
     from preprocess.build import BuildOptions, build
 
-    if args.workers < 1:
-        raise UserError(f"--workers {args.workers}: expected at least 1")
     features, config = load_config(args.config)
     options = BuildOptions(args.src, args.out, args.workers, args.part, args.keep_audio)
     started = time.perf_counter()
@@ -67,12 +65,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from preprocess.summary import summarize
+    from preprocess.inspect import plot_cache, summarize
 
     print(summarize(args.cache))
     if args.png is not None:
-        from preprocess.plots import plot_cache
-
         paths = plot_cache(
             args.cache, args.png, batch_frames=args.batch_frames, max_batch_size=args.max_batch_size
         )
@@ -96,6 +92,16 @@ def _default_part() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def _workers(text: str) -> int:
+    try:
+        workers = int(text)
+    except ValueError:
+        workers = 0
+    if workers < 1:
+        raise argparse.ArgumentTypeError(f"--workers {text!r}: expected a whole number ≥ 1")
+    return workers
+
+
 def _default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -106,9 +112,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Decode a speech corpus once into length-bucketed log-mel WebDataset shards.",
     )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    pool = argparse.ArgumentParser(add_help=False)  # the option build and verify share
+    pool.add_argument(
+        "--workers",
+        type=_workers,
+        default=_default_workers(),
+        help="processes (default: all cores)",
+    )
 
     build = commands.add_parser(
         "build",
+        parents=[pool],
         help="build (or resume) a cache",
         description=(
             "Decode, resample and featurise a corpus into tar shards bucketed by length, then "
@@ -128,9 +142,6 @@ def _parser() -> argparse.ArgumentParser:
         help="TOML preset with [features] and [build] (default: ChatTTS/vocos mel)",
     )
     build.add_argument(
-        "--workers", type=int, default=_default_workers(), help="processes (default: all cores)"
-    )
-    build.add_argument(
         "--part",
         type=_part,
         default=_default_part(),
@@ -144,13 +155,11 @@ def _parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser(
         "verify",
+        parents=[pool],
         help="re-check a cache against its index",
         description="Check every shard's presence, sha256, samples, dtypes, frames and buckets; exit 1 listing each problem.",
     )
     verify.add_argument("cache", type=Path, help="cache folder (OUT of build)")
-    verify.add_argument(
-        "--workers", type=int, default=_default_workers(), help="processes (default: all cores)"
-    )
     verify.set_defaults(run=_verify)
 
     inspect = commands.add_parser(

@@ -22,8 +22,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from melcache.errors import UserError
 from preprocess.audio import AUDIO_EXTENSIONS
-from preprocess.errors import UserError
 
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
 
@@ -51,8 +51,8 @@ class Rejection:
 Found = Utterance | Rejection
 
 
-def discover(src: Path) -> tuple[list[Utterance], list[Rejection], Path]:
-    """Find every utterance under ``src``; return utterances, rejections and the corpus root.
+def discover(src: Path) -> tuple[list[Utterance], list[Rejection]]:
+    """Find every utterance under ``src``; return the utterances and the rejections.
 
     Raises :class:`UserError` when ``src`` is missing or holds no audio at all.
     """
@@ -61,15 +61,15 @@ def discover(src: Path) -> tuple[list[Utterance], list[Rejection], Path]:
     if src.is_file():
         if src.suffix != ".jsonl":
             raise UserError(f"--src {src} is a file but not a .jsonl manifest")
-        root, found = src.parent, _from_manifest(src)
+        found = _from_manifest(src)
     elif (src / "metadata.csv").is_file():
-        root, found = src, _from_ljspeech(src)
+        found = _from_ljspeech(src)
     else:
-        root, found = src, _from_folder(src)
+        found = _from_folder(src)
     utterances, rejections = _unique_keys(found)
     if not utterances and not rejections:
         raise UserError(f"--src {src} holds no audio files ({', '.join(AUDIO_EXTENSIONS)})")
-    return utterances, rejections, root
+    return utterances, rejections
 
 
 def _from_folder(root: Path) -> Iterator[Found]:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torchaudio
 
-from preprocess.config import FeatureConfig
+from melcache.features import FeatureConfig
 
 
 class MelExtractor(torch.nn.Module):

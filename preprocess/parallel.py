@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from preprocess.errors import UserError
+from melcache.errors import UserError
 
 Runner = Callable[..., Iterator[Any]]
 

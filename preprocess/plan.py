@@ -15,10 +15,11 @@ import json
 import math
 from collections.abc import Sequence
 
+from melcache.features import FeatureConfig
+from melcache.format import FORMAT_VERSION, shard_name
 from preprocess.audio import resampled_length
-from preprocess.config import BuildConfig, FeatureConfig
+from preprocess.config import BuildConfig
 from preprocess.discover import Rejection, Utterance
-from preprocess.format import FORMAT_VERSION, shard_name
 
 # Per-sample bytes besides the mel: three 512-byte tar headers, npy header, json.
 SAMPLE_OVERHEAD_BYTES = 2048
@@ -46,7 +47,7 @@ class Bucket:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardTask:
+class PlannedShard:
     """One shard to write: its name, bucket and utterances in on-disk order."""
 
     name: str
@@ -60,7 +61,7 @@ class Plan:
     """Everything the build will write, and everything it rejected by header alone."""
 
     buckets: tuple[Bucket, ...]
-    shards: tuple[ShardTask, ...]
+    shards: tuple[PlannedShard, ...]
     rejections: tuple[Rejection, ...]
     digest: str
 
@@ -154,7 +155,7 @@ def _cut_shards(
     features: FeatureConfig,
     build: BuildConfig,
     keep_audio: bool,
-) -> list[ShardTask]:
+) -> list[PlannedShard]:
     """Cut each bucket into shards capped by sample count and estimated bytes."""
     members: list[list[PlannedUtterance]] = [[] for _ in buckets]
     starts = [b.min_frames for b in buckets]
@@ -162,7 +163,7 @@ def _cut_shards(
         members[bisect.bisect_right(starts, item.frames) - 1].append(item)
     # Enough shards that many ranks × workers can stream in parallel, even on a small corpus.
     max_samples = min(build.shard_max_samples, max(1, math.ceil(len(accepted) / build.min_shards)))
-    shards: list[ShardTask] = []
+    shards: list[PlannedShard] = []
     for bucket, items in zip(buckets, members, strict=True):
         # Cut shards from length-sorted items: the loader batches within a shard, so a shard
         # of near-equal lengths pads little (5.6 % → 1.7 % on 4 h of speech, budget 8000).
@@ -174,12 +175,12 @@ def _cut_shards(
             if current and (
                 len(current) >= max_samples or size + item_bytes > build.shard_max_bytes
             ):
-                shards.append(_task(bucket.bucket, len(shards), current))
+                shards.append(_planned_shard(bucket.bucket, len(shards), current))
                 current, size = [], 0
             current.append(item)
             size += item_bytes
         if current:
-            shards.append(_task(bucket.bucket, len(shards), current))
+            shards.append(_planned_shard(bucket.bucket, len(shards), current))
     return shards
 
 
@@ -188,12 +189,12 @@ def _estimated_bytes(item: PlannedUtterance, features: FeatureConfig, keep_audio
     return item.frames * features.n_mels * 2 + audio + SAMPLE_OVERHEAD_BYTES
 
 
-def _task(bucket: int, number: int, items: list[PlannedUtterance]) -> ShardTask:
-    return ShardTask(shard_name(bucket, number), bucket, number, tuple(items))
+def _planned_shard(bucket: int, number: int, items: list[PlannedUtterance]) -> PlannedShard:
+    return PlannedShard(shard_name(bucket, number), bucket, number, tuple(items))
 
 
 def _digest(
-    shards: Sequence[ShardTask], features: FeatureConfig, build: BuildConfig, keep_audio: bool
+    shards: Sequence[PlannedShard], features: FeatureConfig, build: BuildConfig, keep_audio: bool
 ) -> str:
     """Hash of everything that decides the shards' bytes: equal digests, identical caches."""
     h = hashlib.sha256()

@@ -1,4 +1,12 @@
-"""``preprocess verify``: re-check every shard of a cache against its index."""
+"""``preprocess verify``: every shard through the loader's own reader, then checks across shards.
+
+Per shard, :mod:`melcache.reader` checks size, sha256, member names and metadata types just
+as the loader does; verify goes on past the first problem to list them all, and adds what
+only a full pass can check: every mel decoded (finite, its frame count the metadata's,
+inside its bucket), foreign members, totals against the index. Across shards: duplicate
+keys, shards on disk that the index does not list, totals, ``rejected.jsonl`` and
+``stats.zarr``.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
 from tqdm import tqdm
 
-from preprocess.errors import ShardError
-from preprocess.format import (
-    AUDIO_MEMBER,
-    MEL_MEMBER,
-    META_MEMBER,
-    REJECTED_NAME,
-    SHARD_PATTERN,
-    HashingStream,
-    decode_mel,
-    decode_meta,
-    group_samples,
-    iter_members,
-)
-from preprocess.index import read_index
+from melcache.errors import ShardError, UserError
+from melcache.format import AUDIO_MEMBER, MEL_MEMBER, REJECTED_NAME, fast_decode_mel
+from melcache.index import read_index, read_stats
+from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
 from preprocess.parallel import ordered_map
 
 
@@ -69,36 +66,25 @@ def check_shard(
     cache: Path, entry: dict[str, Any], n_mels: int, bucket: dict[str, Any] | None, keep_audio: bool
 ) -> tuple[list[str], list[str]]:
     """Problems in one shard and the keys it holds."""
-    name = entry["name"]
-    path = cache / name
-    if not SHARD_PATTERN.match(name):
-        return [f"{name}: not a melcache shard name"], []
-    if not path.is_file():
+    name = entry["name"]  # read_index has checked it against the shard-name pattern
+    if not (cache / name).is_file():
         return [f"{name}: shard missing"], []
     if bucket is None:
         return [f"{name}: bucket {entry['bucket']} is not in the index"], []
-    problems: list[str] = []
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        problems.append(f"{name}: {size} bytes, index says {entry['bytes']}")
+    try:
+        data = load_shard(str(cache / name))
+    except ShardError as exc:
+        return [str(exc)], []
+    problems = integrity_problems(data, entry, name, check_sha256=True)
     foreign: list[str] = []
     keys: list[str] = []
     frames: list[int] = []
-    member_problems: list[str] = []
-    with open(path, "rb") as raw:
-        stream = HashingStream(raw)
-        try:
-            members = iter_members(stream, name, on_unknown=foreign.append)
-            for sample in group_samples(members, name):
-                keys.append(str(sample["__key__"]))
-                frames.append(
-                    _check_sample(name, sample, n_mels, bucket, keep_audio, member_problems)
-                )
-        except ShardError as exc:
-            member_problems.append(str(exc))
-        if stream.hexdigest_to_end() != entry["sha256"]:
-            problems.append(f"{name}: sha256 differs from the index (corrupt or replaced)")
-    problems += member_problems
+    try:
+        for sample in shard_samples(data, name, on_unknown=foreign.append):
+            keys.append(str(sample["__key__"]))
+            frames.append(_check_sample(name, sample, n_mels, bucket, keep_audio, problems))
+    except ShardError as exc:
+        problems.append(str(exc))
     problems += [f"{name}: foreign member {m!r} (never read)" for m in foreign]
     if len(keys) != entry["samples"]:
         problems.append(f"{name}: {len(keys)} samples, index says {entry['samples']}")
@@ -119,22 +105,26 @@ def _check_sample(
     keep_audio: bool,
     problems: list[str],
 ) -> int:
-    """Check one sample, appending problems; return its frame count (0 if unreadable)."""
-    where = f"{shard}: {sample['__key__']}"
-    expected = {MEL_MEMBER, META_MEMBER} | ({AUDIO_MEMBER} if keep_audio else set())
-    missing = expected - set(sample)
-    if missing:
-        problems.append(f"{where}: missing member(s) {', '.join(sorted(missing))}")
-        return 0
-    try:
-        mel = decode_mel(sample[MEL_MEMBER], n_mels, where)
-        meta = decode_meta(sample[META_MEMBER], where)
+    """Check one sample beyond what the reader checks, appending problems; return its frame
+    count (0 if unreadable)."""
+    where = f"{shard}:{sample['__key__']}"
+    if keep_audio and AUDIO_MEMBER not in sample:
+        problems.append(f"{where}: missing member {AUDIO_MEMBER}")
+    try:  # members and metadata, as the loader checks them
+        raw = raw_sample(sample, shard)
     except ShardError as exc:
         problems.append(str(exc))
+        raw = None
+    try:  # the mel on its own, so a bad one is reported whatever the metadata says
+        mel = fast_decode_mel(sample[MEL_MEMBER], n_mels, where) if MEL_MEMBER in sample else None
+    except ShardError as exc:
+        problems.append(str(exc))
+        mel = None
+    if raw is None or mel is None:
         return 0
     frames = mel.shape[0]
-    if meta.get("frames") != frames:
-        problems.append(f"{where}: json frames {meta.get('frames')} != mel frames {frames}")
+    if raw.frames != frames:
+        problems.append(f"{where}: json frames {raw.frames} != mel frames {frames}")
     if not np.isfinite(mel).all():
         problems.append(f"{where}: mel has NaN or infinite values")
     if not bucket["min_frames"] <= frames <= bucket["max_frames"]:
@@ -142,10 +132,8 @@ def _check_sample(
             f"{where}: {frames} frames outside bucket {bucket['bucket']} "
             f"[{bucket['min_frames']}, {bucket['max_frames']}]"
         )
-    if meta.get("bucket") != bucket["bucket"]:
-        problems.append(
-            f"{where}: json bucket {meta.get('bucket')} != shard bucket {bucket['bucket']}"
-        )
+    if raw.bucket != bucket["bucket"]:
+        problems.append(f"{where}: json bucket {raw.bucket} != shard bucket {bucket['bucket']}")
     return frames
 
 
@@ -168,9 +156,7 @@ def _check_totals(cache: Path, index: dict[str, Any], n_mels: int) -> list[str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         problems.append(f"{REJECTED_NAME}: unreadable ({exc})")
     try:
-        stats = zarr.open_group(str(cache / index["stats"]), mode="r")
-        if stats["mean"].shape != (n_mels,) or stats["std"].shape != (n_mels,):
-            problems.append(f"{index['stats']}: mean/std shape is not [{n_mels}]")
-    except (OSError, KeyError, ValueError, zarr.errors.BaseZarrError) as exc:
-        problems.append(f"{index['stats']}: unreadable ({exc})")
+        read_stats(cache, n_mels)
+    except UserError as exc:
+        problems.append(str(exc))
     return problems

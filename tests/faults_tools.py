@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from preprocess.format import INDEX_NAME, REJECTED_NAME
+from melcache.format import INDEX_NAME, REJECTED_NAME
 
 RECEIPTS = ".build"  # preprocess.build.RECEIPTS; importing build would import torch here
 # Capabilities that let root read and search anything whatever its mode bits say.

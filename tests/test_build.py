@@ -17,7 +17,7 @@ import numpy as np
 import soundfile as sf
 from conftest import REPO, SAMPLE_CORPUS, build_cache, run_preprocess
 
-from preprocess.format import INDEX_NAME, decode_meta, group_samples, iter_members
+from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
 
 
 def read_samples(shard: Path) -> list[dict]:

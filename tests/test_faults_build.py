@@ -43,10 +43,8 @@ from faults_tools import (
     wait_for,
 )
 
-from preprocess.audio import resampled_length
-from preprocess.discover import discover
-from preprocess.errors import ShardError
-from preprocess.format import (
+from melcache.errors import ShardError
+from melcache.format import (
     INDEX_NAME,
     REJECTED_NAME,
     decode_mel,
@@ -55,6 +53,8 @@ from preprocess.format import (
     group_samples,
     iter_members,
 )
+from preprocess.audio import resampled_length
+from preprocess.discover import discover
 from preprocess.verify import verify
 
 SPEECH = SAMPLE_CORPUS / "en_m3" / "en_m3_02.wav"  # 1.5 s, 16 kHz mono
@@ -221,7 +221,7 @@ def test_ljspeech_id_cannot_reach_outside_the_corpus(tmp_path: Path) -> None:
     shutil.copy(SPEECH, lj / "wavs" / "LJ-1.wav")
     shutil.copy(SPEECH, tmp_path / "secret.wav")
     (lj / "metadata.csv").write_text("LJ-1|inside\n../../secret|outside\n")
-    utterances, rejections, _ = discover(lj)
+    utterances, rejections = discover(lj)
     assert [u.source for u in utterances] == ["wavs/LJ-1.wav"]
     assert len(rejections) == 1 and rejections[0].reason  # the row, with a plain reason
 
@@ -294,7 +294,7 @@ import json, sys
 from pathlib import Path
 from preprocess.audio import AudioError, probe
 from preprocess.discover import discover
-from preprocess.errors import UserError
+from melcache.errors import UserError
 found = {}
 for path in sys.argv[1:3]:
     try:

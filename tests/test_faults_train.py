@@ -40,9 +40,9 @@ from conftest import REPO, run_preprocess
 from faults_tools import wait_for
 from test_train_ddp import checkpoint, child_pids, load, metrics, train_cmd
 
-from preprocess.errors import UserError
-from preprocess.format import MEL_MEMBER
-from train.batching import worker_shards
+from melcache.batching import worker_shards
+from melcache.errors import UserError
+from melcache.format import MEL_MEMBER
 from train.checkpoint import SHARED, Checkpointer, rank_file
 from train.config import DataConfig
 from train.data import make_loader
@@ -227,9 +227,8 @@ def test_flipped_mel_bytes_are_caught_under_the_default_config(
     """Neither the trainer's config nor ``make_loader`` needs to be told to check."""
     assert DataConfig().check_sha256
     name = damaged_copy(train_cache, tmp_path / "cache", "flipped")
-    stream = make_loader(
-        tmp_path / "cache", rank=1, world_size=2, num_workers=0, batch_frames=800, on_error="skip"
-    )
+    data = DataConfig(num_workers=0, batch_frames=800, on_error="skip")
+    stream = make_loader(tmp_path / "cache", data, rank=1, world_size=2)
     try:
         batches = iter(stream)
         for _ in range(4):  # rank 1 reads the damaged shard first

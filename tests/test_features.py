@@ -15,9 +15,10 @@ import torch
 import torchaudio
 from conftest import REPO, SAMPLE_CORPUS, run_preprocess
 
+from melcache.features import FeatureConfig
+from melcache.format import INDEX_NAME, group_samples, iter_members
 from preprocess.audio import _INTEGER_READS, read_float32
-from preprocess.config import FeatureConfig, load_config
-from preprocess.format import INDEX_NAME, group_samples, iter_members
+from preprocess.config import load_config
 
 
 def resampled(path: Path, rate: int) -> torch.Tensor:

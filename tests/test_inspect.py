@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import run_preprocess
 from PIL import Image
 
-from preprocess.format import INDEX_NAME
+from melcache.format import INDEX_NAME
 
 
 def test_summary_lists_buckets_and_totals(sample_cache: Path) -> None:

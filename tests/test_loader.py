@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -17,20 +18,21 @@ import torch
 
 import train.collate
 import train.stream
-from preprocess.config import FeatureConfig
-from preprocess.errors import ShardError, UserError
-from preprocess.format import (
+from melcache.batching import make_rng, plan_batches, round_up, worker_shards
+from melcache.errors import ShardError, UserError
+from melcache.features import FeatureConfig
+from melcache.format import (
     INDEX_NAME,
     decode_mel,
     decode_meta,
     encode_sample,
+    fast_decode_mel,
     group_samples,
     iter_members,
     open_tar_writer,
+    tar_members,
 )
-from train.batching import make_rng, plan_batches, round_up, worker_shards
-from train.data import Batch, StreamLoader, make_loader
-from train.shard_reader import fast_decode_mel, tar_members
+from train.data import Batch, DataConfig, StreamLoader, make_loader
 from train.transport import BatchRing
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
@@ -92,8 +94,11 @@ def cache_copy(sample_cache: Path, tmp_path: Path) -> Path:
 
 
 def loader(cache: Path | str, **kwargs) -> StreamLoader:
-    options = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0, "seed": 1}
-    return make_loader(cache, **{**options, **kwargs})
+    """``make_loader`` with small test defaults; ``[data]`` keys go into its DataConfig."""
+    options = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0, "seed": 1, **kwargs}
+    data_keys = {f.name for f in dataclasses.fields(DataConfig)}
+    data = DataConfig(**{k: v for k, v in options.items() if k in data_keys})
+    return make_loader(cache, data, **{k: v for k, v in options.items() if k not in data_keys})
 
 
 # --- pure planning ----------------------------------------------------------------------------

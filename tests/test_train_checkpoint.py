@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from preprocess.errors import UserError
+from melcache.errors import UserError
 from train import checkpoint
 from train.checkpoint import MARKER, Checkpointer
 from train.distributed import Env

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from preprocess.errors import UserError
+from melcache.errors import UserError
 from train.config import Config, load_config, parse_overrides
 from train.model import build_model
 

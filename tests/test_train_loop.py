@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from preprocess.errors import UserError
+from melcache.errors import UserError
 from train.config import load_config
 from train.distributed import Env
 from train.trainer import Trainer

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import run_preprocess
 
-from preprocess.format import INDEX_NAME
+from melcache.format import INDEX_NAME
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from preprocess.errors import ShardError, UserError
+from melcache.errors import ShardError, UserError
 
 log = logging.getLogger("train")
 

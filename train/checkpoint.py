@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from preprocess.errors import UserError
+from melcache.errors import UserError
 from train.distributed import Env
 
 log = logging.getLogger(__name__)

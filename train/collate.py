@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from preprocess.errors import ShardError
-from train.batching import round_up
-from train.shard_reader import RawSample, fast_decode_mel
+from melcache.batching import round_up
+from melcache.errors import ShardError
+from melcache.format import fast_decode_mel
+from melcache.reader import RawSample
 
 PAD_ID = 0
 BYTE_VOCAB_SIZE = 257

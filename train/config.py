@@ -10,18 +10,13 @@ The resolved config is saved in every checkpoint and in ``OUT/config.json``.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from preprocess.config import require
-from preprocess.errors import UserError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+from melcache.config import check_tables, load_toml, make_section, require
+from melcache.errors import UserError
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
@@ -177,13 +172,10 @@ class Config:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> Config:
         """Build and validate from nested tables; unknown tables or keys are errors."""
-        unknown = sorted(set(data) - set(_SECTIONS))
-        if unknown:
-            raise UserError(
-                f"{source}: unknown table [{unknown[0]}]; expected {', '.join(_SECTIONS)}"
-            )
+        check_tables(data, _SECTIONS, source)
         parts = {
-            name: _make(kind, data.get(name, {}), name, source) for name, kind in _SECTIONS.items()
+            name: make_section(kind, data.get(name, {}), name, source)
+            for name, kind in _SECTIONS.items()
         }
         return cls(**parts)
 
@@ -194,39 +186,6 @@ _SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "train": TrainConfig,
 }
-
-
-def _make(kind: type, table: Any, section: str, source: str) -> Any:
-    if not isinstance(table, Mapping):
-        raise UserError(f"{source}: [{section}] must be a table, got {table!r}")
-    known = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise UserError(
-            f"{source}: unknown key {section}.{unknown[0]}; known keys are {', '.join(sorted(known))}"
-        )
-    values = dict(table)
-    if "betas" in values and isinstance(values["betas"], list):
-        values["betas"] = tuple(values["betas"])
-    if "args" in values and isinstance(values["args"], Mapping):
-        values["args"] = dict(values["args"])
-    for field in dataclasses.fields(kind):
-        if field.name in values:
-            _check_type(values[field.name], field, f"{section}.{field.name}")
-    return kind(**values)
-
-
-_SCALARS = {"int": int, "float": (int, float), "bool": bool, "str": str}
-
-
-def _check_type(value: Any, field: dataclasses.Field, key: str) -> None:
-    """TOML gives typed values; reject the wrong type here rather than deep inside torch."""
-    expected = _SCALARS.get(str(field.type))
-    if expected is None:
-        return
-    wrong_bool = isinstance(value, bool) and field.type != "bool"
-    if wrong_bool or not isinstance(value, expected):
-        raise UserError(f"config key {key} = {value!r} is invalid: expected a {field.type}")
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -267,15 +226,8 @@ def merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 
 def load_config(path: Path | None, overrides: Sequence[str] = ()) -> Config:
     """Read a trainer TOML (``None``: all defaults) and apply ``table.key=value`` overrides."""
-    data: dict[str, Any] = {}
+    data = {} if path is None else load_toml(path, _SECTIONS)
     source = "defaults" if path is None else str(path)
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"config file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise UserError(f"config file {path} cannot be read: {exc}") from None
     if overrides:
         data = merge(data, parse_overrides(overrides))
         source += " with overrides"

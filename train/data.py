@@ -2,8 +2,8 @@
 
 Usage::
 
-    from train.data import make_loader, Batch
-    loader = make_loader("shards/", rank=rank, world_size=world, batch_frames=20_000)
+    from train.data import DataConfig, make_loader
+    loader = make_loader("shards/", DataConfig(batch_frames=20_000), rank=rank, world_size=world)
     loader.load_state_dict(saved)          # optional, before iterating
     for step, batch in zip(range(steps), loader):
         batch = batch.to(device)           # non-blocking: the host copy is pinned with CUDA
@@ -43,7 +43,6 @@ memory when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -56,11 +55,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from preprocess.config import FeatureConfig, features_from_dict
-from preprocess.errors import ShardError, UserError
-from train.batching import round_up
+from melcache.batching import round_up
+from melcache.config import require
+from melcache.errors import ShardError, UserError
+from melcache.features import FeatureConfig, check_features, features_from_dict
+from melcache.index import read_index
 from train.collate import BYTE_VOCAB_SIZE, PAD_ID, Batch, PackedBatch, utf8_tokens
-from train.shard_reader import read_index
+from train.config import DataConfig
 from train.stream import Cursor, Position, StreamSpec, worker_stream
 from train.transport import BatchRing
 
@@ -68,7 +69,7 @@ __all__ = [
     "BYTE_VOCAB_SIZE",
     "PAD_ID",
     "Batch",
-    "LoaderConfig",
+    "DataConfig",
     "ShardError",
     "StreamLoader",
     "make_loader",
@@ -81,45 +82,6 @@ STATE_VERSION = 1
 # Batches each worker keeps ready: a batch is ~1 MB-10 MB and costs one shard read at most,
 # 4 hides a shard boundary without holding much memory.
 PREFETCH_FACTOR = 4
-ON_ERROR = ("raise", "skip")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoaderConfig:
-    """How one rank streams batches; validated on creation, errors name the field."""
-
-    rank: int = 0
-    world_size: int = 1
-    num_workers: int = 2
-    batch_frames: int
-    max_batch_size: int = 64
-    seed: int = 0
-    pad_multiple: int = 8
-    on_error: str = "raise"
-    check_sha256: bool = True
-    pin_memory: bool = False
-
-    def __post_init__(self) -> None:
-        _require(self.world_size >= 1, "world_size", self.world_size, "at least 1")
-        _require(
-            0 <= self.rank < self.world_size, "rank", self.rank, f"in 0..{self.world_size - 1}"
-        )
-        _require(self.num_workers >= 0, "num_workers", self.num_workers, "0 or more")
-        _require(self.batch_frames >= 1, "batch_frames", self.batch_frames, "a positive budget")
-        _require(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "at least 1")
-        _require(self.seed >= 0, "seed", self.seed, "a non-negative integer")
-        _require(self.pad_multiple >= 1, "pad_multiple", self.pad_multiple, "at least 1")
-        _require(self.on_error in ON_ERROR, "on_error", self.on_error, '"raise" or "skip"')
-
-    @property
-    def workers_per_rank(self) -> int:
-        """Producers per rank: ``num_workers = 0`` reads in the main process, as one worker."""
-        return max(1, self.num_workers)
-
-
-def _require(ok: bool, field: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise UserError(f"loader {field} = {value!r} is invalid: expected {expected}")
 
 
 class _WorkerDataset(IterableDataset):
@@ -149,23 +111,18 @@ def _keep(item: Any) -> Any:
 class StreamLoader:
     """Endless iterable of :class:`Batch` for one rank, with exact save/restore.
 
-    Build it with :func:`make_loader`. Attributes: ``features`` (the cache's
+    Build it with :func:`make_loader`. Attributes: ``spec`` (everything the workers are
+    given, the :class:`DataConfig` included), ``features`` (the cache's
     :class:`FeatureConfig`), ``index`` (the parsed ``index.json``), ``skipped_shards``
     (shard name → reason, each logged once, under ``on_error="skip"``).
     """
 
     def __init__(
-        self,
-        cache: str | Path,
-        config: LoaderConfig,
-        spec: StreamSpec,
-        index: dict[str, Any],
-        features: FeatureConfig,
+        self, spec: StreamSpec, index: dict[str, Any], features: FeatureConfig, pin_memory: bool
     ) -> None:
-        self.cache, self.config, self._spec = cache, config, spec
-        self.index, self.features = index, features
+        self.spec, self.index, self.features, self.pin_memory = spec, index, features, pin_memory
         self.skipped_shards: dict[str, str] = {}
-        self._positions = [Position()] * config.workers_per_rank
+        self._positions = [Position()] * spec.workers_per_rank
         self._next_worker = 0  # logical worker whose batch the consumer gets next
         self._batches = 0
         self._active: Iterator[Batch] | None = None
@@ -192,34 +149,34 @@ class StreamLoader:
             self._active = None
 
     def _stream(self) -> Iterator[Batch]:
-        config = self.config
+        spec, data = self.spec, self.spec.data
         # prefetch_factor + 1 slots suffice (see train/transport.py); one more for margin.
         rings = [
-            BatchRing(PREFETCH_FACTOR + 2, config.batch_frames * self._spec.n_mels)
-            for _ in range(config.workers_per_rank)
+            BatchRing(PREFETCH_FACTOR + 2, data.batch_frames * spec.n_mels)
+            for _ in range(spec.workers_per_rank)
         ]
-        dataset = _WorkerDataset(self._spec, list(self._positions), self._next_worker, rings)
+        dataset = _WorkerDataset(spec, list(self._positions), self._next_worker, rings)
         loader = DataLoader(
             dataset,
             batch_size=None,  # the dataset yields whole batches
             collate_fn=_keep,
-            num_workers=config.num_workers,
+            num_workers=data.num_workers,
             # Pinning happens as the mel is copied out of the ring, not in DataLoader's
             # pin thread: one copy instead of two.
             pin_memory=False,
-            persistent_workers=config.num_workers > 0,
-            prefetch_factor=PREFETCH_FACTOR if config.num_workers > 0 else None,
+            persistent_workers=data.num_workers > 0,
+            prefetch_factor=PREFETCH_FACTOR if data.num_workers > 0 else None,
             # DataLoader draws its workers' base seed from this generator; the default would
             # consume the global torch RNG, which belongs to the model (dropout on resume).
-            generator=torch.Generator().manual_seed(config.seed),
+            generator=torch.Generator().manual_seed(spec.seed),
             worker_init_fn=_leave_process_group,
         )
         batches = iter(loader)
         try:
             for packed, cursor in batches:
-                mel = rings[cursor.worker].take(packed.seq, packed.mel_shape, config.pin_memory)
+                mel = rings[cursor.worker].take(packed.seq, packed.mel_shape, self.pin_memory)
                 self._consume(cursor)
-                yield packed.unpack(mel, config.pin_memory)
+                yield packed.unpack(mel, self.pin_memory)
         finally:
             shutdown = getattr(batches, "_shutdown_workers", None)
             if shutdown is not None:  # now, rather than whenever the iterator is collected
@@ -231,7 +188,7 @@ class StreamLoader:
                 f"batch from worker {cursor.worker}, expected worker {self._next_worker}"
             )
         self._positions[cursor.worker] = cursor.after
-        self._next_worker = (cursor.worker + 1) % self.config.workers_per_rank
+        self._next_worker = (cursor.worker + 1) % self.spec.workers_per_rank
         self._batches += 1
         for name, reason in cursor.skipped:
             if name not in self.skipped_shards:
@@ -282,16 +239,16 @@ class StreamLoader:
 
     def _identity(self) -> dict[str, Any]:
         """What a state is only valid for: job layout, seed, cache content and budget."""
-        config = self.config
+        spec, data = self.spec, self.spec.data
         return {
-            "rank": config.rank,
-            "world_size": config.world_size,
-            "workers_per_rank": config.workers_per_rank,
-            "seed": config.seed,
-            "batch_frames": config.batch_frames,
-            "max_batch_size": config.max_batch_size,
-            "pad_multiple": config.pad_multiple,
-            "cache_digest": _shards_digest(self._spec.shards),
+            "rank": spec.rank,
+            "world_size": spec.world_size,
+            "workers_per_rank": spec.workers_per_rank,
+            "seed": spec.seed,
+            "batch_frames": data.batch_frames,
+            "max_batch_size": data.max_batch_size,
+            "pad_multiple": data.pad_multiple,
+            "cache_digest": _shards_digest(spec.shards),
         }
 
 
@@ -300,90 +257,46 @@ def _shards_digest(shards: tuple[dict[str, Any], ...]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def check_features(
-    features: FeatureConfig, expect: Mapping[str, Any] | FeatureConfig | None, cache: str
-) -> None:
-    """Refuse a cache whose feature config differs from what the caller expects."""
-    if expect is None:
-        return
-    wanted = expect.to_dict() if isinstance(expect, FeatureConfig) else dict(expect)
-    have = features.to_dict()
-    for key, value in wanted.items():
-        if key not in have:
-            raise UserError(
-                f"expect_features names unknown feature key {key!r}; known: {', '.join(have)}"
-            )
-        same = (
-            math.isclose(have[key], value, rel_tol=1e-9)
-            if isinstance(value, float) and isinstance(have[key], (int, float))
-            else have[key] == value
-        )
-        if not same:
-            raise UserError(
-                f"cache {cache} was built with features.{key} = {have[key]!r}, but "
-                f"{value!r} is expected; rebuild the cache or change the model's features"
-            )
-
-
 def make_loader(
     cache: str | Path,
+    data: DataConfig,
     *,
     rank: int = 0,
     world_size: int = 1,
-    num_workers: int = 2,
-    batch_frames: int,
-    max_batch_size: int = 64,
     seed: int = 0,
-    pad_multiple: int = 8,
-    on_error: str = "raise",
-    check_sha256: bool = True,
     expect_features: Mapping[str, Any] | FeatureConfig | None = None,
     tokenizer: Callable[[str], list[int]] | None = None,
     pin_memory: bool | None = None,
 ) -> StreamLoader:
     """Open the cache at ``cache`` (folder or URL prefix) as rank ``rank``'s endless stream.
 
-    ``batch_frames`` bounds ``B × T`` with ``T`` the padded length (a multiple of
-    ``pad_multiple``); ``max_batch_size`` bounds ``B``. ``tokenizer`` maps text to ids with
+    ``data`` is the trainer's ``[data]`` table (:class:`DataConfig`), passed on whole to the
+    workers: ``batch_frames`` bounds ``B × T`` with ``T`` the padded length (a multiple of
+    ``pad_multiple``), ``max_batch_size`` bounds ``B``. ``tokenizer`` maps text to ids with
     0 kept free for padding (default: UTF-8 bytes + 1, vocabulary 257). ``pin_memory``
     defaults to whether CUDA is available. Raises :class:`UserError` for a bad argument,
     an unfinished cache, a feature mismatch, a budget below the longest utterance, or fewer
     shards than ``world_size × max(1, num_workers)``.
     """
-    config = LoaderConfig(
-        rank=rank,
-        world_size=world_size,
-        num_workers=num_workers,
-        batch_frames=batch_frames,
-        max_batch_size=max_batch_size,
-        seed=seed,
-        pad_multiple=pad_multiple,
-        on_error=on_error,
-        check_sha256=check_sha256,
-        pin_memory=_resolve_pin_memory(pin_memory),
-    )
+    require(world_size >= 1, "loader world_size", world_size, "at least 1")
+    require(0 <= rank < world_size, "loader rank", rank, f"in 0..{world_size - 1}")
+    require(seed >= 0, "loader seed", seed, "a non-negative integer")
     index = read_index(cache)
     features = features_from_dict(index["features"], source=f"{cache} index")
     check_features(features, expect_features, str(cache))
-    shards = tuple(index["shards"])
-    _check_layout(shards, config, str(cache))
     spec = StreamSpec(
         cache=str(cache),
-        shards=shards,
-        rank=config.rank,
-        workers_per_rank=config.workers_per_rank,
-        world_size=config.world_size,
-        seed=config.seed,
-        batch_frames=config.batch_frames,
-        max_batch_size=config.max_batch_size,
-        pad_multiple=config.pad_multiple,
-        on_error=config.on_error,
-        check_sha256=config.check_sha256,
+        shards=tuple(index["shards"]),
+        data=data,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
         n_mels=features.n_mels,
         pad_value=math.log(features.log_floor),
         tokenizer=tokenizer or utf8_tokens,
     )
-    return StreamLoader(cache, config, spec, index, features)
+    _check_layout(spec)
+    return StreamLoader(spec, index, features, _resolve_pin_memory(pin_memory))
 
 
 def _resolve_pin_memory(requested: bool | None) -> bool:
@@ -394,23 +307,20 @@ def _resolve_pin_memory(requested: bool | None) -> bool:
     return torch.cuda.is_available() if requested is None else requested
 
 
-def _check_layout(shards: tuple[dict[str, Any], ...], config: LoaderConfig, cache: str) -> None:
-    slots = config.world_size * config.workers_per_rank
-    if len(shards) < slots:
+def _check_layout(spec: StreamSpec) -> None:
+    cache, data = spec.cache, spec.data
+    if len(spec.shards) < spec.num_slots:
         raise UserError(
-            f"cache {cache} has {len(shards)} shards, fewer than world_size × workers = "
-            f"{config.world_size} × {config.workers_per_rank} = {slots}, so a worker would get "
-            "none; use fewer workers or rebuild with [build] min_shards >= "
-            f"{slots} (ideally several times more)"
+            f"cache {cache} has {len(spec.shards)} shards, fewer than world_size × workers = "
+            f"{spec.world_size} × {spec.workers_per_rank} = {spec.num_slots}, so a worker "
+            "would get none; use fewer workers or rebuild with [build] min_shards >= "
+            f"{spec.num_slots} (ideally several times more)"
         )
-    empty = [s["name"] for s in shards if s.get("samples", 0) < 1]
-    if empty:
-        raise UserError(f"cache {cache}: shard {empty[0]} holds no samples per the index")
-    longest = max(int(s["max_frames"]) for s in shards)
-    if round_up(longest, config.pad_multiple) > config.batch_frames:
+    longest = max(s["max_frames"] for s in spec.shards)
+    if round_up(longest, data.pad_multiple) > data.batch_frames:
         raise UserError(
-            f"loader batch_frames = {config.batch_frames} is below the longest utterance of "
-            f"cache {cache} ({longest} frames, {round_up(longest, config.pad_multiple)} padded); "
+            f"loader batch_frames = {data.batch_frames} is below the longest utterance of "
+            f"cache {cache} ({longest} frames, {round_up(longest, data.pad_multiple)} padded); "
             "raise batch_frames"
         )
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from melcache.batching import padding_fraction
 from train.distributed import Env, all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class Meter:
             samples_per_s=sums["samples"] / elapsed,
             frames_per_s=sums["frames"] / elapsed,
             text_tokens_per_s=sums["text_tokens"] / elapsed,
-            padding_pct=100.0 * (1.0 - sums["frames"] / max(sums["padded_frames"], 1.0)),
+            padding_pct=100.0 * padding_fraction(sums["frames"], sums["padded_frames"]),
             data_wait_pct=100.0 * sums["wait_s"] / self.env.world_size / elapsed,
         )
         out.update(peak_memory(self.env.device))

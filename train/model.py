@@ -33,10 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from preprocess.errors import UserError
+from melcache.errors import UserError
+from train.collate import BYTE_VOCAB_SIZE  # UTF-8 bytes + 1; id 0 is padding
 from train.config import ModelConfig
-
-TEXT_VOCAB = 257  # UTF-8 bytes + 1; id 0 is padding
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -138,7 +137,7 @@ class TextToMel(nn.Module):
         self.n_mels, self.dim, self.loss = n_mels, dim, loss
         self.prenet_dropout, self.stop_weight = prenet_dropout, stop_weight
         self.checkpointing = False
-        self.text_embed = nn.Embedding(TEXT_VOCAB, dim)
+        self.text_embed = nn.Embedding(BYTE_VOCAB_SIZE, dim)
         self.segment = nn.Parameter(torch.randn(2, dim) * 0.02)  # text / mel
         # Tacotron's prenet: a bottleneck with dropout kept on, so the decoder must
         # use the text instead of copying the previous frame.

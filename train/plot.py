@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from preprocess.errors import UserError
+from melcache.errors import UserError
 from train.metrics import METRICS_NAME, read_metrics
 
 

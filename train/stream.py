@@ -16,10 +16,12 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from preprocess.errors import ShardError
-from train.batching import BATCH_PLAN, make_rng, plan_batches, worker_shards
+from melcache.batching import BATCH_PLAN, make_rng, plan_batches, worker_shards
+from melcache.errors import ShardError
+from melcache.location import member_location
+from melcache.reader import RawSample, read_shard
 from train.collate import PackedBatch, Tokenizer, collate
-from train.shard_reader import RawSample, member_location, read_shard
+from train.config import DataConfig
 from train.transport import BatchRing
 
 
@@ -48,18 +50,18 @@ class StreamSpec:
 
     cache: str
     shards: tuple[dict[str, Any], ...]  # the index's shard entries
+    data: DataConfig  # the [data] table, whole
     rank: int
-    workers_per_rank: int  # logical workers: max(1, num_workers)
     world_size: int
     seed: int
-    batch_frames: int
-    max_batch_size: int
-    pad_multiple: int
-    on_error: str
-    check_sha256: bool
     n_mels: int
     pad_value: float
     tokenizer: Tokenizer
+
+    @property
+    def workers_per_rank(self) -> int:
+        """Logical workers per rank: ``num_workers = 0`` reads in the main process, as one."""
+        return max(1, self.data.num_workers)
 
     @property
     def num_slots(self) -> int:
@@ -68,12 +70,14 @@ class StreamSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class _ShardTask:
+class ShardVisit:
+    """One read of one shard by this worker, in one epoch."""
+
     epoch: int
     pos: int  # index in this worker's shard list for the epoch
     count: int  # length of that list
     shard_id: int  # index into StreamSpec.shards
-    skip_batches: int  # batches consumed before a restore (first task only)
+    skip_batches: int  # batches consumed before a restore (first visit only)
 
     def after(self, batch: int, num_batches: int) -> Position:
         """Normalised position after ``batch`` batches of ``num_batches``: a finished shard
@@ -99,11 +103,11 @@ class _SkipLog:
         self.failed: set[int] = set()  # distinct shard ids failed since the last batch
         self.streak = 0  # shards failed since the last batch
 
-    def record(self, task: _ShardTask, name: str, exc: ShardError) -> None:
+    def record(self, visit: ShardVisit, name: str, exc: ShardError) -> None:
         if self.on_error == "raise":
             raise exc
         self.pending.append((name, str(exc)))
-        self.failed.add(task.shard_id)
+        self.failed.add(visit.shard_id)
         self.streak += 1
         if len(self.failed) == self.num_shards or self.streak >= 3 * self.num_shards:
             raise ShardError(
@@ -118,7 +122,7 @@ class _SkipLog:
         return pending
 
 
-def schedule(spec: StreamSpec, slot: int, start: Position) -> Iterator[_ShardTask]:
+def schedule(spec: StreamSpec, slot: int, start: Position) -> Iterator[ShardVisit]:
     """This worker's shards, epoch after epoch, forever, from ``start`` on."""
     epoch, first, skip = start.epoch, start.shard, start.batch
     while True:
@@ -126,47 +130,49 @@ def schedule(spec: StreamSpec, slot: int, start: Position) -> Iterator[_ShardTas
             len(spec.shards), seed=spec.seed, epoch=epoch, slot=slot, num_slots=spec.num_slots
         )
         for pos in range(first, len(ids)):
-            yield _ShardTask(epoch, pos, len(ids), ids[pos], skip)
+            yield ShardVisit(epoch, pos, len(ids), ids[pos], skip)
             skip = 0
         epoch, first = epoch + 1, 0
 
 
 def load_shards(
-    tasks: Iterator[_ShardTask], spec: StreamSpec, skips: _SkipLog
-) -> Iterator[tuple[_ShardTask, list[RawSample]]]:
+    visits: Iterator[ShardVisit], spec: StreamSpec, skips: _SkipLog
+) -> Iterator[tuple[ShardVisit, list[RawSample]]]:
     """Read each scheduled shard whole; a bad one goes to the ``on_error`` policy."""
-    for task in tasks:
-        entry = spec.shards[task.shard_id]
+    for visit in visits:
+        entry = spec.shards[visit.shard_id]
         try:
             samples = read_shard(
-                member_location(spec.cache, entry["name"]), entry, check_sha256=spec.check_sha256
+                member_location(spec.cache, entry["name"]),
+                entry,
+                check_sha256=spec.data.check_sha256,
             )
         except ShardError as exc:
-            skips.record(task, entry["name"], exc)
+            skips.record(visit, entry["name"], exc)
             continue
-        yield task, samples
+        yield visit, samples
 
 
 def plan_shards(
-    loaded: Iterator[tuple[_ShardTask, list[RawSample]]], spec: StreamSpec
-) -> Iterator[tuple[_ShardTask, Position, list[RawSample]]]:
+    loaded: Iterator[tuple[ShardVisit, list[RawSample]]], spec: StreamSpec
+) -> Iterator[tuple[ShardVisit, Position, list[RawSample]]]:
     """Cut each shard into batches (a pure function of seed, epoch and shard) and drop the
     ones a restored state already consumed, before any mel is decoded."""
-    for task, samples in loaded:
+    for visit, samples in loaded:
         batches = plan_batches(
             [s.frames for s in samples],
-            rng=make_rng(spec.seed, BATCH_PLAN, task.epoch, task.shard_id),
-            batch_frames=spec.batch_frames,
-            max_batch_size=spec.max_batch_size,
-            pad_multiple=spec.pad_multiple,
+            rng=make_rng(spec.seed, BATCH_PLAN, visit.epoch, visit.shard_id),
+            batch_frames=spec.data.batch_frames,
+            max_batch_size=spec.data.max_batch_size,
+            pad_multiple=spec.data.pad_multiple,
         )
-        for number in range(task.skip_batches, len(batches)):
+        for number in range(visit.skip_batches, len(batches)):
             picked = [samples[i] for i in batches[number]]
-            yield task, task.after(number + 1, len(batches)), picked
+            yield visit, visit.after(number + 1, len(batches)), picked
 
 
 def collate_batches(
-    planned: Iterator[tuple[_ShardTask, Position, list[RawSample]]],
+    planned: Iterator[tuple[ShardVisit, Position, list[RawSample]]],
     spec: StreamSpec,
     skips: _SkipLog,
     worker: int,
@@ -174,26 +180,26 @@ def collate_batches(
 ) -> Iterator[tuple[PackedBatch, Cursor]]:
     """Decode and pad each planned batch into the next ring slot; a shard with a bad mel
     loses its remaining batches."""
-    failed: _ShardTask | None = None
+    failed: ShardVisit | None = None
     seq = 0
-    for task, after, samples in planned:
-        if task == failed:
+    for visit, after, samples in planned:
+        if visit == failed:
             continue
-        name = spec.shards[task.shard_id]["name"]
+        name = spec.shards[visit.shard_id]["name"]
         try:
             packed = collate(
                 samples,
                 seq=seq,
                 mel_out=functools.partial(ring.slot, seq),
                 n_mels=spec.n_mels,
-                pad_multiple=spec.pad_multiple,
+                pad_multiple=spec.data.pad_multiple,
                 pad_value=spec.pad_value,
                 tokenizer=spec.tokenizer,
                 where=member_location(spec.cache, name),
             )
         except ShardError as exc:
-            failed = task
-            skips.record(task, name, exc)
+            failed = visit
+            skips.record(visit, name, exc)
             continue
         ring.publish(seq)
         seq += 1
@@ -204,8 +210,8 @@ def worker_stream(
     spec: StreamSpec, worker: int, start: Position, ring: BatchRing
 ) -> Iterator[tuple[PackedBatch, Cursor]]:
     """The endless stream of logical worker ``worker`` of this rank, resumed at ``start``."""
-    skips = _SkipLog(spec.on_error, len(spec.shards))
-    tasks = schedule(spec, spec.rank * spec.workers_per_rank + worker, start)
-    loaded = load_shards(tasks, spec, skips)
+    skips = _SkipLog(spec.data.on_error, len(spec.shards))
+    visits = schedule(spec, spec.rank * spec.workers_per_rank + worker, start)
+    loaded = load_shards(visits, spec, skips)
     planned = plan_shards(loaded, spec)
     return collate_batches(planned, spec, skips, worker, ring)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from preprocess.errors import UserError
-from preprocess.format import STATS_NAME
+from melcache.errors import UserError
+from melcache.index import read_stats
 from train.checkpoint import Checkpointer
 from train.config import Config
 from train.data import Batch, make_loader
@@ -69,15 +69,10 @@ class Trainer:
         seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
         self.loader = make_loader(
             shards,
+            cfg.data,
             rank=env.rank,
             world_size=env.world_size,
-            num_workers=cfg.data.num_workers,
-            batch_frames=cfg.data.batch_frames,
-            max_batch_size=cfg.data.max_batch_size,
             seed=t.seed,
-            pad_multiple=cfg.data.pad_multiple,
-            on_error=cfg.data.on_error,
-            check_sha256=cfg.data.check_sha256,
             expect_features=cfg.model.expected_features(),
         )
         self.raw_model = build_model(cfg.model).to(device)
@@ -206,6 +201,17 @@ class Trainer:
             raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
         return values
 
+    def _mel_stats(self, shards: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel mean and std of the cache (float32 ``[n_mels]``) on the device."""
+        try:
+            stats = read_stats(shards, self.loader.features.n_mels)
+        except UserError as exc:
+            raise UserError(
+                f"{exc}; data.mel_stats = true needs them: set data.mel_stats=false to train "
+                "on unnormalised log-mels"
+            ) from None
+        return tuple(torch.from_numpy(x).to(self.env.device) for x in stats)
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = _AMP_DTYPES.get(self.precision)
         if dtype is None:
@@ -218,7 +224,7 @@ class Trainer:
         latest = self.ckpt.latest()
         if latest is None:
             if self.cfg.data.mel_stats and hasattr(self.raw_model, "set_mel_stats"):
-                self.raw_model.set_mel_stats(*(s.to(self.env.device) for s in _mel_stats(shards)))
+                self.raw_model.set_mel_stats(*self._mel_stats(shards))
             if self.env.is_main:
                 self.out.mkdir(parents=True, exist_ok=True)
                 (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
@@ -268,20 +274,6 @@ def _enable_activation_checkpointing(model: torch.nn.Module, impl: str) -> None:
             "set_activation_checkpointing method"
         )
     model.set_activation_checkpointing(True)
-
-
-def _mel_stats(shards: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and std from the cache's stats.zarr (float32 ``[n_mels]``)."""
-    import zarr  # only needed on a fresh start
-
-    path = Path(shards) / STATS_NAME
-    if not path.is_dir():
-        raise UserError(
-            f"{path} not found: data.mel_stats = true needs a local cache with its statistics; "
-            "set data.mel_stats=false to train on unnormalised log-mels"
-        )
-    group = zarr.open_group(str(path), mode="r")
-    return torch.from_numpy(group["mean"][:]).float(), torch.from_numpy(group["std"][:]).float()
 
 
 def _warn_config_changes(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:

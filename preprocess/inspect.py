@@ -1,18 +1,50 @@
-"""``preprocess inspect --png``: pictures of a cache (matplotlib, an optional extra)."""
+"""``preprocess inspect``: a text summary of a cache, and with ``--png`` its pictures
+(matplotlib, an optional extra)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from preprocess.errors import UserError
-from preprocess.format import MEL_MEMBER, META_MEMBER, decode_mel, group_samples, iter_members
-from preprocess.index import read_index
+from melcache.batching import make_rng, padding_fraction, plan_batches, round_up
+from melcache.errors import UserError
+from melcache.format import fast_decode_mel
+from melcache.index import read_index
+from melcache.reader import read_shard
 
 SHARDS_PER_BUCKET = 16  # enough samples for a faithful histogram without reading a huge cache
+
+
+def summarize(cache: Path) -> str:
+    """Hours, utterances, buckets (counts and the padding they imply), shards and rejections."""
+    index = read_index(cache)
+    totals = index["totals"]
+    features = index["features"]
+    lines = [
+        f"cache {cache}: format {index['format_version']}, features {index['features_digest']} "
+        f"({features['sample_rate']} Hz, hop {features['hop_length']}, {features['n_mels']} mels, "
+        f"{features['mel_scale']} scale)",
+        f"{totals['utterances']} utterances, {totals['hours']:.3f} h, {totals['frames']} frames, "
+        f"{totals['shards']} shards, {sum(s.get('bytes', 0) for s in index['shards']) / 1e6:.1f} MB",
+        "",
+        "bucket  seconds        frames       utts  shards  pad if padded to bucket max",
+    ]
+    for bucket in index["buckets"]:
+        shards = [s for s in index["shards"] if s["bucket"] == bucket["bucket"]]
+        samples = sum(s["samples"] for s in shards)
+        frames = sum(s["frames"] for s in shards)
+        longest = max((s["max_frames"] for s in shards), default=0)
+        padding = padding_fraction(frames, samples * longest)
+        lines.append(
+            f"{bucket['bucket']:>6}  {bucket['min_seconds']:>5.2f}–{bucket['max_seconds']:<6.2f}  "
+            f"{bucket['min_frames']:>5}–{bucket['max_frames']:<5}  {samples:>5}  {len(shards):>6}  "
+            f"{padding:6.1%}"
+        )
+    lines += ["", f"rejected: {totals['rejected']} of {totals['discovered']} discovered"]
+    lines += [f"  {n:>6}  {reason}" for reason, n in totals["rejected_by_reason"].items()]
+    return "\n".join(lines)
 
 
 def plot_cache(
@@ -40,21 +72,19 @@ def _read_samples(cache: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
     """Metadata (and the mel, for the first sample of each shard) of up to 16 shards per bucket."""
     taken: dict[int, int] = {}
     samples: list[dict[str, Any]] = []
+    n_mels = index["features"]["n_mels"]
+    hop_seconds = index["features"]["hop_length"] / index["features"]["sample_rate"]
     for shard in index["shards"]:
         if taken.setdefault(shard["bucket"], 0) >= SHARDS_PER_BUCKET:
             continue
         taken[shard["bucket"]] += 1
-        with open(cache / shard["name"], "rb") as stream:
-            for i, sample in enumerate(
-                group_samples(iter_members(stream, shard["name"]), shard["name"])
-            ):
-                meta = json.loads(sample[META_MEMBER])
-                meta["shard"] = shard["name"]
-                if i == 0:
-                    meta["mel"] = decode_mel(
-                        sample[MEL_MEMBER], index["features"]["n_mels"], shard["name"]
-                    )
-                samples.append(meta)
+        location = str(cache / shard["name"])
+        for i, raw in enumerate(read_shard(location, shard, check_sha256=False)):
+            meta = {"shard": shard["name"], "seconds": raw.frames * hop_seconds}
+            meta.update(text=raw.text, frames=raw.frames, bucket=raw.bucket)
+            if i == 0:
+                meta["mel"] = fast_decode_mel(raw.mel, n_mels, f"{location}:{raw.key}").copy()
+            samples.append(meta)
     return samples
 
 
@@ -62,8 +92,6 @@ def bucket_padding(
     frames_by_shard: dict[str, list[int]], batch_frames: int, max_batch_size: int
 ) -> float:
     """Padded ÷ all frames when the loader batches these shards under ``batch_frames``."""
-    from train.batching import make_rng, plan_batches, round_up  # the loader's own batching
-
     real = padded = 0
     for number, frames in enumerate(frames_by_shard.values()):
         batches = plan_batches(
@@ -77,7 +105,7 @@ def bucket_padding(
             lengths = [frames[i] for i in batch]
             real += sum(lengths)
             padded += len(lengths) * round_up(max(lengths), 8)
-    return 1 - real / padded if padded else 0.0
+    return padding_fraction(real, padded)
 
 
 def _plot_durations(

@@ -85,7 +85,6 @@ def plan_batches(
     return [batches[j] for j in rng.permutation(len(batches)).tolist()]
 
 
-def padding_fraction(lengths: Sequence[int], padded_length: int) -> float:
-    """Padded frames ÷ all frames of one batch whose rows are padded to ``padded_length``."""
-    total = len(lengths) * padded_length
-    return 1.0 - sum(lengths) / total if total else 0.0
+def padding_fraction(real_frames: float, padded_frames: float) -> float:
+    """Padding ÷ all frames, of one batch or many: ``padded_frames`` counts padding too."""
+    return 1.0 - real_frames / padded_frames if padded_frames else 0.0

@@ -1,27 +1,24 @@
-"""Writing and reading the files that make a cache complete: rejected.jsonl, stats.zarr, index.json."""
+"""The end of a build: rejected.jsonl, stats.zarr, then index.json, from the shards' receipts."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import webdataset as wds
-import zarr
 
-from preprocess.config import BuildConfig, FeatureConfig, features_from_dict
+from melcache.features import FeatureConfig
+from melcache.format import FORMAT_VERSION, REJECTED_NAME, STATS_NAME, write_atomic
+from melcache.index import write_index, write_stats
+from preprocess.config import BuildConfig
 from preprocess.discover import Rejection
-from preprocess.errors import UserError
-from preprocess.format import FORMAT_VERSION, INDEX_NAME, REJECTED_NAME, STATS_NAME, write_atomic
 from preprocess.plan import Plan
 
 
-def write_cache_files(
+def finish_cache(
     out: Path,
     plan: Plan,
     receipts: Sequence[dict[str, Any]],
@@ -88,9 +85,7 @@ def write_cache_files(
         },
         "stats": STATS_NAME,
     }
-    write_atomic(
-        out / INDEX_NAME, (json.dumps(index, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
-    )
+    write_index(out, index)
     return index
 
 
@@ -105,34 +100,4 @@ def _write_stats(out: Path, receipts: Sequence[dict[str, Any]], frames: int) -> 
     squares = np.sum([r["mel_sum_squares"] for r in receipts], axis=0, dtype=np.float64)
     mean = sums / max(frames, 1)
     std = np.sqrt(np.maximum(squares / max(frames, 1) - mean**2, 0.0))
-    temp, final = out / f"{STATS_NAME}.{os.getpid()}.tmp", out / STATS_NAME
-    shutil.rmtree(temp, ignore_errors=True)
-    zarr.save_group(str(temp), mean=mean.astype(np.float32), std=std.astype(np.float32))
-    zarr.open_group(str(temp), mode="r+").attrs["frames"] = frames
-    shutil.rmtree(final, ignore_errors=True)
-    temp.rename(final)
-
-
-def read_index(cache: str | Path) -> dict[str, Any]:
-    """Load ``index.json`` of a cache given as a folder or a URL prefix webdataset can open."""
-    location = str(cache).rstrip("/")
-    url = f"{location}/{INDEX_NAME}"
-    try:
-        with wds.gopen(url) as stream:
-            index = json.loads(stream.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(
-            f"{url} not found: not a melcache cache, or its build has not finished"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{url} cannot be read: {exc}") from None
-    if index.get("format_version") != FORMAT_VERSION:
-        raise UserError(
-            f"{url} has format_version {index.get('format_version')}; this melcache reads {FORMAT_VERSION}"
-        )
-    return index
-
-
-def index_features(index: dict[str, Any]) -> FeatureConfig:
-    """The FeatureConfig a cache was built with."""
-    return features_from_dict(index["features"])
+    write_stats(out, mean, std, frames)

@@ -1,0 +1,79 @@
+"""Config files: one TOML reader and one way to turn a table into a validated frozen section.
+
+Both commands read TOML: the build preset (``[features]``, ``[build]``) and the trainer
+config (``[model]``, ``[data]``, ``[optim]``, ``[train]``). Each table becomes a frozen,
+keyword-only dataclass whose ``__post_init__`` checks values with :func:`require`; unknown
+tables and keys, and values of the wrong TOML type, are refused here by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from melcache.errors import UserError
+
+
+def require(ok: bool, key: str, value: Any, expected: str) -> None:
+    """Raise a UserError naming the config key, its bad value and what would be valid."""
+    if not ok:
+        raise UserError(f"config key {key} = {value!r} is invalid: expected {expected}")
+
+
+def load_toml(path: Path, tables: Mapping[str, type]) -> dict[str, Any]:
+    """Parse the TOML file ``path``; refuse a table not named in ``tables``."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"config file {path} cannot be read: {exc}") from None
+    check_tables(data, tables, str(path))
+    return data
+
+
+def check_tables(data: Mapping[str, Any], tables: Mapping[str, type], source: str) -> None:
+    """Refuse a top-level table that is not one of ``tables``."""
+    unknown = sorted(set(data) - set(tables))
+    if unknown:
+        raise UserError(f"{source}: unknown table [{unknown[0]}]; expected {', '.join(tables)}")
+
+
+def make_section(kind: type, table: Any, section: str, source: str) -> Any:
+    """Build the config dataclass ``kind`` from a TOML table, naming any bad key or type."""
+    if not isinstance(table, Mapping):
+        raise UserError(f"{source}: [{section}] must be a table, got {table!r}")
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise UserError(
+            f"{source}: unknown key {section}.{unknown[0]}; known keys are {', '.join(sorted(known))}"
+        )
+    values = dict(table)
+    for field in dataclasses.fields(kind):
+        if field.name not in values:
+            continue
+        _check_type(values[field.name], field, f"{section}.{field.name}")
+        if str(field.type).startswith("tuple") and isinstance(values[field.name], list):
+            values[field.name] = tuple(
+                values[field.name]
+            )  # TOML arrays; frozen configs hold tuples
+        elif isinstance(values[field.name], Mapping):
+            values[field.name] = dict(values[field.name])
+    return kind(**values)
+
+
+_SCALARS = {"int": int, "float": (int, float), "bool": bool, "str": str}
+
+
+def _check_type(value: Any, field: dataclasses.Field, key: str) -> None:
+    """TOML gives typed values; reject the wrong type here rather than deep inside torch."""
+    expected = _SCALARS.get(str(field.type))
+    if expected is None:
+        return
+    wrong_bool = isinstance(value, bool) and field.type != "bool"
+    if wrong_bool or not isinstance(value, expected):
+        raise UserError(f"config key {key} = {value!r} is invalid: expected a {field.type}")

@@ -1,0 +1,125 @@
+"""The files that describe a whole cache: ``index.json`` (written last) and ``stats.zarr``.
+
+:func:`read_index` is the one reader of ``index.json``: every command and the loader go
+through it, so a cache from somewhere else meets the same checks everywhere. Each shard
+entry's fields are checked for type and range, and its name against the shard-name pattern,
+before anything opens a file the index names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from melcache.errors import UserError
+from melcache.features import FeatureConfig, features_from_dict
+from melcache.format import FORMAT_VERSION, INDEX_NAME, SHARD_PATTERN, STATS_NAME, write_atomic
+from melcache.location import is_url, member_location, read_bytes
+
+# Shard entry fields: type and smallest valid value; ``bytes`` and ``sha256`` may be absent
+# in a hand-made index (the loader then needs ``check_sha256=False``).
+_SHARD_INTS = {"bucket": 0, "samples": 1, "frames": 1, "min_frames": 1, "max_frames": 1}
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def read_index(cache: str | Path) -> dict[str, Any]:
+    """Parse and check ``index.json`` of a cache (folder or URL prefix).
+
+    Raises :class:`UserError` naming the file and the first bad field: a missing or
+    unfinished cache, another format version, bad features, or a shard entry whose name is
+    not a shard name or whose counts are not non-negative integers.
+    """
+    location = member_location(cache, INDEX_NAME)
+    try:
+        index = json.loads(bytes(read_bytes(location)).decode("utf-8"))
+    except FileNotFoundError:
+        raise UserError(
+            f"{location} not found: not a melcache cache, or its build has not finished"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"{location}: cannot read the cache index ({exc}); is {cache} a finished "
+            "`python -m preprocess build` output?"
+        ) from None
+    version = index.get("format_version") if isinstance(index, dict) else None
+    if version != FORMAT_VERSION:
+        raise UserError(
+            f"{location}: format_version {version!r}, this melcache reads {FORMAT_VERSION}"
+        )
+    for key, kind in (("features", dict), ("shards", list)):
+        if not isinstance(index.get(key), kind):
+            raise UserError(f"{location}: the index has no {key!r} {kind.__name__}")
+    features_from_dict(index["features"], source=f"{location} [features]")
+    for number, entry in enumerate(index["shards"]):
+        _check_shard_entry(entry, f"{location}: shards[{number}]")
+    return index
+
+
+def _check_shard_entry(entry: Any, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise UserError(f"{where} is {entry!r}, not an object")
+    name = entry.get("name")
+    if not isinstance(name, str) or not SHARD_PATTERN.match(name):
+        raise UserError(f"{where}.name = {name!r} is not a shard name like b00-000000.tar")
+    for field, least in _SHARD_INTS.items():
+        _check_count(entry.get(field), f"{where}.{field}", least)
+    if "bytes" in entry:
+        _check_count(entry["bytes"], f"{where}.bytes", 1)
+    if "sha256" in entry and not (
+        isinstance(entry["sha256"], str) and _SHA256.match(entry["sha256"])
+    ):
+        raise UserError(f"{where}.sha256 = {entry['sha256']!r} is not 64 lowercase hex digits")
+    if not entry["min_frames"] <= entry["max_frames"]:
+        raise UserError(
+            f"{where}: min_frames {entry['min_frames']} > max_frames {entry['max_frames']}"
+        )
+
+
+def _check_count(value: Any, where: str, least: int) -> None:
+    if type(value) is not int or value < least:  # bool is an int subclass; not a count
+        raise UserError(f"{where} = {value!r} is invalid: expected an integer ≥ {least}")
+
+
+def index_features(index: dict[str, Any]) -> FeatureConfig:
+    """The FeatureConfig a cache was built with (the index is checked by :func:`read_index`)."""
+    return features_from_dict(index["features"])
+
+
+def write_index(out: Path, index: dict[str, Any]) -> None:
+    """Write ``index.json`` atomically: its presence marks the cache complete."""
+    text = json.dumps(index, indent=1, ensure_ascii=False) + "\n"
+    write_atomic(out / INDEX_NAME, text.encode("utf-8"))
+
+
+def write_stats(out: Path, mean: np.ndarray, std: np.ndarray, frames: int) -> None:
+    """Write per-channel ``mean`` and ``std`` (float32 ``[n_mels]``) over ``frames`` frames
+    as ``stats.zarr``, under a temporary name first."""
+    temp, final = out / f"{STATS_NAME}.{os.getpid()}.tmp", out / STATS_NAME
+    shutil.rmtree(temp, ignore_errors=True)
+    zarr.save_group(str(temp), mean=mean.astype(np.float32), std=std.astype(np.float32))
+    zarr.open_group(str(temp), mode="r+").attrs["frames"] = frames
+    shutil.rmtree(final, ignore_errors=True)
+    temp.rename(final)
+
+
+def read_stats(cache: str | Path, n_mels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and std (float32 ``[n_mels]``) from a local cache's ``stats.zarr``;
+    :class:`UserError` when they are missing, unreadable or of another shape."""
+    path = Path(member_location(cache, STATS_NAME))
+    if is_url(cache) or not path.is_dir():
+        raise UserError(f"{path}: per-channel statistics not found (they need a local cache)")
+    try:
+        group = zarr.open_group(str(path), mode="r")
+        mean, std = np.asarray(group["mean"][:]), np.asarray(group["std"][:])
+    except (OSError, KeyError, ValueError, zarr.errors.BaseZarrError) as exc:
+        raise UserError(f"{path}: unreadable ({exc})") from None
+    if mean.shape != (n_mels,) or std.shape != (n_mels,):
+        raise UserError(f"{path}: mean/std shape is {mean.shape}/{std.shape}, not [{n_mels}]")
+    return mean.astype(np.float32), std.astype(np.float32)
