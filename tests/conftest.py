@@ -1,38 +1,11 @@
-"""Shared fixtures: the committed sample corpus and a cache built from it by the real build."""
+"""Shared fixtures: the committed sample corpus built by the real build, once per session."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE_CORPUS = REPO / "examples" / "wavs"
-# Few buckets and small shards: the 30-utterance corpus then spreads over ≥ 8 shards,
-# enough for 2 ranks × 2 workers.
-SMALL_SHARDS_TOML = """
-[build]
-num_buckets = 4
-min_shards = 8
-"""
-
-
-def run_preprocess(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m preprocess ARGS`` as a user would; return the finished process."""
-    done = subprocess.run(
-        [sys.executable, "-m", "preprocess", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if check and done.returncode != 0:
-        raise AssertionError(
-            f"preprocess {' '.join(args)} exited {done.returncode}:\n{done.stderr}"
-        )
-    return done
+from helpers import SMALL_SHARDS_TOML, TRAIN_CACHE_TOML, build_cache
 
 
 @pytest.fixture(scope="session")
@@ -43,40 +16,13 @@ def small_shards_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def build_cache(out: Path, config: Path, *extra: str) -> Path:
-    """Build the sample corpus into ``out`` with ``config``, one worker, as a user would."""
-    run_preprocess(
-        "build",
-        "--src",
-        str(SAMPLE_CORPUS),
-        "--out",
-        str(out),
-        "--config",
-        str(config),
-        "--workers",
-        "1",
-        *extra,
-    )
-    return out
-
-
 @pytest.fixture(scope="session")
 def sample_cache(tmp_path_factory: pytest.TempPathFactory, small_shards_config: Path) -> Path:
     """The sample corpus built once per test session (read-only: copy it before damaging it)."""
     return build_cache(tmp_path_factory.mktemp("sample_cache"), small_shards_config)
 
 
-# --- Trainer tests (tests/test_train*.py) -------------------------------------------------
-# Short utterances only (≤ 4.5 s, 23 of the 30): attention cost grows with the square of the
-# length, and the trainer tests run several 2-process jobs on shared CPU cores.
-TRAIN_CACHE_TOML = """
-[build]
-num_buckets = 3
-min_shards = 8
-max_seconds = 4.5
-"""
-
-
+# The sample corpus's short utterances: the trainer tests run several 2-process jobs.
 @pytest.fixture(scope="session")
 def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sample corpus's short utterances, built once by the real build (read-only)."""

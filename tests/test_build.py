@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile as sf
-from conftest import REPO, SAMPLE_CORPUS, build_cache, run_preprocess
+from helpers import REPO, SAMPLE_CORPUS, build_cache, run_preprocess
 
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
 
@@ -54,6 +55,7 @@ def test_sample_cache_is_complete_and_consistent(sample_cache: Path) -> None:
     assert run_preprocess("verify", str(sample_cache)).stdout.strip().endswith("OK")
 
 
+@pytest.mark.slow  # builds in a subprocess
 def test_layouts_ljspeech_and_manifest(tmp_path: Path) -> None:
     sources = sorted(SAMPLE_CORPUS.glob("en_f1/*.wav"))[:3]
     lj = tmp_path / "lj"
@@ -113,6 +115,7 @@ def write_wav(
         path.with_suffix(".txt").write_bytes(text)
 
 
+@pytest.mark.slow  # builds in a subprocess
 def test_bad_inputs_are_rejected_with_reasons(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
@@ -149,6 +152,7 @@ def test_bad_inputs_are_rejected_with_reasons(tmp_path: Path) -> None:
     assert sum(index["totals"]["rejected_by_reason"].values()) == 7
 
 
+@pytest.mark.slow  # builds in a subprocess
 def test_killed_build_resumes_byte_identical(
     tmp_path: Path, sample_cache: Path, small_shards_config: Path
 ) -> None:
@@ -181,6 +185,7 @@ def test_killed_build_resumes_byte_identical(
     assert digests(out) == digests(sample_cache)
 
 
+@pytest.mark.slow  # builds in a subprocess
 def test_parts_build_one_cache(
     tmp_path: Path, sample_cache: Path, small_shards_config: Path
 ) -> None:
@@ -191,6 +196,7 @@ def test_parts_build_one_cache(
     assert digests(out) == digests(sample_cache)
 
 
+@pytest.mark.slow  # builds in a subprocess
 def test_keep_audio_stores_resampled_flac(tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(SAMPLE_CORPUS / "zh", src)
@@ -205,6 +211,7 @@ def test_keep_audio_stores_resampled_flac(tmp_path: Path) -> None:
     assert run_preprocess("verify", str(out)).returncode == 0
 
 
+@pytest.mark.slow  # builds in a subprocess
 def test_user_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     bad = tmp_path / "bad.toml"

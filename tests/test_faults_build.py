@@ -27,8 +27,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
-from conftest import REPO, SAMPLE_CORPUS, run_preprocess
-from faults_tools import (
+from helpers import (
+    REPO,
+    SAMPLE_CORPUS,
     build_args,
     build_command,
     cache_digests,
@@ -36,6 +37,7 @@ from faults_tools import (
     pool_workers,
     receipts,
     resize_tmpfs,
+    run_preprocess,
     small_tmpfs,
     started,
     tree,
@@ -57,6 +59,7 @@ from preprocess.audio import resampled_length
 from preprocess.discover import discover
 from preprocess.verify import verify
 
+pytestmark = pytest.mark.slow  # builds in subprocesses, kills, a tiny disk: the full tier
 SPEECH = SAMPLE_CORPUS / "en_m3" / "en_m3_02.wav"  # 1.5 s, 16 kHz mono
 FLAC = SAMPLE_CORPUS / "zh" / "zh_02.flac"  # 3 s, 22.05 kHz
 
@@ -347,7 +350,6 @@ def test_unreadable_metadata_csv_is_a_user_error(tmp_path: Path) -> None:
 
 
 # ---- killed processes ---------------------------------------------------------------------------
-@pytest.mark.slow
 def test_kill9_at_random_moments_then_rerun_is_byte_identical(
     tmp_path: Path, sample_cache: Path, small_shards_config: Path
 ) -> None:
@@ -393,7 +395,6 @@ def wait_unless_stalled(proc: subprocess.Popen[bytes], out: Path, stall_s: float
     return proc.poll()
 
 
-@pytest.mark.slow
 def test_killed_worker_neither_hangs_nor_corrupts(
     tmp_path: Path, sample_cache: Path, small_shards_config: Path
 ) -> None:
@@ -457,7 +458,6 @@ def disk_full(
         }
 
 
-@pytest.mark.slow
 def test_disk_full_claims_nothing_and_rerun_completes(disk_full: dict, sample_cache: Path) -> None:
     assert disk_full["failed"].returncode != 0
     assert not disk_full["claimed"], "index.json written by a build that ran out of space"
@@ -466,7 +466,6 @@ def test_disk_full_claims_nothing_and_rerun_completes(disk_full: dict, sample_ca
     assert disk_full["problems"] == []
 
 
-@pytest.mark.slow
 def test_disk_full_is_one_clear_error_line(disk_full: dict) -> None:
     stderr = disk_full["failed"].stderr
     assert disk_full["failed"].returncode in (1, 2)

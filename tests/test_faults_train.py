@@ -36,9 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_preprocess
-from faults_tools import wait_for
-from test_train_ddp import checkpoint, child_pids, load, metrics, train_cmd
+from helpers import REPO, checkpoint, child_pids, load, metrics, run_preprocess, train_cmd, wait_for
 
 from melcache.batching import worker_shards
 from melcache.errors import UserError
@@ -47,6 +45,8 @@ from train.checkpoint import SHARED, Checkpointer, rank_file
 from train.config import DataConfig
 from train.data import make_loader
 from train.distributed import Env
+
+pytestmark = pytest.mark.slow  # torchrun jobs, kills and damaged caches: the full tier
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 # A job whose ranks wait on a dead peer must end well within this (torchrun's own grace
@@ -153,7 +153,6 @@ def skip_log_ranks(output: str, name: str) -> list[int]:
 
 
 # ---- corrupt data at training time -----------------------------------------------------------
-@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "flipped"])
 def test_damaged_shard_is_skipped_once_and_every_rank_runs_every_step(
     train_cache: Path, tmp_path: Path, how: str
@@ -177,7 +176,6 @@ def test_damaged_shard_is_skipped_once_and_every_rank_runs_every_step(
     assert [r["step"] for r in metrics(out)] == [5, 10, 15, 20]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "extra", "error"),
     [
@@ -239,7 +237,6 @@ def test_flipped_mel_bytes_are_caught_under_the_default_config(
 
 
 # ---- kill -9 of one rank ---------------------------------------------------------------------
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "store_env",
     [

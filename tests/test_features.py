@@ -13,7 +13,7 @@ import soundfile as sf
 import soxr
 import torch
 import torchaudio
-from conftest import REPO, SAMPLE_CORPUS, run_preprocess
+from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, group_samples, iter_members
@@ -74,6 +74,7 @@ def assert_fp16_close(cached: np.ndarray, reference: np.ndarray) -> None:
 @pytest.mark.parametrize(
     ("preset", "reference"), [("chattts", chattts_reference), ("hifigan", hifigan_reference)]
 )
+@pytest.mark.slow  # builds in a subprocess
 def test_cached_mel_matches_upstream(tmp_path: Path, preset: str, reference) -> None:
     src = tmp_path / "src"
     src.mkdir()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_preprocess
+import pytest
+from helpers import run_preprocess
 from PIL import Image
 
 from melcache.format import INDEX_NAME
+
+pytestmark = pytest.mark.slow  # `preprocess inspect` as a subprocess: the full tier
 
 
 def test_summary_lists_buckets_and_totals(sample_cache: Path) -> None:

@@ -10,75 +10,26 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    PROBE,
+    REPO,
+    SMALL,
+    STEPS,
+    checkpoint,
+    child_pids,
+    load,
+    metrics,
+    run_ok,
+    torchrun,
+    train_cmd,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-PROBE = Path(__file__).with_name("_train_probe.py")
-STEPS = 20
-# Small and fp32 (bitwise comparisons); one loader worker process per rank, as in real runs.
-SMALL = [
-    "data.batch_frames=800",
-    "data.num_workers=1",
-    "model.args.dim=64",
-    "model.args.layers=2",
-    "train.precision=fp32",
-    "train.log_every=5",
-    "train.ckpt_every=5",
-    "train.ema_decay=0.99",
-]
-
-
-def torchrun(*args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        *args,
-    ]
-
-
-def train_cmd(
-    cache: Path,
-    out: Path,
-    *extra: str,
-    max_steps: int = STEPS,
-    entry: tuple[str, ...] = ("-m", "train"),
-) -> list[str]:
-    return torchrun(
-        *entry,
-        "--shards",
-        str(cache),
-        "--config",
-        str(REPO / "configs" / "tiny.toml"),
-        "--out",
-        str(out),
-        "--max-steps",
-        str(max_steps),
-        *SMALL,
-        *extra,
-    )
-
-
-def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}"
-    return done
-
-
-def checkpoint(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step-{step:08d}"
-
-
-def load(path: Path, name: str = "shared.pt") -> dict:
-    return torch.load(path / name, map_location="cpu", weights_only=True)
+pytestmark = pytest.mark.slow  # 2-process torchrun jobs: the full tier
 
 
 def assert_bitwise_equal(a: Path, b: Path) -> None:
@@ -98,24 +49,6 @@ def assert_bitwise_equal(a: Path, b: Path) -> None:
         assert torch.equal(ra["rng"]["torch"], rb["rng"]["torch"])
 
 
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (torchrun's worker processes), from /proc."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry.name))
-    return children
-
-
 def wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -128,7 +61,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
 def straight(train_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """20 steps without interruption: the reference run."""
     out = tmp_path_factory.mktemp("straight")
-    run(train_cmd(train_cache, out))
+    run_ok(train_cmd(train_cache, out))
     return out
 
 
@@ -151,7 +84,7 @@ def test_every_rank_runs_the_same_steps_on_uneven_shards(straight: Path, train_c
 def test_ddp_accumulation_allreduce_rounds_and_precisions(
     train_cache: Path, tmp_path: Path
 ) -> None:
-    run(torchrun(str(PROBE), "ddp", str(train_cache), str(tmp_path), *SMALL[:4]))
+    run_ok(torchrun(str(PROBE), "ddp", str(train_cache), str(tmp_path), *SMALL[:4]))
     for rank in (0, 1):
         result = json.loads((tmp_path / f"probe-rank{rank}.json").read_text())
         # Gradient all-reduce rounds: with 3 micro-batches per step exactly the same calls,
@@ -174,10 +107,10 @@ def test_ddp_accumulation_allreduce_rounds_and_precisions(
 def test_stop_and_resume_equals_uninterrupted(
     straight: Path, train_cache: Path, tmp_path: Path
 ) -> None:
-    run(train_cmd(train_cache, tmp_path, max_steps=5))
+    run_ok(train_cmd(train_cache, tmp_path, max_steps=5))
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000005"]
     # The second half writes its checkpoints from a background thread: same bits on disk.
-    done = run(train_cmd(train_cache, tmp_path, "train.async_checkpoint=true"))
+    done = run_ok(train_cmd(train_cache, tmp_path, "train.async_checkpoint=true"))
     assert "resumed from" in done.stderr
     assert_bitwise_equal(checkpoint(straight, STEPS), checkpoint(tmp_path, STEPS))
     keys = ("step", "loss", "mel_loss", "stop_loss", "grad_norm", "lr")
@@ -186,7 +119,6 @@ def test_stop_and_resume_equals_uninterrupted(
     ]
 
 
-@pytest.mark.slow
 def test_kill_9_during_checkpoint_write(straight: Path, train_cache: Path, tmp_path: Path) -> None:
     marker = tmp_path / "writing"
     # The same job, but the write of checkpoint 4 stalls halfway: kill -9 the ranks there.
@@ -205,13 +137,12 @@ def test_kill_9_during_checkpoint_write(straight: Path, train_cache: Path, tmp_p
     assert (folder / ".tmp-step-00000004").is_dir()  # the torn write is there...
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-00000002"]  # ...not "latest"
     load(checkpoint(tmp_path, 2))  # the previous checkpoint still loads
-    done = run(train_cmd(train_cache, tmp_path))
+    done = run_ok(train_cmd(train_cache, tmp_path))
     assert "resumed from" in done.stderr and "step-00000002" in done.stderr
     assert not (folder / ".tmp-step-00000004").exists()
     assert_bitwise_equal(checkpoint(straight, STEPS), checkpoint(tmp_path, STEPS))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "workers",
     [

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_preprocess
+from helpers import run_preprocess
 
 from melcache.format import INDEX_NAME
+
+pytestmark = pytest.mark.slow  # `preprocess verify` as a subprocess per case: the full tier
 
 
 @pytest.fixture

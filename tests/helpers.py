@@ -1,8 +1,10 @@
-"""Tools for fault-injection tests: builds to kill, a tiny disk, permissions that bind on root.
+"""Helpers shared by the test modules (which never import one another): the sample corpus
+and how to build it, fault-injection tools (builds to kill, a tiny disk, permissions that bind
+on root), and real 2-process torchrun jobs.
 
-Every process started here runs in its own session, so a test can SIGKILL the build alone
-(as ``kill -9 PID`` would) or its whole process group (as a job scheduler would), and a
-``finally`` can always reap what is left.
+Every process started by :func:`started` runs in its own session, so a test can SIGKILL the
+build alone (as ``kill -9 PID`` would) or its whole process group (as a job scheduler would),
+and a ``finally`` can always reap what is left.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -20,10 +23,66 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+import torch
 
 from melcache.format import INDEX_NAME, REJECTED_NAME
 
+# ---- the sample corpus and the build ------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_CORPUS = REPO / "examples" / "wavs"
+# Few buckets and small shards: the 30-utterance corpus then spreads over ≥ 8 shards,
+# enough for 2 ranks × 2 workers.
+SMALL_SHARDS_TOML = """
+[build]
+num_buckets = 4
+min_shards = 8
+"""
+
+
+def run_preprocess(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m preprocess ARGS`` as a user would; return the finished process."""
+    done = subprocess.run(
+        [sys.executable, "-m", "preprocess", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(
+            f"preprocess {' '.join(args)} exited {done.returncode}:\n{done.stderr}"
+        )
+    return done
+
+
+def build_cache(out: Path, config: Path, *extra: str) -> Path:
+    """Build the sample corpus into ``out`` with ``config``, one worker, as a user would."""
+    run_preprocess(
+        "build",
+        "--src",
+        str(SAMPLE_CORPUS),
+        "--out",
+        str(out),
+        "--config",
+        str(config),
+        "--workers",
+        "1",
+        *extra,
+    )
+    return out
+
+
+# Short utterances only (≤ 4.5 s, 23 of the 30): attention cost grows with the square of the
+# length, and the trainer tests run several 2-process jobs on shared CPU cores.
+TRAIN_CACHE_TOML = """
+[build]
+num_buckets = 3
+min_shards = 8
+max_seconds = 4.5
+"""
+
+
+# ---- fault injection ---------------------------------------------------------------------
 RECEIPTS = ".build"  # preprocess.build.RECEIPTS; importing build would import torch here
 # Capabilities that let root read and search anything whatever its mode bits say.
 READ_OVERRIDES = "-dac_override,-dac_read_search"
@@ -180,3 +239,85 @@ def unprivileged_prefix() -> list[str]:
     if reason:
         pytest.skip(reason)
     return list(prefix)
+
+
+# ---- 2-process torchrun jobs (gloo on CPU) ----------------------------------------------
+PROBE = Path(__file__).with_name("_train_probe.py")
+STEPS = 20
+# Small and fp32 (bitwise comparisons); one loader worker process per rank, as in real runs.
+SMALL = [
+    "data.batch_frames=800",
+    "data.num_workers=1",
+    "model.args.dim=64",
+    "model.args.layers=2",
+    "train.precision=fp32",
+    "train.log_every=5",
+    "train.ckpt_every=5",
+    "train.ema_decay=0.99",
+]
+
+
+def torchrun(*args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *args,
+    ]
+
+
+def train_cmd(
+    cache: Path,
+    out: Path,
+    *extra: str,
+    max_steps: int = STEPS,
+    entry: tuple[str, ...] = ("-m", "train"),
+) -> list[str]:
+    return torchrun(
+        *entry,
+        "--shards",
+        str(cache),
+        "--config",
+        str(REPO / "configs" / "tiny.toml"),
+        "--out",
+        str(out),
+        "--max-steps",
+        str(max_steps),
+        *SMALL,
+        *extra,
+    )
+
+
+def run_ok(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return done
+
+
+def checkpoint(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step-{step:08d}"
+
+
+def load(path: Path, name: str = "shared.pt") -> dict:
+    return torch.load(path / name, map_location="cpu", weights_only=True)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (torchrun's worker processes), from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry.name))
+    return children
