@@ -110,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m preprocess",
         description="Decode a speech corpus once into length-bucketed log-mel WebDataset shards.",
+        epilog="The data path: corpus → preprocess build → shards (the format: melcache/, "
+        "shards/README.md) → torchrun -m train. Bad input is one line on stderr and exit 2.",
     )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     pool = argparse.ArgumentParser(add_help=False)  # the option build and verify share
@@ -157,7 +159,9 @@ def _parser() -> argparse.ArgumentParser:
         "verify",
         parents=[pool],
         help="re-check a cache against its index",
-        description="Check every shard's presence, sha256, samples, dtypes, frames and buckets; exit 1 listing each problem.",
+        description="Read every shard with the loader's own reader (size, sha256, member names, "
+        "metadata), decode every mel (dtype, shape, finite, frames, bucket), then check totals, "
+        "rejected.jsonl and stats.zarr; exit 1 listing each problem.",
     )
     verify.add_argument("cache", type=Path, help="cache folder (OUT of build)")
     verify.set_defaults(run=_verify)
