@@ -188,12 +188,6 @@ class HashingStream:
         return self.sha256.hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file."""
-    with open(path, "rb") as f:
-        return HashingStream(f).hexdigest_to_end()
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``path``, then rename: never half a file."""
     temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # parts may finish at once

@@ -19,7 +19,7 @@ import numpy as np
 import zarr
 
 from melcache.errors import UserError
-from melcache.features import FeatureConfig, features_from_dict
+from melcache.features import features_from_dict
 from melcache.format import FORMAT_VERSION, INDEX_NAME, SHARD_PATTERN, STATS_NAME, write_atomic
 from melcache.location import is_url, member_location, read_bytes
 
@@ -85,11 +85,6 @@ def _check_shard_entry(entry: Any, where: str) -> None:
 def _check_count(value: Any, where: str, least: int) -> None:
     if type(value) is not int or value < least:  # bool is an int subclass; not a count
         raise UserError(f"{where} = {value!r} is invalid: expected an integer ≥ {least}")
-
-
-def index_features(index: dict[str, Any]) -> FeatureConfig:
-    """The FeatureConfig a cache was built with (the index is checked by :func:`read_index`)."""
-    return features_from_dict(index["features"])
 
 
 def write_index(out: Path, index: dict[str, Any]) -> None:

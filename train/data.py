@@ -132,11 +132,6 @@ class StreamLoader:
         """Epochs every worker of this rank has finished (workers roll over independently)."""
         return min(p.epoch for p in self._positions)
 
-    @property
-    def batches_consumed(self) -> int:
-        """Batches handed out since the start of training (restored with the state)."""
-        return self._batches
-
     def __iter__(self) -> Iterator[Batch]:
         self.close()  # one live stream at a time: it owns the state
         self._active = self._stream()
