@@ -196,7 +196,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 class _NotPlainTar(Exception):
-    """Something the fast path does not handle; the format module's reader takes over."""
+    """Something the fast path does not handle; :func:`iter_members` takes over."""
 
 
 def tar_members(

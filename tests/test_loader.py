@@ -78,7 +78,7 @@ def index_of(cache: Path) -> dict:
 
 
 def all_keys(cache: Path) -> dict[str, dict]:
-    """Every utterance's metadata by key, read with the format module."""
+    """Every utterance's metadata by key, read with melcache.format's general reader."""
     out = {}
     for entry in index_of(cache)["shards"]:
         with open(cache / entry["name"], "rb") as stream:
@@ -421,7 +421,7 @@ def test_fast_paths_match_the_format_module(sample_cache: Path) -> None:
     for key, member, payload in fast:
         if member == "mel.npy":
             assert np.array_equal(fast_decode_mel(payload, 100, key), decode_mel(payload, 100, key))
-    # A key that needs a pax header takes the format module's path, with the same result.
+    # A key that needs a pax header takes iter_members' path, with the same result.
     buffer = io.BytesIO()
     writer = open_tar_writer(buffer)
     writer.write(encode_sample("ü" * 120, np.zeros((3, 100)), {"frames": 3}))

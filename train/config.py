@@ -56,7 +56,8 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """How the streaming loader batches the cache (see ``train.data.make_loader``)."""
+    """The ``[data]`` table: the streaming loader's one configuration, handed whole to
+    ``train.data.make_loader`` and on to its workers (job rank, world size and seed aside)."""
 
     batch_frames: int = 6_000  # padded mel frames per micro-batch per rank
     max_batch_size: int = 64
