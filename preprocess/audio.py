@@ -52,6 +52,8 @@ def load_mono(path: str, target_rate: int, length: int, silence_dbfs: float) -> 
         raise AudioError("empty audio: no samples")
     mono = audio.mean(axis=1, dtype=np.float32) if audio.shape[1] > 1 else audio[:, 0]
     peak = float(np.max(np.abs(mono)))
+    if not math.isfinite(peak):  # float audio from a broken resampler or DSP export
+        raise AudioError("non-finite audio: NaN or infinite samples")
     if peak <= 10 ** (silence_dbfs / 20):
         level = "-inf" if peak == 0 else f"{20 * math.log10(peak):.1f}"
         raise AudioError(f"all-silent audio (peak {level} dBFS, threshold {silence_dbfs} dBFS)")

@@ -205,6 +205,11 @@ def _write_utterance(
         tally.rejected.append({"source": utt.source, "reason": str(exc), "stage": "decode"})
         return
     mel16, mel32 = _extractor.compute(audio)
+    sums = mel32.sum(axis=0, dtype=np.float64)  # a non-finite value makes its column's sum so
+    if not np.isfinite(sums).all():  # finite float audio far beyond ±1 overflows the spectrum
+        reason = "non-finite mel: audio samples far outside [-1, 1]"
+        tally.rejected.append({"source": utt.source, "reason": reason, "stage": "decode"})
+        return
     meta = {
         "text": utt.text,
         "speaker": utt.speaker,
@@ -216,7 +221,7 @@ def _write_utterance(
     }
     flac = encode_flac(audio, features.sample_rate) if keep_audio else None
     writer.write(encode_sample(utt.key, mel16, meta, flac))
-    tally.sums += mel32.sum(axis=0, dtype=np.float64)
+    tally.sums += sums
     tally.squares += np.square(mel32, dtype=np.float64).sum(axis=0)
     tally.frames.append(meta["frames"])
     tally.seconds += meta["seconds"]

@@ -155,6 +155,33 @@ def test_bad_folder_inputs_are_counted_rejections(tmp_path: Path) -> None:
     assert np.isfinite(clipped.astype(np.float32)).all()
 
 
+def test_non_finite_audio_is_a_counted_rejection(tmp_path: Path) -> None:
+    """NaN or inf samples, and finite float samples so large the spectrum overflows, never
+    reach a shard: each is a rejection with its reason, the rest is built."""
+    src = tmp_path / "src"
+    src.mkdir()
+    speech, rate = sf.read(SPEECH, dtype="float32")
+    write_utterance(src / "good.wav", speech, rate, subtype="FLOAT")
+    for name, value in (("nan", np.nan), ("inf", np.inf), ("neginf", -np.inf)):
+        damaged = speech.copy()
+        damaged[len(damaged) // 2] = value
+        write_utterance(src / f"{name}.wav", damaged, rate, subtype="FLOAT")
+    write_utterance(src / "huge.wav", speech * np.float32(1e30), rate, subtype="FLOAT")
+    out = tmp_path / "out"
+    done = run_preprocess(*build_args(src, out, "--workers", "1"))
+    assert "Traceback" not in done.stderr
+    assert_counted(
+        out,
+        written={"good.wav"},
+        rejected={
+            "nan.wav": "non-finite audio",
+            "inf.wav": "non-finite audio",
+            "neginf.wav": "non-finite audio",
+            "huge.wav": "non-finite mel",
+        },
+    )
+
+
 def test_bad_ljspeech_rows_are_counted_rejections(tmp_path: Path) -> None:
     lj = tmp_path / "lj"
     (lj / "wavs").mkdir(parents=True)
