@@ -34,7 +34,7 @@ def read_index(cache: str | Path) -> dict[str, Any]:
 
     Raises :class:`UserError` naming the file and the first bad field: a missing or
     unfinished cache, another format version, bad features, or a shard entry whose name is
-    not a shard name or whose counts are not non-negative integers.
+    not a shard name or whose counts are not integers in their range (``samples`` ≥ 1, …).
     """
     location = member_location(cache, INDEX_NAME)
     try:
