@@ -17,6 +17,10 @@ from typing import Any
 from melcache.config import make_section, require
 from melcache.errors import UserError
 
+# Bounds that keep every derived size (ring slots, filterbanks) sane for any index read.
+MAX_SAMPLE_RATE = 768_000
+MAX_N_FFT = 1 << 16
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FeatureConfig:
@@ -43,9 +47,14 @@ class FeatureConfig:
 
     def __post_init__(self) -> None:
         require(
-            self.sample_rate > 0, "features.sample_rate", self.sample_rate, "a positive rate in Hz"
+            0 < self.sample_rate <= MAX_SAMPLE_RATE,
+            "features.sample_rate",
+            self.sample_rate,
+            f"a rate in Hz up to {MAX_SAMPLE_RATE}",
         )
-        require(self.n_fft > 0, "features.n_fft", self.n_fft, "a positive FFT size")
+        require(
+            0 < self.n_fft <= MAX_N_FFT, "features.n_fft", self.n_fft, f"between 1 and {MAX_N_FFT}"
+        )
         require(
             0 < self.win_length <= self.n_fft,
             "features.win_length",
@@ -58,7 +67,12 @@ class FeatureConfig:
             self.hop_length,
             f"between 1 and win_length ({self.win_length})",
         )
-        require(self.n_mels > 0, "features.n_mels", self.n_mels, "a positive number of bands")
+        require(
+            0 < self.n_mels <= self.n_fft // 2 + 1,
+            "features.n_mels",
+            self.n_mels,
+            f"between 1 and the FFT's {self.n_fft // 2 + 1} bins",
+        )
         require(
             0 <= self.f_min < self.f_max <= self.sample_rate / 2,
             "features.f_max",

@@ -9,6 +9,7 @@ before anything opens a file the index names.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import numpy as np
 import zarr
 
 from melcache.errors import UserError
-from melcache.features import features_from_dict
+from melcache.features import FeatureConfig, features_from_dict
 from melcache.format import FORMAT_VERSION, INDEX_NAME, SHARD_PATTERN, STATS_NAME, write_atomic
 from melcache.location import is_url, member_location, read_bytes
 
@@ -27,6 +28,17 @@ from melcache.location import is_url, member_location, read_bytes
 # in a hand-made index (the loader then needs ``check_sha256=False``).
 _SHARD_INTS = {"bucket": 0, "samples": 1, "frames": 1, "min_frames": 1, "max_frames": 1}
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_TOP_LEVEL = {
+    "features": dict,
+    "features_digest": str,
+    "build": dict,
+    "keep_audio": bool,
+    "buckets": list,
+    "shards": list,
+    "totals": dict,
+    "stats": str,
+}
+_TOTAL_COUNTS = ("discovered", "utterances", "frames", "shards", "rejected")
 
 
 def read_index(cache: str | Path) -> dict[str, Any]:
@@ -53,12 +65,22 @@ def read_index(cache: str | Path) -> dict[str, Any]:
         raise UserError(
             f"{location}: format_version {version!r}, this melcache reads {FORMAT_VERSION}"
         )
-    for key, kind in (("features", dict), ("shards", list)):
+    for key, kind in _TOP_LEVEL.items():
         if not isinstance(index.get(key), kind):
-            raise UserError(f"{location}: the index has no {key!r} {kind.__name__}")
+            raise UserError(
+                f"{location}: index.{key} = {index.get(key)!r} is not a {kind.__name__}"
+            )
+    if index["stats"] != STATS_NAME:  # a name, never a path to follow
+        raise UserError(f"{location}: index.stats = {index['stats']!r}, expected {STATS_NAME!r}")
+    missing = sorted(set(FeatureConfig.__dataclass_fields__) - set(index["features"]))
+    if missing:  # never a default in place of what the cache was built with
+        raise UserError(f"{location}: index.features has no {missing[0]!r}")
     features_from_dict(index["features"], source=f"{location} [features]")
     for number, entry in enumerate(index["shards"]):
         _check_shard_entry(entry, f"{location}: shards[{number}]")
+    for number, bucket in enumerate(index["buckets"]):
+        _check_bucket(bucket, f"{location}: buckets[{number}]")
+    _check_totals(index["totals"], f"{location}: totals")
     return index
 
 
@@ -82,9 +104,36 @@ def _check_shard_entry(entry: Any, where: str) -> None:
         )
 
 
+def _check_bucket(bucket: Any, where: str) -> None:
+    if not isinstance(bucket, dict):
+        raise UserError(f"{where} is {bucket!r}, not an object")
+    _check_count(bucket.get("bucket"), f"{where}.bucket", 0)
+    for field in ("min_frames", "max_frames"):
+        _check_count(bucket.get(field), f"{where}.{field}", 1)
+    for field in ("min_seconds", "max_seconds"):
+        _check_seconds(bucket.get(field), f"{where}.{field}")
+
+
+def _check_totals(totals: dict[str, Any], where: str) -> None:
+    for field in _TOTAL_COUNTS:
+        _check_count(totals.get(field), f"{where}.{field}", 0)
+    for field in ("seconds", "hours"):
+        _check_seconds(totals.get(field), f"{where}.{field}")
+    reasons = totals.get("rejected_by_reason")
+    if not isinstance(reasons, dict):
+        raise UserError(f"{where}.rejected_by_reason = {reasons!r} is not an object")
+    for reason, count in reasons.items():
+        _check_count(count, f"{where}.rejected_by_reason[{reason!r}]", 0)
+
+
 def _check_count(value: Any, where: str, least: int) -> None:
     if type(value) is not int or value < least:  # bool is an int subclass; not a count
         raise UserError(f"{where} = {value!r} is invalid: expected an integer ≥ {least}")
+
+
+def _check_seconds(value: Any, where: str) -> None:
+    if type(value) not in (int, float) or not 0 <= value < math.inf:  # also refuses NaN
+        raise UserError(f"{where} = {value!r} is invalid: expected a finite number ≥ 0")
 
 
 def write_index(out: Path, index: dict[str, Any]) -> None:

@@ -91,6 +91,9 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
         raise ShardError(f"{where}: metadata 'bucket' = {bucket!r} is not an integer")
     if speaker is not None and not isinstance(speaker, str):
         speaker = str(speaker)
+    for field, value in (("text", text), ("speaker", speaker or "")):
+        if not _is_unicode(value):  # JSON may escape a lone surrogate that UTF-8 cannot hold
+            raise ShardError(f"{where}: metadata '{field}' = {value!r} is not valid Unicode")
     return RawSample(
         key=key,
         mel=sample[MEL_MEMBER],
@@ -100,6 +103,14 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
         bucket=bucket,
         audio=sample.get(AUDIO_MEMBER),
     )
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_shard(location: str, entry: dict[str, Any], *, check_sha256: bool) -> list[RawSample]:
@@ -114,6 +125,13 @@ def read_shard(location: str, entry: dict[str, Any], *, check_sha256: bool) -> l
     if problems:
         raise ShardError(problems[0])
     samples = [raw_sample(sample, location) for sample in shard_samples(data, location)]
+    low, high = entry["min_frames"], entry["max_frames"]
+    for sample in samples:  # batching relies on the index's bounds
+        if not low <= sample.frames <= high:
+            raise ShardError(
+                f"{location}:{sample.key}: {sample.frames} frames, outside the index's "
+                f"[{low}, {high}] for this shard"
+            )
     if len(samples) != entry["samples"]:
         raise ShardError(
             f"{location}: holds {len(samples)} samples, the index says {entry['samples']} "

@@ -15,11 +15,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 from melcache.errors import ShardError, UserError
-from melcache.format import AUDIO_MEMBER, MEL_MEMBER, REJECTED_NAME, fast_decode_mel
+from melcache.format import AUDIO_MEMBER, MEL_MEMBER, REJECTED_NAME, fast_decode_mel, finite_mel
 from melcache.index import read_index, read_stats
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
 from preprocess.parallel import ordered_map
@@ -125,7 +124,7 @@ def _check_sample(
     frames = mel.shape[0]
     if raw.frames != frames:
         problems.append(f"{where}: json frames {raw.frames} != mel frames {frames}")
-    if not np.isfinite(mel).all():
+    if not finite_mel(mel):
         problems.append(f"{where}: mel has NaN or infinite values")
     if not bucket["min_frames"] <= frames <= bucket["max_frames"]:
         problems.append(

@@ -144,7 +144,7 @@ def test_index_top_level_is_checked(cache_copy: Path) -> None:
     cases = {
         "format_version": (2, "format_version 2"),
         "features": ({**index["features"], "n_mels": "100"}, "features.n_mels"),
-        "shards": ({}, "no 'shards' list"),
+        "shards": ({}, r"index\.shards = \{\} is not a list"),
     }
     for key, (value, message) in cases.items():
         with pytest.raises(UserError, match=message):

@@ -20,7 +20,7 @@ import torch
 
 from melcache.batching import round_up
 from melcache.errors import ShardError
-from melcache.format import fast_decode_mel
+from melcache.format import fast_decode_mel, finite_mel
 from melcache.reader import RawSample
 
 PAD_ID = 0
@@ -112,6 +112,9 @@ def collate(
     for row, mel in enumerate(mels):
         out[row, : len(mel)] = mel
         out[row, len(mel) :] = pad_value
+    if not finite_mel(out):  # the build never writes one: a forged or hand-made shard
+        bad = next(s for s, mel in zip(samples, mels, strict=True) if not finite_mel(mel))
+        raise ShardError(f"{where}:{bad.key}: mel.npy holds NaN or infinite values")
     tokens = [np.asarray(tokenizer(s.text), dtype=np.int64) for s in samples]
     text = np.full((len(samples), max(1, *(len(t) for t in tokens))), PAD_ID, dtype=np.int64)
     for row, ids in enumerate(tokens):
