@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import re
+import socket
 import tarfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -55,6 +56,9 @@ SHARD_PATTERN = re.compile(r"^b(\d{2})-(\d{6})\.tar$")
 TAR_MTIME = 0
 TAR_OWNER = "melcache"
 
+# This machine as temporary file names and build markers name it.
+HOST_TAG = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+_TEMP_NAME = re.compile(r"\.(?:(?P<host>[A-Za-z0-9_]+)-)?(?P<pid>\d+)\.tmp$")
 _FP16_EXPONENT = 0x7C00
 _BLOCK = 512
 _END_BLOCK = bytes(_BLOCK)
@@ -110,6 +114,16 @@ def finite_mel(mel: np.ndarray) -> bool:
         return True
     exponents = np.bitwise_and(mel.view(np.uint16), _FP16_EXPONENT)
     return int(exponents.max()) != _FP16_EXPONENT
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` can be stored as UTF-8: no lone surrogate, such as the ones Python
+    gives a file name's undecodable bytes or JSON's ``"\\ud800"``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def decode_meta(data: bytes, where: str) -> dict[str, Any]:
@@ -199,11 +213,30 @@ class HashingStream:
         return self.sha256.hexdigest()
 
 
+def temp_path(path: Path) -> Path:
+    """A temporary name beside ``path`` that says who writes it, ``NAME.HOST-PID.tmp``: builds
+    on several machines (or twice on one) share a folder, and a sweep may only remove the
+    temporary files of writers that are gone (:func:`temp_owner`)."""
+    return path.with_name(f"{path.name}.{HOST_TAG}-{os.getpid()}.tmp")
+
+
+def temp_owner(name: str) -> tuple[str, int] | None:
+    """``(host, pid)`` of the writer of a temporary file named by :func:`temp_path` (host ""
+    for the older ``NAME.PID.tmp``); ``None`` when ``name`` is no such file."""
+    match = _TEMP_NAME.search(name)
+    if match is None:
+        return None
+    return match["host"] or "", int(match["pid"])
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``path``, then rename: never half a file."""
-    temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # parts may finish at once
-    temp.write_bytes(data)
-    os.replace(temp, path)
+    temp = temp_path(path)
+    try:
+        temp.write_bytes(data)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)  # gone after the rename; a failed write leaves nothing
 
 
 class _NotPlainTar(Exception):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 from pathlib import Path
@@ -21,7 +20,14 @@ import zarr
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, features_from_dict
-from melcache.format import FORMAT_VERSION, INDEX_NAME, SHARD_PATTERN, STATS_NAME, write_atomic
+from melcache.format import (
+    FORMAT_VERSION,
+    INDEX_NAME,
+    SHARD_PATTERN,
+    STATS_NAME,
+    temp_path,
+    write_atomic,
+)
 from melcache.location import is_url, member_location, read_bytes
 
 # Shard entry fields: type and smallest valid value; ``bytes`` and ``sha256`` may be absent
@@ -145,7 +151,7 @@ def write_index(out: Path, index: dict[str, Any]) -> None:
 def write_stats(out: Path, mean: np.ndarray, std: np.ndarray, frames: int) -> None:
     """Write per-channel ``mean`` and ``std`` (float32 ``[n_mels]``) over ``frames`` frames
     as ``stats.zarr``, under a temporary name first."""
-    temp, final = out / f"{STATS_NAME}.{os.getpid()}.tmp", out / STATS_NAME
+    temp, final = temp_path(out / STATS_NAME), out / STATS_NAME
     shutil.rmtree(temp, ignore_errors=True)
     zarr.save_group(str(temp), mean=mean.astype(np.float32), std=std.astype(np.float32))
     zarr.open_group(str(temp), mode="r+").attrs["frames"] = frames

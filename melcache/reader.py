@@ -22,6 +22,7 @@ from melcache.format import (
     META_MEMBER,
     decode_meta,
     group_samples,
+    is_unicode,
     tar_members,
 )
 from melcache.location import read_bytes
@@ -92,7 +93,7 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
     if speaker is not None and not isinstance(speaker, str):
         speaker = str(speaker)
     for field, value in (("text", text), ("speaker", speaker or "")):
-        if not _is_unicode(value):  # JSON may escape a lone surrogate that UTF-8 cannot hold
+        if not is_unicode(value):  # JSON may escape a lone surrogate that UTF-8 cannot hold
             raise ShardError(f"{where}: metadata '{field}' = {value!r} is not valid Unicode")
     return RawSample(
         key=key,
@@ -103,14 +104,6 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
         bucket=bucket,
         audio=sample.get(AUDIO_MEMBER),
     )
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def read_shard(location: str, entry: dict[str, Any], *, check_sha256: bool) -> list[RawSample]:

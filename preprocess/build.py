@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,19 @@ from tqdm import tqdm
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
-from melcache.format import HashingStream, encode_sample, open_tar_writer, write_atomic
+from melcache.format import (
+    HashingStream,
+    encode_sample,
+    open_tar_writer,
+    temp_path,
+    write_atomic,
+)
 from preprocess.audio import AudioError, encode_flac, load_mono, probe
 from preprocess.config import BuildConfig
-from preprocess.discover import discover
+from preprocess.discover import Rejection, Utterance, discover
 from preprocess.features import MelExtractor
 from preprocess.finish import finish_cache
+from preprocess.owners import running_build, sweep_temps
 from preprocess.parallel import Runner, ordered_map
 from preprocess.plan import Plan, PlannedShard, PlannedUtterance, make_plan
 
@@ -59,6 +65,17 @@ def build(
     )
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / RECEIPTS).mkdir(exist_ok=True)
+    with running_build(options.out / RECEIPTS):
+        return _build(options, features, config, utterances, discovered_rejections)
+
+
+def _build(
+    options: BuildOptions,
+    features: FeatureConfig,
+    config: BuildConfig,
+    utterances: list[Utterance],
+    discovered_rejections: list[Rejection],
+) -> dict[str, Any] | None:
     with ordered_map(options.workers, _init_worker, (features,)) as run:
         headers = list(
             tqdm(
@@ -83,8 +100,7 @@ def build(
             len(plan.shards),
         )
         return None
-    for stale in options.out.glob("*.tmp"):  # left by killed runs; every shard is complete now
-        shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
+    sweep_temps(options.out)  # every shard is complete: what is left was killed mid-write
     rejections = [*discovered_rejections, *plan.rejections]
     return finish_cache(
         options.out,
@@ -165,7 +181,8 @@ def build_shard(
 ) -> dict[str, Any]:
     """Decode, featurise and write one shard atomically; then write and return its receipt."""
     # A per-process temp name: an orphaned worker of a killed build cannot scribble on a rerun's.
-    final, temp = out / task.name, out / f"{task.name}.{os.getpid()}.tmp"
+    final = out / task.name
+    temp = temp_path(final)
     tally = _Tally(np.zeros(features.n_mels, np.float64), np.zeros(features.n_mels, np.float64))
     try:
         with open(temp, "wb") as raw:
@@ -181,10 +198,11 @@ def build_shard(
         receipt = _receipt(task, final, digest, tally)
         write_atomic(out / RECEIPTS / f"{task.name}.json", json.dumps(receipt).encode())
     except OSError as exc:
-        temp.unlink(missing_ok=True)
         raise UserError(
             f"cannot write {final}: {exc.strerror}; free space and rerun to resume"
         ) from None
+    finally:
+        temp.unlink(missing_ok=True)  # renamed when complete; whatever failed leaves nothing
     return receipt
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from melcache.errors import UserError
+from melcache.format import is_unicode
 from preprocess.audio import AUDIO_EXTENSIONS
 
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
@@ -227,13 +228,27 @@ def _read_text(path: str) -> str | Rejection:
 
 
 def _checked(source: str, audio: str, text: str | Rejection, speaker: str | None) -> Found:
-    """An Utterance, or the Rejection its transcript earned; the key is filled in later."""
+    """An Utterance, or the Rejection its name or transcript earned; the key is filled in later."""
+    if not is_unicode(source):  # a byte that is not UTF-8 in a name (old Latin-1 archives)
+        return Rejection(source, "file name is not valid UTF-8")
     if isinstance(text, Rejection):
         return Rejection(source, text.reason)
     text = " ".join(text.split())
     if not text:
         return Rejection(source, "empty transcript")
+    for field, value in (("transcript", text), ("speaker", speaker or "")):
+        if not is_unicode(value):  # JSON can escape a lone surrogate that UTF-8 cannot hold
+            return Rejection(source, f"{field} is not valid Unicode (a lone surrogate)")
     return Utterance(key="", audio=audio, text=text, speaker=speaker, source=source)
+
+
+def printable(text: str) -> str:
+    """``text`` with each undecodable file-name byte as ``\\xNN`` and each lone surrogate as
+    ``\\udNNN``: what a rejection record can hold."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _unique_keys(found: Iterator[Found]) -> tuple[list[Utterance], list[Rejection]]:

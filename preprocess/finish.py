@@ -14,7 +14,7 @@ from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, REJECTED_NAME, STATS_NAME, write_atomic
 from melcache.index import write_index, write_stats
 from preprocess.config import BuildConfig
-from preprocess.discover import Rejection
+from preprocess.discover import Rejection, printable
 from preprocess.plan import Plan
 
 
@@ -28,7 +28,10 @@ def finish_cache(
     keep_audio: bool,
 ) -> dict[str, Any]:
     """Write rejected.jsonl and stats.zarr, then index.json last (atomically); return the index."""
-    rejected = [{"source": r.source, "reason": r.reason, "stage": r.stage} for r in rejections]
+    rejected = [
+        {"source": printable(r.source), "reason": printable(r.reason), "stage": r.stage}
+        for r in rejections
+    ]
     rejected += [r for receipt in receipts for r in receipt["rejected"]]
     rejected.sort(key=lambda r: (r["source"], r["reason"]))
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejected)

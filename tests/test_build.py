@@ -18,7 +18,12 @@ import pytest
 import soundfile as sf
 from helpers import REPO, SAMPLE_CORPUS, build_cache, run_preprocess
 
+from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
+from preprocess import build
+from preprocess.config import BuildConfig
+from preprocess.discover import Utterance
+from preprocess.plan import PlannedShard, PlannedUtterance
 
 
 def read_samples(shard: Path) -> list[dict]:
@@ -230,3 +235,19 @@ def test_user_errors_are_one_line_exit_2(tmp_path: Path) -> None:
         assert message in done.stderr and "Traceback" not in done.stderr
     done = run_preprocess("verify", str(tmp_path / "empty"), check=False)
     assert done.returncode == 2 and "index.json not found" in done.stderr
+
+
+def test_a_failed_shard_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
+    """Whatever goes wrong while a shard is written, its temporary file goes with it."""
+
+    def explode(writer, *args) -> None:
+        writer.write({"__key__": "half", "json": b"{}"})  # some bytes are on disk by now
+        raise RuntimeError("a bug, not a full disk")
+
+    monkeypatch.setattr(build, "_write_utterance", explode)
+    utterance = Utterance("k", str(SAMPLE_CORPUS / "zh" / "zh_01.wav"), "text", None, "zh_01.wav")
+    shard = PlannedShard("b00-000000.tar", 0, 0, (PlannedUtterance(utterance, 16000, 100, 1),))
+    (tmp_path / build.RECEIPTS).mkdir()
+    with pytest.raises(RuntimeError, match="a bug"):
+        build.build_shard(shard, tmp_path, FeatureConfig(), BuildConfig(), False, "digest")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [build.RECEIPTS]

@@ -48,6 +48,7 @@ from helpers import (
 
 from melcache.errors import ShardError
 from melcache.format import (
+    HOST_TAG,
     INDEX_NAME,
     REJECTED_NAME,
     decode_mel,
@@ -180,6 +181,64 @@ def test_non_finite_audio_is_a_counted_rejection(tmp_path: Path) -> None:
             "huge.wav": "non-finite mel",
         },
     )
+
+
+def test_non_unicode_names_and_text_cost_only_themselves(tmp_path: Path) -> None:
+    """A file name byte that is not UTF-8, a lone surrogate in JSONL text or speaker: each a
+    rejection with a printable source, the rest built, no temporary file left."""
+    speech, rate = sf.read(SPEECH, dtype="float32")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_utterance(folder / "good.wav", speech, rate)
+    latin1 = os.fsencode(folder) + b"/caf\xe9"  # legal on Linux, not UTF-8
+    shutil.copy(folder / "good.wav", latin1 + b".wav")
+    shutil.copy(folder / "good.txt", latin1 + b".txt")
+    out = tmp_path / "out-folder"
+    done = run_preprocess(*build_args(folder, out, "--workers", "2"))
+    assert "Traceback" not in done.stderr
+    assert_counted(
+        out, written={"good.wav"}, rejected={"caf\\xe9.wav": "file name is not valid UTF-8"}
+    )
+
+    manifest = folder / "list.jsonl"
+    rows = [
+        {"audio_filepath": "good.wav", "text": "fine words"},
+        {"audio_filepath": "good.wav", "text": "broken \ud800 text"},
+        {"audio_filepath": "good.wav", "text": "fine", "speaker": "\udc80"},
+    ]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))  # ASCII escapes
+    out = tmp_path / "out-manifest"
+    done = run_preprocess(*build_args(manifest, out, "--workers", "1"))
+    assert "Traceback" not in done.stderr
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert index["totals"]["rejected_by_reason"] == {
+        "transcript is not valid Unicode (a lone surrogate)": 1,
+        "speaker is not valid Unicode (a lone surrogate)": 1,
+    }
+    assert index["totals"]["utterances"] == 1 and verify(out) == []
+    assert not list(out.glob("*.tmp"))
+
+
+def test_two_builds_into_one_out_both_finish_and_say_so(tmp_path: Path) -> None:
+    """A retry started while the first attempt still runs (here: stopped mid-shard) names it
+    (pid and host), never sweeps the temporary file it is writing, and both exit 0."""
+    corpus = tmp_path / "corpus"  # ten copies: shards of several utterances, slow to write
+    for copy in range(10):
+        shutil.copytree(SAMPLE_CORPUS, corpus / f"copy{copy}")
+    out = tmp_path / "out"
+    command = build_command(corpus, out, "--workers", "1")
+    with started(command, tmp_path / "first.log") as first:
+        assert wait_for(lambda: any(out.glob("*.tmp")), first, 120), "no shard was being written"
+        os.killpg(first.pid, signal.SIGSTOP)  # the first attempt, mid-shard, still alive
+        writing = list(out.glob("*.tmp"))
+        second = run_preprocess(*build_args(corpus, out, "--workers", "1"), check=False)
+        assert all(temp.exists() for temp in writing)  # its live temporary file survived
+        os.killpg(first.pid, signal.SIGCONT)
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()
+    assert second.returncode == 0, second.stderr
+    assert f"another build is writing {out}: pid {first.pid} on host " in second.stderr
+    assert verify(out) == [] and not list(out.glob("*.tmp"))
+    assert not list((out / ".build").glob("running.*"))
 
 
 def test_bad_ljspeech_rows_are_counted_rejections(tmp_path: Path) -> None:
@@ -446,7 +505,9 @@ def test_rerun_after_a_kill_while_writing_stats(
     out = Path(shutil.copytree(sample_cache, tmp_path / "out", symlinks=True))
     (out / INDEX_NAME).unlink()
     shutil.rmtree(out / "stats.zarr")
-    half = out / "stats.zarr.4242.tmp"
+    killed = subprocess.Popen(["true"])  # the writer, gone: its pid names the temp folder
+    killed.wait()
+    half = out / f"stats.zarr.{HOST_TAG}-{killed.pid}.tmp"
     half.mkdir()
     (half / "zarr.json").write_text('{"zarr_format": 3, "node_ty')
     run_preprocess(

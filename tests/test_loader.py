@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import multiprocessing
 import pickle
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from hashlib import sha256
@@ -15,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import REPO
 
 import train.collate
 import train.stream
@@ -451,3 +455,44 @@ def test_bad_layouts_and_arguments_are_refused(sample_cache: Path, tmp_path: Pat
         loader(sample_cache, rank=2, world_size=2)
     with pytest.raises(UserError, match="index"):
         loader(tmp_path)
+
+
+def test_a_dropped_loader_stops_its_workers(sample_cache: Path) -> None:
+    """Evaluation code makes a loader, takes a batch and returns without close()."""
+    before = {p.pid for p in multiprocessing.active_children()}
+
+    def peek() -> int:
+        stream = loader(sample_cache, num_workers=2)
+        return len(next(iter(stream)))
+
+    assert peek() > 0
+    assert {p.pid for p in multiprocessing.active_children()} == before
+
+
+DROPPED_LOADERS = """
+import sys
+from train.data import DataConfig, make_loader
+
+def peek(cache):
+    loader = make_loader(cache, DataConfig(num_workers=2, batch_frames=3000))
+    batches = iter(loader)
+    for _ in range(20):
+        next(batches)
+
+for _ in range(4):
+    peek(sys.argv[1])
+print("done")
+"""
+
+
+@pytest.mark.slow  # a subprocess: what its forked workers print must be seen
+def test_dropped_loaders_never_shut_down_inside_a_child(sample_cache: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", DROPPED_LOADERS, str(sample_cache)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -48,6 +48,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,15 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         self.close()  # one live stream at a time: it owns the state
-        self._active = self._stream()
+        # The stream holds this loader only weakly: a loader dropped without close() is freed
+        # at once, and with it the stream, whose ``finally`` stops the worker processes.
+        self._active = _stream(
+            self.spec,
+            list(self._positions),
+            self._next_worker,
+            self.pin_memory,
+            weakref.WeakMethod(self._consume),
+        )
         return self._active
 
     def close(self) -> None:
@@ -142,40 +151,6 @@ class StreamLoader:
         if self._active is not None:
             self._active.close()
             self._active = None
-
-    def _stream(self) -> Iterator[Batch]:
-        spec, data = self.spec, self.spec.data
-        # prefetch_factor + 1 slots suffice (see train/transport.py); one more for margin.
-        rings = [
-            BatchRing(PREFETCH_FACTOR + 2, data.batch_frames * spec.n_mels)
-            for _ in range(spec.workers_per_rank)
-        ]
-        dataset = _WorkerDataset(spec, list(self._positions), self._next_worker, rings)
-        loader = DataLoader(
-            dataset,
-            batch_size=None,  # the dataset yields whole batches
-            collate_fn=_keep,
-            num_workers=data.num_workers,
-            # Pinning happens as the mel is copied out of the ring, not in DataLoader's
-            # pin thread: one copy instead of two.
-            pin_memory=False,
-            persistent_workers=data.num_workers > 0,
-            prefetch_factor=PREFETCH_FACTOR if data.num_workers > 0 else None,
-            # DataLoader draws its workers' base seed from this generator; the default would
-            # consume the global torch RNG, which belongs to the model (dropout on resume).
-            generator=torch.Generator().manual_seed(spec.seed),
-            worker_init_fn=_leave_process_group,
-        )
-        batches = iter(loader)
-        try:
-            for packed, cursor in batches:
-                mel = rings[cursor.worker].take(packed.seq, packed.mel_shape, self.pin_memory)
-                self._consume(cursor)
-                yield packed.unpack(mel, self.pin_memory)
-        finally:
-            shutdown = getattr(batches, "_shutdown_workers", None)
-            if shutdown is not None:  # now, rather than whenever the iterator is collected
-                shutdown()
 
     def _consume(self, cursor: Cursor) -> None:
         if cursor.worker != self._next_worker:  # DataLoader broke its round-robin promise
@@ -245,6 +220,56 @@ class StreamLoader:
             "pad_multiple": data.pad_multiple,
             "cache_digest": _shards_digest(spec.shards),
         }
+
+
+def _stream(
+    spec: StreamSpec,
+    positions: list[Position],
+    next_worker: int,
+    pin_memory: bool,
+    consume: weakref.WeakMethod,
+) -> Iterator[Batch]:
+    """One rank's batches from DataLoader workers, each handed to ``consume`` (the loader's
+    bookkeeping) as it is yielded."""
+    data = spec.data
+    # prefetch_factor + 1 slots suffice (see train/transport.py); one more for margin.
+    rings = [
+        BatchRing(PREFETCH_FACTOR + 2, data.batch_frames * spec.n_mels)
+        for _ in range(spec.workers_per_rank)
+    ]
+    dataset = _WorkerDataset(spec, positions, next_worker, rings)
+    loader = DataLoader(
+        dataset,
+        batch_size=None,  # the dataset yields whole batches
+        collate_fn=_keep,
+        num_workers=data.num_workers,
+        # Pinning happens as the mel is copied out of the ring, not in DataLoader's
+        # pin thread: one copy instead of two.
+        pin_memory=False,
+        persistent_workers=data.num_workers > 0,
+        prefetch_factor=PREFETCH_FACTOR if data.num_workers > 0 else None,
+        # DataLoader draws its workers' base seed from this generator; the default would
+        # consume the global torch RNG, which belongs to the model (dropout on resume).
+        generator=torch.Generator().manual_seed(spec.seed),
+        worker_init_fn=_leave_process_group,
+    )
+    owner = os.getpid()
+    batches = iter(loader)
+    try:
+        for packed, cursor in batches:
+            mel = rings[cursor.worker].take(packed.seq, packed.mel_shape, pin_memory)
+            record = consume()
+            if record is None:  # the loader is gone
+                return
+            record(cursor)
+            del record
+            yield packed.unpack(mel, pin_memory)
+    finally:
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        # Only the process that started the workers stops them: a forked child (the next
+        # loader's worker) inherits this generator and may finalise it.
+        if shutdown is not None and os.getpid() == owner:
+            shutdown()
 
 
 def _shards_digest(shards: tuple[dict[str, Any], ...]) -> str:

@@ -1,0 +1,84 @@
+"""Who else writes this ``OUT``: builds say they are running, and sweep only what is stale.
+
+Two builds may write one ``OUT`` at once: parts of a job array on several machines, a retry
+started while the first attempt still runs, a command typed twice. Each shard is then
+written whole by each, atomically, with the same bytes, so the cache ends correct; what must
+not happen is one build deleting the temporary files another is still writing. Each build
+leaves a marker in ``OUT/.build/`` while it runs, names the other builds it finds, and
+removes a temporary file only when its writer (named in the file's name) is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from melcache.format import HOST_TAG, temp_owner
+
+log = logging.getLogger(__name__)
+MARKER_PREFIX = "running."
+
+
+def _alive(host: str, pid: int) -> bool:
+    """Whether the writer may still be running: a process here, or anything elsewhere."""
+    if host not in ("", HOST_TAG):
+        return True  # another machine's process cannot be asked; assume it runs
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def running_build(folder: Path) -> Iterator[None]:
+    """Mark this build as running in ``folder`` (``OUT/.build``) while the block runs, and warn
+    about each other build marked there that is still running."""
+    for marker in sorted(folder.glob(MARKER_PREFIX + "*")):
+        try:
+            other = json.loads(marker.read_text())
+            host, pid = other["tag"], int(other["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # half written by a build starting right now, or foreign: not ours to judge
+        if not _alive(host, pid):
+            marker.unlink(missing_ok=True)  # left by a killed build
+            continue
+        log.warning(
+            "another build is writing %s: pid %d on host %s, since %s; both end with the same "
+            "cache (each writes whole shards atomically), the second does redundant work",
+            folder.parent,
+            pid,
+            other.get("host", host),
+            other.get("started", "?"),
+        )
+    marker = folder / f"{MARKER_PREFIX}{HOST_TAG}-{os.getpid()}"
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    info = {"host": socket.gethostname(), "tag": HOST_TAG, "pid": os.getpid(), "started": started}
+    marker.write_text(json.dumps(info))
+    try:
+        yield
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def sweep_temps(out: Path) -> None:
+    """Remove the temporary files in ``out`` whose writers are gone (killed runs); leave those
+    of processes still running here and of other machines, which may still be writing."""
+    kept = 0
+    for temp in sorted(out.glob("*.tmp")):
+        owner = temp_owner(temp.name)
+        if owner is not None and _alive(*owner):
+            kept += 1
+            continue
+        shutil.rmtree(temp, ignore_errors=True) if temp.is_dir() else temp.unlink(missing_ok=True)
+    if kept:
+        log.info("left %d temporary files of builds that may still be running", kept)
