@@ -9,11 +9,17 @@ import dataclasses
 import io
 import json
 import shutil
+import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import REPO
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from melcache.batching import padding_fraction
 from melcache.config import make_section
@@ -210,3 +216,19 @@ def test_config_sections_check_keys_and_types() -> None:
 def test_padding_fraction() -> None:
     assert padding_fraction(75, 100) == 0.25
     assert padding_fraction(0, 0) == 0.0
+
+
+def test_pyproject_claims_what_the_suite_runs_on() -> None:
+    """Python and every dependency: the installed version satisfies the claim, and a lower
+    bound is the installed release (nothing older is claimed untested)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert SpecifierSet(project["requires-python"]).contains(python)
+    claims = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    for requirement in map(Requirement, claims):
+        installed = Version(metadata.version(requirement.name))
+        assert requirement.specifier.contains(installed), f"{requirement} but {installed}"
+        for spec in requirement.specifier:
+            if spec.operator in (">=", "=="):
+                floor = Version(spec.version).release
+                assert installed.release[: len(floor)] == floor, f"{requirement} but {installed}"

@@ -115,3 +115,30 @@ def test_cli_reports_bad_input_with_status_2(train_cache: Path, tmp_path: Path) 
     status = main(["--shards", str(train_cache), "--out", str(tmp_path), "train.grad_accum=0"])
     assert status == 2
     assert main(["--shards", str(tmp_path / "nothing"), "--out", str(tmp_path)]) == 2
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_clear_error(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """The scaler, schedule and EMA state are checked like the model's: an fp32 run resumed
+    as fp16 has no loss-scaler state to load."""
+    trainer = make_trainer(train_cache, tmp_path)
+    trainer.save()
+    trainer.close()
+    with pytest.raises(UserError, match="does not fit this config") as refused:
+        make_trainer(train_cache, tmp_path, "train.precision=fp16")
+    assert "\n" not in str(refused.value)
+
+
+def test_rank_without_the_rest_of_torchrun_is_status_2(
+    train_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from train.__main__ import _train_parser, main
+
+    for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--shards", str(train_cache), "--out", str(tmp_path)]) == 2
+    monkeypatch.setenv("RANK", "first")
+    assert main(["--shards", str(train_cache), "--out", str(tmp_path)]) == 2
+    assert "python -m train plot" in _train_parser().format_help()

@@ -26,6 +26,8 @@ def _train_parser() -> argparse.ArgumentParser:
         prog="python -m train",
         description="Train on a melcache cache; the same command under torchrun runs DDP. "
         "Rerunning with the same --out resumes from its latest complete checkpoint.",
+        epilog="Also: `python -m train plot RUN [--output PNG]` draws a run's loss, frames/s "
+        "and data-wait % from RUN/metrics.jsonl. Bad input is one line on stderr and exit 2.",
     )
     p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
     p.add_argument("--config", type=Path, help="trainer TOML ([model], [data], [optim], [train])")
@@ -43,9 +45,9 @@ def _plot_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
+    rank = os.environ.get("RANK", "0")  # checked by train.distributed.setup, not here
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=logging.INFO if rank == "0" else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )

@@ -24,7 +24,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from melcache.errors import UserError
 from train.config import TrainConfig
+
+# What torchrun sets for every rank besides RANK.
+_JOB_VARIABLES = ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ def setup() -> Env:
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         return Env(0, 1, 0, torch.device("cuda" if cuda else "cpu"))
+    _check_job_environment()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -67,6 +72,19 @@ def setup() -> Env:
         device_id=device if cuda else None,
     )
     return Env(rank, world_size, local_rank, device)
+
+
+def _check_job_environment() -> None:
+    """RANK says "a distributed job": the rest of torchrun's variables must be there too."""
+    missing = [name for name in _JOB_VARIABLES if name not in os.environ]
+    if missing:
+        raise UserError(
+            f"RANK is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+            "launch with torchrun (which sets them all), or unset RANK to train in one process"
+        )
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
+        if not os.environ.get(name, "0").isdigit():
+            raise UserError(f"{name} = {os.environ[name]!r} is not a non-negative integer")
 
 
 def _attempt_store(rank: int, world_size: int) -> dist.Store:

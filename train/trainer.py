@@ -236,12 +236,16 @@ class Trainer:
         try:
             self.raw_model.load_state_dict(shared["model"])
             self.optimizer.load_state_dict(shared["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise UserError(f"{latest} does not fit this model/optimizer config: {exc}") from None
-        self.scheduler.load_state_dict(shared["scheduler"])
-        self.scaler.load_state_dict(shared["scaler"])
-        if self.ema is not None and shared["ema"] is not None:
-            self.ema.load_state_dict(shared["ema"])
+            self.scheduler.load_state_dict(shared["scheduler"])
+            self.scaler.load_state_dict(shared["scaler"])
+            if self.ema is not None and shared["ema"] is not None:
+                self.ema.load_state_dict(shared["ema"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            detail = " ".join(str(exc).split())  # torch's messages span lines
+            raise UserError(
+                f"{latest} does not fit this config (model, optimizer, schedule, precision or "
+                f"EMA): {detail}"
+            ) from None
         self.loader.load_state_dict(local["loader"])
         set_rng_state(local["rng"], self.env.device)
         log.info("resumed from %s", latest)
