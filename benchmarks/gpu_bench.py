@@ -150,7 +150,8 @@ class PadToBatch:
         text_lengths = torch.tensor([len(tokens) for _, tokens in items])
         frames = round_up(int(mel_lengths.max()), self.pad_multiple)
         mel = torch.full((len(items), frames, items[0][0].shape[1]), self.pad_value)
-        text = torch.full((len(items), max(1, int(text_lengths.max()))), PAD_ID)
+        width = round_up(max(1, int(text_lengths.max())), self.pad_multiple)
+        text = torch.full((len(items), width), PAD_ID)
         for row, (m, tokens) in enumerate(items):
             mel[row, : len(m)] = m
             text[row, : len(tokens)] = tokens

@@ -56,7 +56,7 @@ def test_baseline_batch_matches_the_cache_layout() -> None:
     assert batch.mel_lengths.tolist() == [5, 9] and batch.text_lengths.tolist() == [2, 3]
     assert torch.equal(batch.mel[1, :9], mels[1].half())
     assert (batch.mel[0, 5:] == -11.5).all() and (batch.mel[1, 9:] == -11.5).all()
-    assert batch.text.tolist() == [[1, 2, 0], [3, 4, 5]]
+    assert batch.text.tolist() == [[1, 2, *[0] * 6], [3, 4, 5, *[0] * 5]]  # padded like the loader
     assert len(batch) == 2 and batch.speaker == [None, None]
 
 

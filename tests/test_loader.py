@@ -212,8 +212,19 @@ def test_global_torch_rng_is_left_alone(sample_cache: Path) -> None:
 def test_custom_tokenizer(sample_cache: Path) -> None:
     stream = loader(sample_cache, tokenizer=lambda text: [len(text)])
     batch = next(iter(stream))
-    assert batch.text.shape[1] == 1 and (batch.text_lengths == 1).all()
+    assert batch.text.shape[1] == 8 and (batch.text_lengths == 1).all()  # padded to 8
     stream.close()
+
+
+def test_every_batch_is_aligned_for_the_attention_mask(sample_cache: Path) -> None:
+    """Text and mel each padded to pad_multiple: text + mel, the attention mask's side, too."""
+    for pad_multiple in (8, 5):
+        stream = loader(sample_cache, num_workers=2, pad_multiple=pad_multiple)
+        for batch in take(stream, 30):
+            assert batch.mel.shape[1] % pad_multiple == 0
+            assert batch.text.shape[1] % pad_multiple == 0
+            assert batch.text.shape[1] - int(batch.text_lengths.max()) < pad_multiple
+        stream.close()
 
 
 def test_url_prefix_gives_the_same_stream(sample_cache: Path) -> None:
@@ -496,3 +507,14 @@ def test_dropped_loaders_never_shut_down_inside_a_child(sample_cache: Path) -> N
     )
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_too_little_shared_memory_is_one_clear_error(
+    sample_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Docker's default /dev/shm is 64 MB: refuse at start, naming the fix."""
+    usage = shutil.disk_usage("/tmp")._replace(free=32 * 2**20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    with pytest.raises(UserError, match=r"needs 92 MiB .* 32 MiB free.*--shm-size"):
+        loader(sample_cache, num_workers=2, batch_frames=40_000)
+    loader(sample_cache, num_workers=2).close()  # 3000 frames: 7 MiB fit

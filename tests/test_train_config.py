@@ -82,3 +82,12 @@ def test_unknown_model_class_names_the_key() -> None:
     cfg = load_config(None, ["model.args.depth=3"])
     with pytest.raises(UserError, match=r"\[model.args\]"):
         build_model(cfg.model)
+
+
+def test_powersgd_with_fp16_is_refused_by_name() -> None:
+    """An fp16 overflow step would poison PowerSGD's error memory for good."""
+    with pytest.raises(UserError, match=r"train\.comm_hook = 'powersgd'.*fp16"):
+        load_config(None, ["train.comm_hook=powersgd", "train.precision=fp16"])
+    for precision in ("bf16", "fp32", "auto"):
+        load_config(None, ["train.comm_hook=powersgd", f"train.precision={precision}"])
+    assert not load_config(None).train.deterministic  # deterministic kernels: opt in

@@ -12,7 +12,7 @@ import torch
 from melcache.errors import UserError
 from train.config import load_config
 from train.distributed import Env
-from train.trainer import Trainer
+from train.trainer import Trainer, resolve_precision
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -142,3 +142,27 @@ def test_rank_without_the_rest_of_torchrun_is_status_2(
     monkeypatch.setenv("RANK", "first")
     assert main(["--shards", str(train_cache), "--out", str(tmp_path)]) == 2
     assert "python -m train plot" in _train_parser().format_help()
+
+
+def test_auto_precision_never_picks_emulated_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pre-Ampere GPU: bf16 only by emulation. "auto" gives fp32, "bf16" a clear error."""
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    cuda = torch.device("cuda", 0)
+    assert resolve_precision("auto", cuda) == "fp32"
+    with pytest.raises(UserError, match="not supported on Tesla V100"):
+        resolve_precision("bf16", cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_precision("auto", cuda) == "bf16"
+
+
+def test_deterministic_key_runs_on_cpu(train_cache: Path, tmp_path: Path) -> None:
+    try:
+        trainer = make_trainer(train_cache, tmp_path, "train.deterministic=true")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert trainer.fit(max_steps=2) == "max_steps"
+        trainer.close()
+    finally:
+        torch.use_deterministic_algorithms(False)  # global: leave the other tests as they were

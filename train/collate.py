@@ -2,6 +2,8 @@
 
 Conventions the model relies on:
 
+- ``mel`` and ``text`` are padded to a multiple of ``pad_multiple`` (8 by default) frames
+  and tokens, so the model's sequence and attention mask are aligned for fast kernels.
 - ``mel`` stays float16 on the host (half the bytes to copy); padded frames hold
   ``ln(log_floor)`` of the cache's features, the value of silence in log space, not 0.0
   (which is a loud mel). Mask by ``mel_lengths`` anyway.
@@ -116,7 +118,10 @@ def collate(
         bad = next(s for s, mel in zip(samples, mels, strict=True) if not finite_mel(mel))
         raise ShardError(f"{where}:{bad.key}: mel.npy holds NaN or infinite values")
     tokens = [np.asarray(tokenizer(s.text), dtype=np.int64) for s in samples]
-    text = np.full((len(samples), max(1, *(len(t) for t in tokens))), PAD_ID, dtype=np.int64)
+    # Text padded like the mel: text + mel then stays a multiple of pad_multiple, so SDPA's
+    # efficient kernels take the [B, 1, S, S] mask as it is instead of padding a copy per layer.
+    width = round_up(max(1, *(len(t) for t in tokens)), pad_multiple)
+    text = np.full((len(samples), width), PAD_ID, dtype=np.int64)
     for row, ids in enumerate(tokens):
         text[row, : len(ids)] = ids
     return PackedBatch(

@@ -131,7 +131,12 @@ class TrainConfig:
     activation_checkpointing: bool = False
     ema_decay: float = 0.0  # 0 turns the EMA of weights off; 0.999 is typical
     comm_hook: str = "none"  # DDP gradient compression from torch's ddp_comm_hooks
+    # PowerSGD's error-feedback memory is per rank and not checkpointed: a resumed run with
+    # it restarts that memory, so its resume is close to, not bitwise, the uninterrupted run.
     powersgd_rank: int = 4
+    # CUDA kernels such as embedding backward are nondeterministic by default; true turns on
+    # torch.use_deterministic_algorithms (slower) so a resume is bitwise on GPUs as on CPU.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
@@ -152,6 +157,15 @@ class TrainConfig:
             self.comm_hook in COMM_HOOKS, "train.comm_hook", self.comm_hook, " or ".join(COMM_HOOKS)
         )
         require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
+        # One fp16 overflow step writes inf into PowerSGD's error memory; every later step is
+        # then skipped by the loss scaler while the loss looks fine.
+        require(
+            not (self.comm_hook == "powersgd" and self.precision == "fp16"),
+            "train.comm_hook",
+            self.comm_hook,
+            'not "powersgd" with train.precision = "fp16" (an overflow step poisons its error '
+            'memory): use bf16 or fp32 precision, or comm_hook = "fp16"',
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

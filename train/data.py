@@ -48,6 +48,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -83,6 +84,8 @@ STATE_VERSION = 1
 # Batches each worker keeps ready: a batch is ~1 MB-10 MB and costs one shard read at most,
 # 4 hides a shard boundary without holding much memory.
 PREFETCH_FACTOR = 4
+# prefetch_factor + 1 slots suffice (see train/transport.py); one more for margin.
+RING_SLOTS = PREFETCH_FACTOR + 2
 
 
 class _WorkerDataset(IterableDataset):
@@ -232,10 +235,8 @@ def _stream(
     """One rank's batches from DataLoader workers, each handed to ``consume`` (the loader's
     bookkeeping) as it is yielded."""
     data = spec.data
-    # prefetch_factor + 1 slots suffice (see train/transport.py); one more for margin.
     rings = [
-        BatchRing(PREFETCH_FACTOR + 2, data.batch_frames * spec.n_mels)
-        for _ in range(spec.workers_per_rank)
+        BatchRing(RING_SLOTS, data.batch_frames * spec.n_mels) for _ in range(spec.workers_per_rank)
     ]
     dataset = _WorkerDataset(spec, positions, next_worker, rings)
     loader = DataLoader(
@@ -316,6 +317,7 @@ def make_loader(
         tokenizer=tokenizer or utf8_tokens,
     )
     _check_layout(spec)
+    _check_shared_memory(spec)
     return StreamLoader(spec, index, features, _resolve_pin_memory(pin_memory))
 
 
@@ -342,6 +344,26 @@ def _check_layout(spec: StreamSpec) -> None:
             f"loader batch_frames = {data.batch_frames} is below the longest utterance of "
             f"cache {cache} ({longest} frames, {round_up(longest, data.pad_multiple)} padded); "
             "raise batch_frames"
+        )
+
+
+def ring_bytes(spec: StreamSpec) -> int:
+    """Shared memory one rank's batch rings take: a ring of float16 slots per worker."""
+    return spec.workers_per_rank * RING_SLOTS * spec.data.batch_frames * spec.n_mels * 2
+
+
+def _check_shared_memory(spec: StreamSpec, folder: str = "/dev/shm") -> None:
+    """Refuse to start when /dev/shm cannot hold the rings (Docker's default is 64 MB), rather
+    than fail at the first batch with a bus error."""
+    if not os.path.isdir(folder):
+        return  # not Linux: torch's shared memory lives elsewhere
+    needed, free = ring_bytes(spec), shutil.disk_usage(folder).free
+    if needed > free:
+        raise UserError(
+            f"the loader needs {needed / 2**20:.0f} MiB of shared memory per rank for its batch "
+            f"rings, {folder} has {free / 2**20:.0f} MiB free: give the container more "
+            "(docker run --shm-size=8g, or --ipc=host), or lower data.batch_frames or "
+            "data.num_workers"
         )
 
 

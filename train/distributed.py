@@ -189,6 +189,13 @@ def seed_all(seed: int) -> None:
     np.random.seed(seed)
 
 
+def use_deterministic_algorithms() -> None:
+    """Make CUDA kernels deterministic (embedding backward, scatter, cuBLAS workspaces), so a
+    resumed run is bitwise the uninterrupted one on GPUs too; slower, hence a config key."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(True)
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     """Every generator's state as tensors and builtins (``weights_only``-loadable)."""
     _, keys, pos, has_gauss, cached = np.random.get_state()
@@ -281,7 +288,7 @@ class Lagged:
         host = value.detach().to("cpu", non_blocking=True) if self.cuda else value.detach().clone()
         event = None
         if self.cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # synchronize() sleeps instead of spinning
             event.record()
         previous, self._pending = self._pending, (host, event)
         if previous is None:

@@ -38,6 +38,7 @@ from train.distributed import (
     set_rng_state,
     setup,
     teardown,
+    use_deterministic_algorithms,
     wrap_model,
 )
 from train.metrics import Meter, MetricsLog
@@ -66,6 +67,8 @@ class Trainer:
         self.precision = resolve_precision(t.precision, device)
         if device.type == "cuda":  # TF32 matmuls: ~fp32 accuracy at tensor-core speed
             torch.set_float32_matmul_precision("high")
+        if t.deterministic:
+            use_deterministic_algorithms()
         seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
         self.loader = make_loader(
             shards,
@@ -136,6 +139,8 @@ class Trainer:
         """One optimizer step over ``micro``; returns the ranks' summed stop votes (device)."""
         frames = sum(int(b.mel_lengths.sum()) for b in micro)  # host tensors: no sync
         counts = torch.tensor([frames, self.stop.local], dtype=torch.float64)
+        if self.env.device.type == "cuda":  # a pageable source would serialise the copy
+            counts = counts.pin_memory()
         counts = all_reduce_sum(counts.to(self.env.device, non_blocking=True), self.env)
         inv_frames = (1.0 / counts[0]).float()  # 1 / global valid frames of this step
         # DDP averages gradients over ranks; × world size turns that mean into the sum.
@@ -255,7 +260,7 @@ class Trainer:
 def resolve_precision(precision: str, device: torch.device) -> str:
     """Turn ``"auto"`` into bf16 or fp32 for this device; refuse bf16 where CUDA lacks it."""
     if device.type == "cuda":
-        bf16 = torch.cuda.is_bf16_supported()
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # pre-Ampere: emulated
     else:  # without AVX-512 bf16 is emulated and slower than fp32 on CPU
         try:
             bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
