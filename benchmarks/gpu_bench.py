@@ -322,16 +322,19 @@ def run_row(row: Row, args: argparse.Namespace, env: Env, sampler: UtilSampler) 
             with sync:
                 if warmup > 0:
                     timed_steps(trainer, batches, warmup, sampler)
+                    trainer.meter.summary()  # the loss reported is the timed window's
                 result = timed_steps(trainer, batches, steps, sampler)
+            memory = peak_memory(env.device)  # before summary(), which starts a new window
             loss = trainer.meter.summary()["loss"]  # one host read, after the window
         finally:
             batches.close()
             trainer.close()
-    memory = peak_memory(env.device)
+    # The trainer runs fp32 matmuls as TF32 on CUDA (set_float32_matmul_precision("high")).
+    cuda_fp32 = env.device.type == "cuda" and trainer.precision == "fp32"
     return {
         "row": row.name,
         "what": row.what,
-        "precision": trainer.precision,
+        "precision": "tf32" if cuda_fp32 else trainer.precision,
         "grad_accum": cfg.train.grad_accum,
         **result,
         "peak_allocated_mib": _mib(memory.get("cuda_max_allocated_mib")),

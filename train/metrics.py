@@ -97,6 +97,8 @@ class Meter:
             data_wait_pct=100.0 * sums["wait_s"] / self.env.world_size / elapsed,
         )
         out.update(peak_memory(self.env.device))
+        if self.env.device.type == "cuda":  # the next window's peak is its own
+            torch.cuda.reset_peak_memory_stats(self.env.device)
         self._reset()
         return out
 
