@@ -37,11 +37,14 @@ def resampled_length(num_samples: int, source_rate: int, target_rate: int) -> in
     return (2 * num_samples * target_rate + source_rate) // (2 * source_rate)
 
 
-def load_mono(path: str, target_rate: int, length: int, silence_dbfs: float) -> np.ndarray:
+def load_mono(
+    path: str, target_rate: int, length: int, silence_dbfs: float, tolerance: int
+) -> np.ndarray:
     """Decode ``path`` to mono float32 at ``target_rate``; reject all-silent audio.
 
-    The result has exactly ``length`` samples (``resampled_length`` of the header's count),
-    so frame counts predicted from headers at planning time hold after decoding.
+    The result has exactly ``length`` samples, the planned length (from the header or the
+    manifest), so frame counts known at planning time hold after decoding; a decoded length
+    more than ``tolerance`` samples away is rejected rather than padded or cut.
     """
     _check_readable(path)
     try:
@@ -59,6 +62,11 @@ def load_mono(path: str, target_rate: int, length: int, silence_dbfs: float) -> 
         raise AudioError(f"all-silent audio (peak {level} dBFS, threshold {silence_dbfs} dBFS)")
     if rate != target_rate:
         mono = soxr.resample(mono, rate, target_rate, quality="HQ")
+    if abs(len(mono) - length) > tolerance:
+        raise AudioError(
+            f"decoded length {len(mono) / target_rate:.3f} s is not the planned "
+            f"{length / target_rate:.3f} s: a wrong manifest duration, or changed since the scan"
+        )
     if len(mono) != length:  # compressed formats can decode a few samples off their header
         mono = np.pad(mono[:length], (0, max(0, length - len(mono))))
     return np.ascontiguousarray(mono, dtype=np.float32)
@@ -94,6 +102,8 @@ def _check_readable(path: str) -> None:
     """Name the OS's reason (permission, missing link target): libsndfile only says "System error"."""
     try:
         open(path, "rb").close()
+    except FileNotFoundError:
+        raise AudioError("audio file not found") from None
     except OSError as exc:
         raise AudioError(f"unreadable audio: {exc.strerror}") from None
 

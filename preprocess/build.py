@@ -1,17 +1,22 @@
-"""``preprocess build``: discover → probe headers → plan → write shards in parallel → index.
+"""``preprocess build``: scan → plan → write shards in parallel → index.
 
-Each shard is written under a temporary name, renamed when complete, then acknowledged by a
-receipt in ``OUT/.build/`` (its count, sha256, rejections and feature sums). A rerun skips
-every shard with a valid receipt, so a build killed at any moment resumes where it was and
-ends byte-identical to an uninterrupted one. The index is written last, from the receipts.
+Each part scans its share of the corpus (:mod:`preprocess.scan`); the plan is made from all
+the scans and saved beside them (:mod:`preprocess.plan`). Each shard is written under a
+temporary name, renamed when complete, then acknowledged by a receipt in ``OUT/.build/``
+(its count, sha256, rejections and feature sums). A rerun reuses the scans and the plan of
+an unchanged corpus and skips every shard with a valid receipt, so a build killed at any
+moment resumes where it was and ends byte-identical to an uninterrupted one. The index is
+written last, from the receipts, by the part that finds them all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,20 +28,32 @@ from tqdm import tqdm
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.format import (
+    FORMAT_VERSION,
     HashingStream,
     encode_sample,
     open_tar_writer,
     temp_path,
     write_atomic,
 )
-from preprocess.audio import AudioError, encode_flac, load_mono, probe
+from preprocess.audio import AudioError, encode_flac, load_mono
 from preprocess.config import BuildConfig
-from preprocess.discover import Rejection, Utterance, discover
 from preprocess.features import MelExtractor
 from preprocess.finish import finish_cache
 from preprocess.owners import running_build, sweep_temps
 from preprocess.parallel import Runner, ordered_map
-from preprocess.plan import Plan, PlannedShard, PlannedUtterance, make_plan
+from preprocess.parts import Meeting
+from preprocess.plan import (
+    Plan,
+    PlannedShard,
+    PlannedUtterance,
+    length_rejections,
+    load_plan,
+    make_plan,
+    planned_shard,
+    save_plan,
+)
+from preprocess.scan import Scan, part_folder, scan_folder, scan_is_current, scan_meta, scan_part
+from preprocess.sources import Corpus, content_hash, open_corpus, read_transcript
 
 log = logging.getLogger(__name__)
 RECEIPTS = ".build"
@@ -51,79 +68,155 @@ class BuildOptions:
     workers: int
     part: tuple[int, int] = (0, 1)
     keep_audio: bool = False
+    dry_run: bool = False
+    rescan: bool = False
 
 
-def build(
-    options: BuildOptions, features: FeatureConfig, config: BuildConfig
-) -> dict[str, Any] | None:
-    """Build (or resume) the cache; return the index, or ``None`` if other parts are pending."""
-    utterances, discovered_rejections = discover(options.src)
-    log.info(
-        "found %d utterances (%d rejected while discovering)",
-        len(utterances),
-        len(discovered_rejections),
-    )
-    options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / RECEIPTS).mkdir(exist_ok=True)
-    with running_build(options.out / RECEIPTS):
-        return _build(options, features, config, utterances, discovered_rejections)
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a build ended: the index once the cache is complete, the plan after a dry run
+    (``None`` while other parts still scan), or how many shards remain for other parts."""
+
+    index: dict[str, Any] | None = None
+    plan: Plan | None = None
+    scan: Scan | None = None
+    remaining: int = 0
 
 
-def _build(
+def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -> Outcome:
+    """Build (or resume) this part of the cache; with ``dry_run``, scan and plan only."""
+    corpus = open_corpus(options.src, options.out)
+    state = options.out / RECEIPTS
+    state.mkdir(parents=True, exist_ok=True)
+    meeting = Meeting(*options.part)
+    try:
+        with running_build(state), ordered_map(options.workers, _init_worker, (features,)) as run:
+            prepared = _scan_and_plan(corpus, options, features, config, run, meeting)
+            if prepared is None or options.dry_run:
+                return Outcome(plan=prepared and prepared[1], scan=prepared and prepared[0])
+            scan, plan = prepared
+            made_by = recipe(corpus, features, config, options.keep_audio)
+            receipts = _valid_receipts(options.out, plan, made_by)
+            k, n = options.part
+            todo = [i for i in range(len(plan)) if i % n == k and plan.name(i) not in receipts]
+            tasks = (planned_shard(plan, scan, i) for i in todo)
+            _write_shards(run, tasks, todo, plan, corpus, options, features, config, receipts)
+        meeting.barrier()  # under torchrun: every rank's shards are written
+        return _finish(options, features, config, corpus, scan, plan, meeting)
+    finally:
+        meeting.close()
+
+
+def _scan_and_plan(
+    corpus: Corpus,
     options: BuildOptions,
     features: FeatureConfig,
     config: BuildConfig,
-    utterances: list[Utterance],
-    discovered_rejections: list[Rejection],
-) -> dict[str, Any] | None:
-    with ordered_map(options.workers, _init_worker, (features,)) as run:
-        headers = list(
-            tqdm(
-                run(_probe, [u.audio for u in utterances], 256),
-                total=len(utterances),
-                desc="probe",
-                unit="file",
-                disable=None,
-            )
-        )
-        plan = make_plan(utterances, headers, features, config, options.keep_audio)
-        receipts = _valid_receipts(options.out, plan)
-        k, n = options.part
-        todo = [t for t in plan.shards if t.number % n == k and t.name not in receipts]
-        _write_shards(run, todo, options, features, config, plan.digest, receipts)
-    if len(receipts) < len(plan.shards):
+    run: Runner,
+    meeting: Meeting,
+) -> tuple[Scan, Plan] | None:
+    """Scan this part's share unless a current scan is there; once every part's scan is,
+    load the plan made from them or make it. ``None``: a dry run whose other parts are due."""
+    k, n = options.part
+    state, rate = options.out / RECEIPTS, features.sample_rate
+    own = part_folder(state, k, n)
+    if not options.rescan and scan_is_current(own, corpus, rate):
+        log.info("part %d/%d: the scan in %s is current; not scanning again", k, n, own)
+    else:
+        shutil.rmtree(own, ignore_errors=True)
+        scan_part(corpus, own, k, n, rate, run)
+    listing = (scan_meta(own) or {}).get("listing")
+
+    def scanned() -> int:  # parts whose scan saw the corpus as this one's did
+        metas = (scan_meta(part_folder(state, j, n)) for j in range(n))
+        return sum(1 for m in metas if m is not None and m.get("listing") == listing)
+
+    if options.dry_run and not meeting.collective and scanned() < n:
         log.info(
-            "part %d/%d done: %d of %d shards complete; the index is written once all parts are",
+            "part %d/%d scanned; %d of %d parts' scans are done: the plan is made once all are",
+            k,
+            n,
+            scanned(),
+            n,
+        )
+        return None
+    meeting.wait("scans", scanned)
+    scan = Scan(scan_folder(state, n), n)
+    if not scan.has_inputs():
+        raise UserError(f"--src {options.src} holds no audio files")
+    inputs = _plan_inputs(scan, features, config, options.keep_audio)
+    folder = scan_folder(state, n) / "plan"
+    plan = None if meeting.collective and k != 0 else load_plan(folder, inputs)
+    if plan is None and not (meeting.collective and k != 0):
+        plan = make_plan(scan, features, config, options.keep_audio)
+        save_plan(plan, folder, inputs)
+    meeting.barrier()  # under torchrun: rank 0 has saved the plan
+    plan = plan or load_plan(folder, inputs)
+    assert plan is not None, "rank 0 saved the plan before the barrier"  # internal invariant
+    return scan, plan
+
+
+def _plan_inputs(scan: Scan, features: FeatureConfig, config: BuildConfig, keep_audio: bool) -> str:
+    """What a saved plan was made from: the config and the identity of every part's scan."""
+    inputs = [FORMAT_VERSION, features.to_dict(), config.to_dict(), keep_audio]
+    inputs += [part.meta["scan_id"] for part in scan.parts]
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _finish(
+    options: BuildOptions,
+    features: FeatureConfig,
+    config: BuildConfig,
+    corpus: Corpus,
+    scan: Scan,
+    plan: Plan,
+    meeting: Meeting,
+) -> Outcome:
+    """Write the index if every shard is complete (by rank 0 under torchrun)."""
+    made_by = recipe(corpus, features, config, options.keep_audio)
+    receipts = _valid_receipts(options.out, plan, made_by)
+    k, n = options.part
+    remaining = len(plan) - len(receipts)
+    if remaining or (meeting.collective and k != 0):
+        log.info(
+            "part %d/%d done: %d of %d shards complete, %d remain for the other parts; "
+            "the index is written once all are",
             k,
             n,
             len(receipts),
-            len(plan.shards),
+            len(plan),
+            remaining,
         )
-        return None
+        return Outcome(remaining=remaining)
     sweep_temps(options.out)  # every shard is complete: what is left was killed mid-write
-    rejections = [*discovered_rejections, *plan.rejections]
-    return finish_cache(
+    rejections = [*scan.rejections(), *length_rejections(plan, scan, config, features.sample_rate)]
+    index = finish_cache(
         options.out,
         plan,
-        [receipts[t.name] for t in plan.shards],
+        [receipts[plan.name(i)] for i in range(len(plan))],
         rejections,
         features,
         config,
         options.keep_audio,
     )
+    return Outcome(index=index)
 
 
 def _write_shards(
     run: Runner,
-    todo: Sequence[PlannedShard],
+    tasks: Any,
+    todo: Sequence[int],
+    plan: Plan,
+    corpus: Corpus,
     options: BuildOptions,
     features: FeatureConfig,
     config: BuildConfig,
-    digest: str,
     receipts: dict[str, dict[str, Any]],
 ) -> None:
-    jobs = [(t, options.out, features, config, options.keep_audio, digest) for t in todo]
-    total = sum(len(t.items) for t in todo)
+    jobs = (
+        (t, corpus, options.out, features, config, options.keep_audio, plan.digest) for t in tasks
+    )
+    total = sum(len(plan.shard_members(i)) for i in todo)
     seconds = 0.0
     with tqdm(total=total, desc="build", unit="utt", disable=None) as bar:
         for receipt in run(_build_shard_job, jobs):
@@ -145,15 +238,8 @@ def _init_worker(features: FeatureConfig) -> None:
     _extractor = MelExtractor(features)
 
 
-def _probe(path: str) -> tuple[int, int] | str:
-    try:
-        return probe(path)
-    except AudioError as exc:
-        return str(exc)
-
-
 def _build_shard_job(
-    job: tuple[PlannedShard, Path, FeatureConfig, BuildConfig, bool, str],
+    job: tuple[PlannedShard, Corpus, Path, FeatureConfig, BuildConfig, bool, str],
 ) -> dict[str, Any]:
     return build_shard(*job)
 
@@ -173,6 +259,7 @@ class _Tally:
 
 def build_shard(
     task: PlannedShard,
+    corpus: Corpus,
     out: Path,
     features: FeatureConfig,
     config: BuildConfig,
@@ -189,13 +276,15 @@ def build_shard(
             stream = HashingStream(raw)
             with open_tar_writer(stream) as writer:
                 for item in task.items:
-                    _write_utterance(writer, item, task.bucket, features, config, keep_audio, tally)
+                    _write_utterance(
+                        writer, item, corpus, task.bucket, features, config, keep_audio, tally
+                    )
         tally.sha256 = stream.sha256.hexdigest()
         if tally.frames:
             os.replace(temp, final)
         else:  # every utterance was rejected: no empty tar, the receipt says so
             temp.unlink()
-        receipt = _receipt(task, final, digest, tally)
+        receipt = _receipt(task, final, digest, recipe(corpus, features, config, keep_audio), tally)
         write_atomic(out / RECEIPTS / f"{task.name}.json", json.dumps(receipt).encode())
     except OSError as exc:
         raise UserError(
@@ -209,6 +298,7 @@ def build_shard(
 def _write_utterance(
     writer: Any,
     item: PlannedUtterance,
+    corpus: Corpus,
     bucket: int,
     features: FeatureConfig,
     config: BuildConfig,
@@ -216,39 +306,58 @@ def _write_utterance(
     tally: _Tally,
 ) -> None:
     assert _extractor is not None, "worker not initialised"  # internal invariant, not user input
-    utt = item.utterance
+    try:  # transcripts are read again here, not held for the whole corpus
+        text, speaker = read_transcript(corpus, item.source, item.locator)
+        changed = content_hash(item.source, text, speaker) != item.content
+    except ValueError as exc:
+        changed = True
+        text = str(exc)
+    if changed:
+        raise UserError(
+            f"{corpus.audio_path(item.source)}: transcript or speaker changed since the corpus "
+            f"was scanned ({text[:60]}); rerun with --rescan"
+        )
     try:
-        audio = load_mono(utt.audio, features.sample_rate, item.samples, config.silence_dbfs)
+        audio = load_mono(
+            corpus.audio_path(item.source),
+            features.sample_rate,
+            item.samples,
+            config.silence_dbfs,
+            tolerance=features.hop_length,
+        )
     except AudioError as exc:
-        tally.rejected.append({"source": utt.source, "reason": str(exc), "stage": "decode"})
+        tally.rejected.append({"source": item.source, "reason": str(exc), "stage": "decode"})
         return
     mel16, mel32 = _extractor.compute(audio)
     sums = mel32.sum(axis=0, dtype=np.float64)  # a non-finite value makes its column's sum so
     if not np.isfinite(sums).all():  # finite float audio far beyond ±1 overflows the spectrum
         reason = "non-finite mel: audio samples far outside [-1, 1]"
-        tally.rejected.append({"source": utt.source, "reason": reason, "stage": "decode"})
+        tally.rejected.append({"source": item.source, "reason": reason, "stage": "decode"})
         return
     meta = {
-        "text": utt.text,
-        "speaker": utt.speaker,
+        "text": text,
+        "speaker": speaker,
         "seconds": round(item.samples / features.sample_rate, 4),
         "frames": int(mel16.shape[0]),
         "sample_rate": features.sample_rate,
-        "source": utt.source,
+        "source": item.source,
         "bucket": bucket,
     }
     flac = encode_flac(audio, features.sample_rate) if keep_audio else None
-    writer.write(encode_sample(utt.key, mel16, meta, flac))
+    writer.write(encode_sample(item.key, mel16, meta, flac))
     tally.sums += sums
     tally.squares += np.square(mel32, dtype=np.float64).sum(axis=0)
     tally.frames.append(meta["frames"])
     tally.seconds += meta["seconds"]
 
 
-def _receipt(task: PlannedShard, final: Path, digest: str, tally: _Tally) -> dict[str, Any]:
+def _receipt(
+    task: PlannedShard, final: Path, digest: str, made_by: str, tally: _Tally
+) -> dict[str, Any]:
     frames = tally.frames
     return {
         "plan": digest,
+        "recipe": made_by,
         "name": task.name,
         "bucket": task.bucket,
         "planned": len(task.items),
@@ -265,15 +374,37 @@ def _receipt(task: PlannedShard, final: Path, digest: str, tally: _Tally) -> dic
     }
 
 
-def _valid_receipts(out: Path, plan: Plan) -> dict[str, dict[str, Any]]:
-    """Receipts of shards already complete for this very plan; refuse another build's."""
+def recipe(corpus: Corpus, features: FeatureConfig, config: BuildConfig, keep_audio: bool) -> str:
+    """Which corpus (by place) and config a build is of, whatever the corpus now holds."""
+    what = [
+        corpus.kind,
+        corpus.root,
+        corpus.listing,
+        features.to_dict(),
+        config.to_dict(),
+        keep_audio,
+    ]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _valid_receipts(out: Path, plan: Plan, made_by: str) -> dict[str, dict[str, Any]]:
+    """Receipts of shards already complete for this very plan. Receipts of an earlier plan of
+    the same corpus and config (the corpus changed since) are dropped with their shards, to
+    be written again; another corpus's or config's are refused."""
     done: dict[str, dict[str, Any]] = {}
-    planned = {t.name for t in plan.shards}
+    planned = {plan.name(i) for i in range(len(plan))}
+    stale = 0
     for path in sorted((out / RECEIPTS).glob("*.json")):
         try:
             receipt = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue  # a receipt is written atomically; unreadable means foreign: rebuild
+        if receipt.get("plan") != plan.digest and receipt.get("recipe") == made_by:
+            stale += 1
+            path.unlink(missing_ok=True)
+            if receipt.get("name") not in planned:  # no longer in the plan: not overwritten
+                (out / str(receipt.get("name"))).unlink(missing_ok=True)
+            continue
         if receipt.get("plan") != plan.digest:
             raise UserError(
                 f"--out {out} holds a build of a different corpus or config "
@@ -286,4 +417,6 @@ def _valid_receipts(out: Path, plan: Plan) -> dict[str, dict[str, Any]]:
             or (shard.is_file() and shard.stat().st_size == receipt["bytes"])
         ):
             done[receipt["name"]] = receipt
+    if stale:
+        log.info("%d shards of an earlier scan of this corpus are written again", stale)
     return done

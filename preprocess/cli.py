@@ -34,14 +34,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     from preprocess.build import BuildOptions, build
+    from preprocess.inspect import describe_plan
+    from preprocess.parts import choose_part
 
     features, config = load_config(args.config)
-    options = BuildOptions(args.src, args.out, args.workers, args.part, args.keep_audio)
+    part = choose_part(args.part)
+    options = BuildOptions(
+        args.src, args.out, args.workers, part, args.keep_audio, args.dry_run, args.rescan
+    )
     started = time.perf_counter()
-    index = build(options, features, config)
-    if index is None:
+    outcome = build(options, features, config)
+    if args.dry_run and outcome.plan is not None and outcome.scan is not None:
+        print(describe_plan(outcome.plan, outcome.scan, features, config))
+    if outcome.index is None:
         return 0
-    totals = index["totals"]
+    totals = outcome.index["totals"]
     wall = time.perf_counter() - started
     print(
         f"{args.out}: {totals['utterances']} utterances, {totals['hours']:.3f} h in "
@@ -87,11 +94,6 @@ def _part(text: str) -> tuple[int, int]:
     return k, n
 
 
-def _default_part() -> tuple[int, int]:
-    """torchrun's RANK/WORLD_SIZE, so ``torchrun --nnodes N -m preprocess build`` splits itself."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
 def _workers(text: str) -> int:
     try:
         workers = int(text)
@@ -131,7 +133,9 @@ def _parser() -> argparse.ArgumentParser:
             "write index.json. Rerunning the same command after an interruption resumes and gives "
             "byte-identical shards. SRC is a folder of audio with <stem>.txt/.lab/.normalized.txt "
             "transcripts, an LJSpeech folder (metadata.csv + wavs/), or a JSONL manifest "
-            "(audio_filepath, text, speaker)."
+            "(audio_filepath, text, speaker, and duration or num_samples + sampling_rate to plan "
+            "without opening the audio). The scan of the corpus and the plan are kept in "
+            "OUT/.build/ and reused while the corpus listing is unchanged."
         ),
     )
     build.add_argument("--src", type=Path, required=True, help="corpus folder or .jsonl manifest")
@@ -146,12 +150,23 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--part",
         type=_part,
-        default=_default_part(),
         metavar="K/N",
-        help="build only part K of N (default: torchrun's RANK/WORLD_SIZE, else 0/1); see shards/README.md",
+        help="scan 1/N of the corpus and write 1/N of the shards, meeting the other parts in a "
+        "shared OUT (default: the rank under torchrun, else the whole corpus); see shards/README.md",
     )
     build.add_argument(
         "--keep-audio", action="store_true", help="also store the resampled audio as FLAC"
+    )
+    build.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="scan and plan only: print utterances, hours, rejections, buckets, shards and the "
+        "expected size; the scan and plan are kept, so the real build starts writing at once",
+    )
+    build.add_argument(
+        "--rescan",
+        action="store_true",
+        help="scan the corpus again even if its listing looks unchanged (after editing files in place)",
     )
     build.set_defaults(run=_build)
 

@@ -14,8 +14,8 @@ from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, REJECTED_NAME, STATS_NAME, write_atomic
 from melcache.index import write_index, write_stats
 from preprocess.config import BuildConfig
-from preprocess.discover import Rejection, printable
 from preprocess.plan import Plan
+from preprocess.sources import Rejection, printable
 
 
 def finish_cache(
@@ -83,7 +83,7 @@ def finish_cache(
             "shards": len(written),
             "rejected": len(rejected),
             "rejected_by_reason": dict(
-                sorted(Counter(_reason_kind(r["reason"]) for r in rejected).items())
+                sorted(Counter(reason_kind(r["reason"]) for r in rejected).items())
             ),
         },
         "stats": STATS_NAME,
@@ -92,7 +92,7 @@ def finish_cache(
     return index
 
 
-def _reason_kind(reason: str) -> str:
+def reason_kind(reason: str) -> str:
     """The reason without its particulars ("too long: 70.00 s > …" → "too long")."""
     return reason.split(":", 1)[0]
 

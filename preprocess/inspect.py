@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,14 @@ import numpy as np
 
 from melcache.batching import make_rng, padding_fraction, plan_batches, round_up
 from melcache.errors import UserError
+from melcache.features import FeatureConfig
 from melcache.format import fast_decode_mel
 from melcache.index import read_index
 from melcache.reader import read_shard
+from preprocess.config import BuildConfig
+from preprocess.finish import reason_kind
+from preprocess.plan import Plan, length_rejections
+from preprocess.scan import Scan
 
 SHARDS_PER_BUCKET = 16  # enough samples for a faithful histogram without reading a huge cache
 
@@ -44,6 +50,32 @@ def summarize(cache: Path) -> str:
         )
     lines += ["", f"rejected: {totals['rejected']} of {totals['discovered']} discovered"]
     lines += [f"  {n:>6}  {reason}" for reason, n in totals["rejected_by_reason"].items()]
+    return "\n".join(lines)
+
+
+def describe_plan(plan: Plan, scan: Scan, features: FeatureConfig, config: BuildConfig) -> str:
+    """What a build would write (``build --dry-run``): utterances, hours, buckets, shards, the
+    expected size, and what it rejects before decoding, by reason."""
+    counts = np.diff(plan.shards[:, 1:], axis=1)[:, 0] if len(plan) else np.zeros(0, np.int64)
+    lines = [
+        f"plan {plan.digest}: {len(plan.members)} utterances, {plan.seconds / 3600:.3f} h in "
+        f"{len(plan)} shards, about {plan.estimated_bytes / 1e9:.2f} GB",
+        "",
+        "bucket  seconds        frames       utts  shards",
+    ]
+    for bucket in plan.buckets:
+        mine = plan.shards[:, 0] == bucket.bucket
+        lines.append(
+            f"{bucket.bucket:>6}  {bucket.min_seconds:>5.2f}–{bucket.max_seconds:<6.2f}  "
+            f"{bucket.min_frames:>5}–{bucket.max_frames:<5}  {int(counts[mine].sum()):>5}  "
+            f"{int(mine.sum()):>6}"
+        )
+    rejected = Counter(reason_kind(r.reason) for r in scan.rejections())
+    rejected.update(
+        reason_kind(r.reason) for r in length_rejections(plan, scan, config, features.sample_rate)
+    )
+    lines += ["", f"rejected before decoding: {sum(rejected.values())}"]
+    lines += [f"  {n:>6}  {reason}" for reason, n in sorted(rejected.items())]
     return "\n".join(lines)
 
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from helpers import REPO, SAMPLE_CORPUS, build_cache, run_preprocess
+from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
 from preprocess import build
 from preprocess.config import BuildConfig
-from preprocess.discover import Utterance
 from preprocess.plan import PlannedShard, PlannedUtterance
+from preprocess.sources import Corpus
 
 
 def read_samples(shard: Path) -> list[dict]:
@@ -191,17 +191,6 @@ def test_killed_build_resumes_byte_identical(
 
 
 @pytest.mark.slow  # builds in a subprocess
-def test_parts_build_one_cache(
-    tmp_path: Path, sample_cache: Path, small_shards_config: Path
-) -> None:
-    out = tmp_path / "out"
-    build_cache(out, small_shards_config, "--part", "1/2")
-    assert not (out / INDEX_NAME).exists()
-    build_cache(out, small_shards_config, "--part", "0/2")
-    assert digests(out) == digests(sample_cache)
-
-
-@pytest.mark.slow  # builds in a subprocess
 def test_keep_audio_stores_resampled_flac(tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(SAMPLE_CORPUS / "zh", src)
@@ -245,9 +234,10 @@ def test_a_failed_shard_leaves_no_temporary_file(tmp_path: Path, monkeypatch) ->
         raise RuntimeError("a bug, not a full disk")
 
     monkeypatch.setattr(build, "_write_utterance", explode)
-    utterance = Utterance("k", str(SAMPLE_CORPUS / "zh" / "zh_01.wav"), "text", None, "zh_01.wav")
-    shard = PlannedShard("b00-000000.tar", 0, 0, (PlannedUtterance(utterance, 16000, 100, 1),))
+    utterance = PlannedUtterance("k", "zh_01.wav", 1, 16000, 0)
+    shard = PlannedShard("b00-000000.tar", 0, 0, (utterance,))
+    corpus = Corpus("folder", str(SAMPLE_CORPUS / "zh"))
     (tmp_path / build.RECEIPTS).mkdir()
     with pytest.raises(RuntimeError, match="a bug"):
-        build.build_shard(shard, tmp_path, FeatureConfig(), BuildConfig(), False, "digest")
+        build.build_shard(shard, corpus, tmp_path, FeatureConfig(), BuildConfig(), False, "digest")
     assert sorted(p.name for p in tmp_path.iterdir()) == [build.RECEIPTS]

@@ -57,7 +57,7 @@ from melcache.format import (
     iter_members,
 )
 from preprocess.audio import resampled_length
-from preprocess.discover import discover
+from preprocess.sources import Found, open_corpus, share
 from preprocess.verify import verify
 
 pytestmark = pytest.mark.slow  # builds in subprocesses, kills, a tiny disk: the full tier
@@ -299,7 +299,7 @@ def test_bad_manifest_lines_are_counted_rejections(tmp_path: Path) -> None:
             "train.jsonl:5": "manifest line has no audio_filepath string",
             "train.jsonl:6": "manifest line has no audio_filepath string",
             "audio/c.wav": "manifest text is missing or not a string",
-            "audio/missing.wav": "audio file not found (listed in the manifest)",
+            "audio/missing.wav": "audio file not found",
         },
     )
 
@@ -310,8 +310,9 @@ def test_ljspeech_id_cannot_reach_outside_the_corpus(tmp_path: Path) -> None:
     shutil.copy(SPEECH, lj / "wavs" / "LJ-1.wav")
     shutil.copy(SPEECH, tmp_path / "secret.wav")
     (lj / "metadata.csv").write_text("LJ-1|inside\n../../secret|outside\n")
-    utterances, rejections = discover(lj)
-    assert [u.source for u in utterances] == ["wavs/LJ-1.wav"]
+    found = list(share(open_corpus(lj, tmp_path / "out"), 0, 1, 24000, []))
+    assert [f.source for f in found if isinstance(f, Found)] == ["wavs/LJ-1.wav"]
+    rejections = [f for f in found if not isinstance(f, Found)]
     assert len(rejections) == 1 and rejections[0].reason  # the row, with a plain reason
 
 
@@ -382,7 +383,7 @@ UNPRIVILEGED_PROBE = """
 import json, sys
 from pathlib import Path
 from preprocess.audio import AudioError, probe
-from preprocess.discover import discover
+from preprocess.sources import open_corpus, share
 from melcache.errors import UserError
 found = {}
 for path in sys.argv[1:3]:
@@ -391,7 +392,7 @@ for path in sys.argv[1:3]:
     except AudioError as exc:
         found[path] = str(exc)
 try:
-    discover(Path(sys.argv[3]))
+    list(share(open_corpus(Path(sys.argv[3]), Path("out")), 0, 1, 24000, []))
     found["discover"] = "no error"
 except UserError as exc:
     found["discover"] = f"UserError: {exc}"
@@ -402,7 +403,7 @@ print(json.dumps(found))
 
 
 def unprivileged_findings(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
-    """probe() of a chmod 000 and a dangling audio file, discover() of an LJSpeech folder whose
+    """probe() of a chmod 000 and a dangling audio file, a scan of an LJSpeech folder whose
     metadata.csv is chmod 000, all run without root's read override."""
     prefix = unprivileged_prefix()
     secret = locked(Path(shutil.copy(SPEECH, tmp_path / "secret.wav")))
@@ -427,7 +428,7 @@ def unprivileged_findings(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
 def test_unreadable_audio_reason_names_the_cause(tmp_path: Path) -> None:
     found, secret, dangling = unprivileged_findings(tmp_path)
     assert "Permission denied" in found[str(secret)]
-    assert "No such file" in found[str(dangling)]
+    assert "audio file not found" in found[str(dangling)]
 
 
 def test_unreadable_metadata_csv_is_a_user_error(tmp_path: Path) -> None:
