@@ -53,7 +53,7 @@ from preprocess.plan import (
     save_plan,
 )
 from preprocess.scan import Scan, part_folder, scan_folder, scan_is_current, scan_meta, scan_part
-from preprocess.sources import Corpus, content_hash, open_corpus, read_transcript
+from preprocess.sources import Corpus, clean_text, open_corpus, read_transcript, utterance_hash
 
 log = logging.getLogger(__name__)
 RECEIPTS = ".build"
@@ -124,7 +124,7 @@ def _scan_and_plan(
         log.info("part %d/%d: the scan in %s is current; not scanning again", k, n, own)
     else:
         shutil.rmtree(own, ignore_errors=True)
-        scan_part(corpus, own, k, n, rate, run)
+        scan_part(corpus, own, k, n, rate, run, options.workers)
     listing = (scan_meta(own) or {}).get("listing")
 
     def scanned() -> int:  # parts whose scan saw the corpus as this one's did
@@ -159,7 +159,7 @@ def _scan_and_plan(
 def _plan_inputs(scan: Scan, features: FeatureConfig, config: BuildConfig, keep_audio: bool) -> str:
     """What a saved plan was made from: the config and the identity of every part's scan."""
     inputs = [FORMAT_VERSION, features.to_dict(), config.to_dict(), keep_audio]
-    inputs += [part.meta["scan_id"] for part in scan.parts]
+    inputs += [meta["scan_id"] for meta in scan.metas]
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -308,14 +308,14 @@ def _write_utterance(
     assert _extractor is not None, "worker not initialised"  # internal invariant, not user input
     try:  # transcripts are read again here, not held for the whole corpus
         text, speaker = read_transcript(corpus, item.source, item.locator)
-        changed = content_hash(item.source, text, speaker) != item.content
+        content = utterance_hash(item.source, text, speaker)
     except ValueError as exc:
-        changed = True
-        text = str(exc)
-    if changed:
+        content = str(exc)
+    if content != item.content:
+        detail = f" ({content})" if isinstance(content, str) else ""
         raise UserError(
             f"{corpus.audio_path(item.source)}: transcript or speaker changed since the corpus "
-            f"was scanned ({text[:60]}); rerun with --rescan"
+            f"was scanned{detail}; rerun with --rescan"
         )
     try:
         audio = load_mono(
@@ -335,7 +335,7 @@ def _write_utterance(
         tally.rejected.append({"source": item.source, "reason": reason, "stage": "decode"})
         return
     meta = {
-        "text": text,
+        "text": clean_text(text or ""),
         "speaker": speaker,
         "seconds": round(item.samples / features.sample_rate, 4),
         "frames": int(mel16.shape[0]),

@@ -6,6 +6,9 @@ target rate, where its transcript is, a hash of its text and one of its key, and
 path, all the sources' bytes end to end. Part K of N writes ``OUT/.build/scan-N/part-K/``,
 atomically, so N machines sharing ``OUT`` scan a corpus once between them, and a rerun
 whose corpus listing is unchanged (:func:`preprocess.sources.unchanged`) does not scan again.
+Within a part, each worker process scans one piece (:class:`preprocess.sources.Slice`) on
+its own, reading the listing, transcripts and headers itself: nothing per utterance crosses
+between processes, and the planning process never holds the columns while they are made.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from melcache.errors import UserError
 from melcache.format import temp_path
 from preprocess.audio import AudioError, probe, resampled_length
 from preprocess.parallel import Runner
@@ -31,15 +35,14 @@ from preprocess.sources import (
     Corpus,
     Found,
     Rejection,
-    clean_text,
-    content_hash,
+    Slice,
     key_base,
     key_hash,
     read_transcript_file,
     share,
-    text_problem,
     transcript_path,
     unchanged,
+    utterance_hash,
 )
 
 SCAN_VERSION = 1
@@ -85,105 +88,38 @@ def stamps_digest(stamps: list[tuple[str, int, int]]) -> str:
 
 
 def scan_part(
-    corpus: Corpus, folder: Path, part: int, parts: int, sample_rate: int, run: Runner
+    corpus: Corpus,
+    folder: Path,
+    part: int,
+    parts: int,
+    sample_rate: int,
+    run: Runner,
+    pieces: int,
 ) -> None:
-    """Scan part ``part`` of ``parts`` into ``folder``: read the transcripts and audio headers
-    of its share (headers only where the manifest gives no length) with ``run``'s workers."""
-    columns = {name: array(code) for name, code in _COLUMNS.items()}
-    sources, ends = bytearray(), array("q")
-    rejections: list[list[str]] = []
-    stamps: list[tuple[str, int, int]] = []
-    resolve = functools.partial(_resolve, corpus=corpus, sample_rate=sample_rate)
-
-    def keep(item: Found, samples: int, content: int) -> None:
-        for name, value in zip(
-            _COLUMNS,
-            (item.ordinal, samples, item.locator, content, key_hash(key_base(item.source))),
-            strict=True,
-        ):
-            columns[name].append(value)
-        sources.extend(item.source.encode())
-        ends.append(len(sources))
-
-    def settle(batch: list[Found]) -> None:
-        outside = [item for item in batch if _needs_worker(item)]
-        resolved = iter(run(resolve, outside, 64))
-        for item in batch:  # in ordinal order, whichever process resolved it
-            result = next(resolved) if _needs_worker(item) else resolve(item)
-            if isinstance(result, str):
-                rejections.append([item.source, result])
-            else:
-                keep(item, *result)
-        bar.update(len(batch))
-        batch.clear()
-
-    batch: list[Found] = []
-    with tqdm(desc=f"scan {part}/{parts}", unit="utt", disable=None) as bar:
-        for item in share(corpus, part, parts, sample_rate, stamps):
-            if isinstance(item, Rejection):
-                rejections.append([item.source, item.reason])
-                continue
-            batch.append(item)
-            if len(batch) >= _BATCH:
-                settle(batch)
-        settle(batch)
+    """Scan part ``part`` of ``parts`` into ``folder`` as ``pieces`` pieces, one per worker
+    of ``run``: each reads its own inputs' transcripts and audio headers (headers only where
+    the manifest gives no length)."""
+    temp = temp_path(folder)
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    jobs = [
+        (corpus, temp / f"piece-{j}", Slice(part, parts, j, pieces), sample_rate)
+        for j in range(pieces)
+    ]
+    stamps = list(run(_scan_piece_job, jobs))
+    if any(s != stamps[0] for s in stamps):
+        raise UserError(f"--src {corpus.root} changed while it was scanned; run the build again")
+    (temp / "stamps.json").write_text(json.dumps(stamps[0]))  # \u escapes keep lone surrogates
     meta = {
         "version": SCAN_VERSION,
         "corpus": [corpus.kind, corpus.root, corpus.listing],
         "sample_rate": sample_rate,
         "part": part,
         "parts": parts,
+        "pieces": pieces,
         "scan_id": uuid.uuid4().hex,  # a rescan of any part makes the plan again
-        "listing": stamps_digest(stamps),
+        "listing": stamps_digest(stamps[0]),
     }
-    _save(folder, columns, sources, ends, meta, {"stamps": stamps, "rejections": rejections})
-
-
-def _resolve(item: Found, corpus: Corpus, sample_rate: int) -> tuple[int, int] | str:
-    """``(samples, content hash)`` of an input, reading its transcript file and audio header
-    as needed (in a worker), or the reason it is rejected."""
-    text = item.text
-    if text is None:
-        try:
-            text = read_transcript_file(transcript_path(corpus, item.source, item.locator))
-        except ValueError as exc:
-            return str(exc)
-        problem = text_problem(item.source, text, item.speaker)
-        if problem is not None:
-            return problem
-        text = clean_text(text)
-    samples = item.samples
-    if samples is None:
-        try:
-            count, rate = probe(corpus.audio_path(item.source))
-        except AudioError as exc:
-            return str(exc)
-        samples = resampled_length(count, rate, sample_rate)
-    return samples, content_hash(item.source, text, item.speaker)
-
-
-def _needs_worker(item: Found) -> bool:
-    return item.text is None or item.samples is None
-
-
-def _save(
-    folder: Path,
-    columns: dict[str, array],
-    sources: bytearray,
-    ends: array,
-    meta: dict[str, Any],
-    lists: dict[str, list],
-) -> None:
-    """Write the columns under a temporary name, then rename: a scan is whole or absent."""
-    temp = temp_path(folder)
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir(parents=True)
-    for name, column in columns.items():
-        np.save(temp / f"{name}.npy", np.frombuffer(column, column.typecode))
-    np.save(temp / "source.npy", np.frombuffer(sources, np.uint8))
-    np.save(temp / "source_end.npy", np.frombuffer(ends, np.int64))
-    for name, items in lists.items():
-        (temp / f"{name}.json").write_text(json.dumps(items))  # \u escapes keep lone surrogates
     (temp / "meta.json").write_text(json.dumps(meta))
     try:
         os.rename(temp, folder)
@@ -191,12 +127,75 @@ def _save(
         shutil.rmtree(temp, ignore_errors=True)
 
 
-class ScanPart:
-    """One part's scan, memory-mapped: its columns are paged in as they are used."""
+def _scan_piece_job(job: tuple[Corpus, Path, Slice, int]) -> list[tuple[str, int, int]]:
+    return scan_piece(*job)
+
+
+def scan_piece(
+    corpus: Corpus, folder: Path, taken: Slice, sample_rate: int
+) -> list[tuple[str, int, int]]:
+    """Scan one slice of the corpus into ``folder``; return the listing stamps it saw."""
+    columns = {name: array(code) for name, code in _COLUMNS.items()}
+    ordinals, lengths, locators, contents, keys = columns.values()
+    sources, ends = bytearray(), array("q")
+    rejections: list[list[str]] = []
+    stamps: list[tuple[str, int, int]] = []
+    shown = taken.piece == 0  # the pieces are interleaved, so one bar shows them all
+    label = f"scan {taken.part}/{taken.parts}" + (
+        f" (1 of {taken.pieces} pieces)" if taken.pieces > 1 else ""
+    )
+    with tqdm(desc=label, unit="utt", disable=None if shown else True) as bar:
+        for item in share(corpus, taken, sample_rate, stamps):
+            result = (
+                item.reason if isinstance(item, Rejection) else _resolve(item, corpus, sample_rate)
+            )
+            if isinstance(result, str):
+                rejections.append([item.source, result])
+            else:
+                ordinals.append(item.ordinal)
+                lengths.append(result[0])
+                locators.append(item.locator)  # type: ignore[union-attr]
+                contents.append(result[1])
+                keys.append(key_hash(key_base(item.source)))
+                sources.extend(item.source.encode())
+                ends.append(len(sources))
+            bar.update()
+    folder.mkdir()
+    for name, column in columns.items():
+        np.save(folder / f"{name}.npy", np.frombuffer(column, column.typecode))
+    np.save(folder / "source.npy", np.frombuffer(sources, np.uint8))
+    np.save(folder / "source_end.npy", np.frombuffer(ends, np.int64))
+    (folder / "rejections.json").write_text(json.dumps(rejections))  # \u escapes: surrogates
+    return stamps
+
+
+def _resolve(item: Found, corpus: Corpus, sample_rate: int) -> tuple[int, int] | str:
+    """``(samples, content hash)`` of an input, reading its transcript file and audio header
+    as needed (in a worker), or the reason it is rejected."""
+    content = item.content
+    if content is None:
+        try:
+            text = read_transcript_file(transcript_path(corpus, item.source, item.locator))
+        except ValueError as exc:
+            return str(exc)
+        content = utterance_hash(item.source, text, item.speaker)
+        if isinstance(content, str):
+            return content
+    samples = item.samples
+    if samples is None:
+        try:
+            count, rate = probe(corpus.audio_path(item.source))
+        except AudioError as exc:
+            return str(exc)
+        samples = resampled_length(count, rate, sample_rate)
+    return samples, content
+
+
+class ScanPiece:
+    """One piece of a part's scan, memory-mapped: its columns are paged in as they are used."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.meta: dict[str, Any] = json.loads((folder / "meta.json").read_text())
         load = functools.partial(np.load, mmap_mode="r", allow_pickle=False)
         self.columns = {name: load(folder / f"{name}.npy") for name in _COLUMNS}
         self.source_bytes = load(folder / "source.npy")
@@ -206,7 +205,7 @@ class ScanPart:
         return len(self.columns["ordinal"])
 
     def source(self, local: int) -> str:
-        """The source path of this part's ``local``-th utterance."""
+        """The source path of this piece's ``local``-th utterance."""
         start = int(self.source_ends[local - 1]) if local else 0
         return bytes(self.source_bytes[start : int(self.source_ends[local])]).decode()
 
@@ -215,32 +214,36 @@ class Scan:
     """Every part's scan of one corpus, looked up by ordinal."""
 
     def __init__(self, folder: Path, parts: int) -> None:
-        self.parts = [ScanPart(folder / f"part-{k}") for k in range(parts)]
+        self.metas = [scan_meta(folder / f"part-{k}") or {} for k in range(parts)]
+        self.parts = [
+            [ScanPiece(folder / f"part-{k}" / f"piece-{j}") for j in range(meta["pieces"])]
+            for k, meta in enumerate(self.metas)
+        ]
+        self.pieces = [piece for part in self.parts for piece in part]
 
     def __len__(self) -> int:
-        return sum(len(p) for p in self.parts)
+        return sum(len(p) for p in self.pieces)
 
     def has_inputs(self) -> bool:
         """Whether any part found an utterance or a rejection at all."""
-        return len(self) > 0 or any(
-            (p.folder / "rejections.json").read_text().strip() != "[]" for p in self.parts
-        )
+        return len(self) > 0 or next(self.rejections(), None) is not None
 
     def column(self, name: str) -> np.ndarray:
-        """A numeric column of every part, in ordinal order."""
-        merged = np.concatenate([p.columns[name] for p in self.parts])
-        if len(self.parts) == 1:
+        """A numeric column of every piece, in ordinal order."""
+        merged = np.concatenate([p.columns[name] for p in self.pieces])
+        if len(self.pieces) == 1:
             return merged
-        order = np.argsort(np.concatenate([p.columns["ordinal"] for p in self.parts]))
+        order = np.argsort(np.concatenate([p.columns["ordinal"] for p in self.pieces]))
         return merged[order]
 
-    def locate(self, ordinal: int) -> tuple[ScanPart, int]:
-        """The part holding an utterance, and its place there."""
+    def locate(self, ordinal: int) -> tuple[ScanPiece, int]:
+        """The piece holding an utterance (as :class:`Slice` deals them), and its place there."""
         part = self.parts[ordinal % len(self.parts)]
-        return part, int(np.searchsorted(part.columns["ordinal"], ordinal))
+        piece = part[(ordinal // len(self.parts)) % len(part)]
+        return piece, int(np.searchsorted(piece.columns["ordinal"], ordinal))
 
     def rejections(self) -> Iterator[Rejection]:
-        """What every part rejected while scanning."""
-        for part in self.parts:
-            for source, reason in json.loads((part.folder / "rejections.json").read_text()):
+        """What every piece rejected while scanning."""
+        for piece in self.pieces:
+            for source, reason in json.loads((piece.folder / "rejections.json").read_text()):
                 yield Rejection(source, reason)

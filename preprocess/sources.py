@@ -37,6 +37,8 @@ from preprocess.audio import AUDIO_EXTENSIONS
 
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
 Stamp = tuple[str, int, int]  # a listing's path relative to the corpus, mtime_ns, size
+# A relative path with no empty, "." or ".." component: what normpath would leave as it is.
+_PLAIN_PATH = re.compile(r"(?!/)(?:(?!\.\.?(?:/|$))[^/]+/)*(?!\.\.?$)[^/]+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +56,36 @@ class Corpus:
         return os.path.join(self.root, source)
 
 
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """Which inputs a scan takes: part ``part`` of ``parts`` (the inputs whose ordinal is
+    ``part`` modulo ``parts``), and of those, piece ``piece`` of ``pieces`` (one per worker
+    process of that part)."""
+
+    part: int
+    parts: int
+    piece: int = 0
+    pieces: int = 1
+
+    def holds(self, ordinal: int) -> bool:
+        """Whether the input numbered ``ordinal`` is in this slice."""
+        return (
+            ordinal % self.parts == self.part
+            and (ordinal // self.parts) % self.pieces == self.piece
+        )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)  # one per input while scanning: no __dict__
 class Found:
     """An input of this part's share that names an audio file. ``locator`` says where its
-    transcript is (a suffix number, or its line's byte offset); ``text`` is ``None`` when a
-    worker reads it from a transcript file; ``samples`` (at the target rate) is ``None`` when
-    a worker reads the audio header."""
+    transcript is (a suffix number, or its line's byte offset); ``content`` (the hash of its
+    text, :func:`utterance_hash`) is ``None`` when a worker reads a transcript file;
+    ``samples`` (at the target rate) is ``None`` when a worker reads the audio header."""
 
     ordinal: int
     source: str
     locator: int
-    text: str | None
+    content: int | None
     speaker: str | None
     samples: int | None
 
@@ -94,18 +115,18 @@ def open_corpus(src: Path, out: Path) -> Corpus:
 
 
 def share(
-    corpus: Corpus, part: int, parts: int, sample_rate: int, stamps: list[Stamp]
+    corpus: Corpus, taken: Slice, sample_rate: int, stamps: list[Stamp]
 ) -> Iterator[Found | Rejection]:
-    """The inputs of part ``part`` of ``parts``, in ordinal order; ``stamps`` receives what
-    tells later whether the corpus listing changed (every folder walked, or the listing)."""
+    """The inputs of a slice of the corpus, in ordinal order; ``stamps`` receives what tells
+    later whether the corpus listing changed (every folder walked, or the listing)."""
     if corpus.kind == "folder":
-        return _folder_share(corpus, part, parts, stamps)
+        return _folder_share(corpus, taken, stamps)
     assert corpus.listing is not None  # internal invariant: open_corpus sets it
     stamps.append(_stamp(corpus.root, os.path.relpath(corpus.listing, corpus.root)))
     if corpus.kind == "ljspeech":
         stamps.append(_stamp(corpus.root, "wavs"))
-        return _ljspeech_share(corpus, part, parts)
-    return _manifest_share(corpus, part, parts, sample_rate)
+        return _ljspeech_share(corpus, taken)
+    return _manifest_share(corpus, taken, sample_rate)
 
 
 def unchanged(corpus: Corpus, stamps: list[Stamp]) -> bool:
@@ -123,9 +144,7 @@ def _stamp(root: str, rel: str) -> Stamp:
 
 
 # ---- folder ----------------------------------------------------------------------------------
-def _folder_share(
-    corpus: Corpus, part: int, parts: int, stamps: list[Stamp]
-) -> Iterator[Found | Rejection]:
+def _folder_share(corpus: Corpus, taken: Slice, stamps: list[Stamp]) -> Iterator[Found | Rejection]:
     # Strings and one listing per folder rather than pathlib and a stat per candidate
     # transcript: 2.5–3× faster per file, which matters at tens of millions of files.
     ordinal = -1
@@ -135,7 +154,7 @@ def _folder_share(
         if problem is None and extension.lower() not in AUDIO_EXTENSIONS:
             continue
         ordinal += 1
-        if ordinal % parts != part:
+        if not taken.holds(ordinal):
             continue
         if problem is not None:
             yield Rejection(source, problem)
@@ -215,20 +234,20 @@ def transcript_path(corpus: Corpus, source: str, suffix: int) -> str:
 
 
 # ---- listings: metadata.csv and the manifest ---------------------------------------------
-def _lines(path: str, part: int, parts: int) -> Iterator[tuple[int, int, bytes]]:
-    """``(line number, byte offset, bytes)`` of the lines of this part's share."""
+def _lines(path: str, taken: Slice) -> Iterator[tuple[int, int, bytes]]:
+    """``(line number, byte offset, bytes)`` of the lines in a slice."""
     offset = 0
     try:
         with open(path, "rb") as file:
             for number, raw in enumerate(file, start=1):
-                if number % parts == part:
+                if taken.holds(number):
                     yield number, offset, raw
                 offset += len(raw)
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror}") from None
 
 
-def _ljspeech_share(corpus: Corpus, part: int, parts: int) -> Iterator[Found | Rejection]:
+def _ljspeech_share(corpus: Corpus, taken: Slice) -> Iterator[Found | Rejection]:
     wavs = os.path.join(corpus.root, "wavs")
     try:
         present = {e.name for e in os.scandir(wavs) if e.is_file()}
@@ -237,7 +256,7 @@ def _ljspeech_share(corpus: Corpus, part: int, parts: int) -> Iterator[Found | R
     except OSError as exc:
         raise UserError(f"cannot list {wavs}: {exc.strerror}") from None
     assert corpus.listing is not None
-    for number, offset, raw in _lines(corpus.listing, part, parts):
+    for number, offset, raw in _lines(corpus.listing, taken):
         where = f"metadata.csv:{number}"
         try:
             uid, text = parse_metadata_row(raw, number)
@@ -271,12 +290,10 @@ def parse_metadata_row(raw: bytes, number: int) -> tuple[str | None, str]:
     return uid, fields[2] if len(fields) == 3 and fields[2].strip() else fields[1]
 
 
-def _manifest_share(
-    corpus: Corpus, part: int, parts: int, sample_rate: int
-) -> Iterator[Found | Rejection]:
+def _manifest_share(corpus: Corpus, taken: Slice, sample_rate: int) -> Iterator[Found | Rejection]:
     assert corpus.listing is not None
     name = os.path.basename(corpus.listing)
-    for number, offset, raw in _lines(corpus.listing, part, parts):
+    for number, offset, raw in _lines(corpus.listing, taken):
         if not raw.strip():
             continue
         try:
@@ -306,16 +323,19 @@ def parse_manifest_line(
     if not isinstance(entry, dict) or not isinstance(entry.get("audio_filepath"), str):
         raise ValueError("manifest line has no audio_filepath string")
     listed = entry["audio_filepath"]
-    # Lexically, not resolved: a symlink inside the folder is the corpus's own business.
-    audio = os.path.normpath(os.path.join(root, listed))
-    if not audio.startswith(root + os.sep):
-        raise LookupError(listed, "audio path is outside the manifest's folder")
+    if _PLAIN_PATH.match(listed):  # already relative and normal: most rows of a large manifest
+        source = listed
+    else:  # lexically, not resolved: a symlink inside is the corpus's own business
+        audio = os.path.normpath(os.path.join(root, listed))
+        if not audio.startswith(root + os.sep):
+            raise LookupError(listed, "audio path is outside the manifest's folder")
+        source = audio[len(root) + 1 :]
     samples = _listed_samples(entry, sample_rate)
     if isinstance(samples, str):
         raise LookupError(listed, samples)
     text, speaker = entry.get("text"), entry.get("speaker")
     return (
-        audio[len(root) + 1 :],
+        source,
         text if isinstance(text, str) else None,
         None if speaker is None else str(speaker),
         samples,
@@ -347,10 +367,10 @@ def _found(
     speaker: str | None,
     samples: int | None,
 ) -> Found | Rejection:
-    problem = text_problem(source, text, speaker)
-    if problem is not None:
-        return Rejection(source, problem)
-    return Found(ordinal, source, locator, clean_text(text or ""), speaker, samples)
+    content = utterance_hash(source, text, speaker)
+    if isinstance(content, str):
+        return Rejection(source, content)
+    return Found(ordinal, source, locator, content, speaker, samples)
 
 
 def clean_text(text: str) -> str:
@@ -358,23 +378,27 @@ def clean_text(text: str) -> str:
     return " ".join(text.split())
 
 
-def text_problem(source: str, text: str | None, speaker: str | None) -> str | None:
-    """Why a source name, transcript or speaker cannot be stored, or ``None``."""
+def utterance_hash(source: str, text: str | None, speaker: str | None) -> int | str:
+    """A 64-bit digest of what a sample stores besides its audio (source, cleaned text,
+    speaker), or the reason they cannot be stored: equal hashes, equal metadata."""
+    if text is not None and (text := clean_text(text)):
+        try:
+            data = "\0".join((source, text, speaker if speaker is not None else "\1")).encode()
+            return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+        except UnicodeEncodeError:  # JSON can escape a lone surrogate that UTF-8 cannot hold
+            pass
     if not is_unicode(source):  # a byte that is not UTF-8 in a name (old Latin-1 archives)
         return "file name is not valid UTF-8"
     if text is None:
         return "manifest text is missing or not a string"
-    if not text.split():
+    if not text:
         return "empty transcript"
-    for field, value in (("transcript", text), ("speaker", speaker or "")):
-        if not is_unicode(value):  # JSON can escape a lone surrogate that UTF-8 cannot hold
-            return f"{field} is not valid Unicode (a lone surrogate)"
-    return None
+    return f"{'transcript' if not is_unicode(text) else 'speaker'} is not valid Unicode (a lone surrogate)"
 
 
-def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str, str | None]:
-    """``(text, speaker)`` of an utterance, read again from the corpus when it is written;
-    :class:`ValueError` when it can no longer be read as the scan read it."""
+def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str | None, str | None]:
+    """``(text, speaker)`` of an utterance, read again from the corpus when it is written
+    (check them with :func:`utterance_hash`); :class:`ValueError` when unreadable."""
     if corpus.kind == "folder":
         text = read_transcript_file(transcript_path(corpus, source, locator))
         speaker = os.path.dirname(source) or None
@@ -390,17 +414,8 @@ def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str, str
                 _, listed, speaker, _ = parse_manifest_line(raw, corpus.root, 1)
             except LookupError as exc:
                 raise ValueError(exc.args[1]) from None
-            text = listed or ""
-    problem = text_problem(source, text, speaker)
-    if problem is not None:
-        raise ValueError(problem)
-    return clean_text(text), speaker
-
-
-def content_hash(source: str, text: str, speaker: str | None) -> int:
-    """A 64-bit digest of what a sample stores besides its audio: equal hashes, equal text."""
-    data = "\0".join((source, text, speaker if speaker is not None else "\1")).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+            text = listed
+    return text, speaker
 
 
 def key_base(source: str) -> str:
