@@ -9,8 +9,8 @@ manifest. For each size a fresh process runs ``build --dry-run`` (scan + plan, n
 decoded) into a fresh OUT and reports its scan and plan seconds and peak RSS; then the
 growth per utterance between sizes, so fixed costs (imports, torch) cancel; then the largest
 size ≤ 1M scanned by 2 parts at once against 1 part on the same cores. The peak RSS is the
-planning process's; ``worker_peak_rss_mb`` the largest scanning worker's. One JSON line per
-row.
+planning process's (the scanning workers hold only their own piece's columns). One JSON
+line per row.
 """
 
 from __future__ import annotations
@@ -108,9 +108,6 @@ def child(manifest: Path, out: Path, part: str, workers: int) -> None:
                 "wall_s": round(wall, 3),
                 "peak_rss_mb": round(peak / 1024, 1),
                 "rss_before_mb": round(before / 1024, 1),
-                "worker_peak_rss_mb": round(
-                    resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1
-                ),
             }
         )
     )

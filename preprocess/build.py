@@ -188,7 +188,9 @@ def _finish(
             remaining,
         )
         return Outcome(remaining=remaining)
-    sweep_temps(options.out)  # every shard is complete: what is left was killed mid-write
+    # Every shard is complete: temporary files and scan folders left are of killed writers.
+    sweep_temps(options.out)
+    sweep_temps(scan_folder(options.out / RECEIPTS, options.part[1]))
     rejections = [*scan.rejections(), *length_rejections(plan, scan, config, features.sample_rate)]
     index = finish_cache(
         options.out,
