@@ -1,13 +1,15 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick]
+    python -m benchmarks.results [--quick] [--only results|scale]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
 against a naive librosa loop), ``benchmarks.loader_bench`` (streaming loader against
 on-the-fly extraction) and ``benchmarks/trainer_bench.py`` (trainer overhead and data wait),
 collects the JSON lines they print, and replaces the README section between
 ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
-command and the machine. Nothing in the table is typed by hand.
+command and the machine; ``benchmarks.scale_bench`` (planning time and memory per
+utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way. Nothing in
+the tables is typed by hand.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
 def run_json(command: list[str]) -> list[dict[str, Any]]:
@@ -105,6 +106,44 @@ def table(quick: bool) -> str:
     return "\n".join(lines)
 
 
+def scale_table(quick: bool) -> str:
+    """Run the planning benchmark and render its rows as markdown."""
+    sizes = ["20000", "50000", "200000"] if quick else ["100000", "250000", "1000000", "3000000"]
+    command = [sys.executable, "-m", "benchmarks.scale_bench", "--sizes", *sizes]
+    rows = run_json(command)
+    runs = [r for r in rows if r["row"] == "dry run"]
+    growth = [r for r in rows if r["row"] == "growth"]
+    parts = next(r for r in rows if r["row"] == "parts")
+    lines = [
+        f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results --only scale`"
+        f" (`{_cmd(command)}`): `build --dry-run --workers 2` of a JSONL manifest whose rows "
+        "carry `duration`.",
+        "",
+        "| utterances | scan s | plan s | peak RSS of the planning process |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['utterances']:,} | {r['scan_s']} | {r['plan_s']} | {r['peak_rss_mb']} MB |"
+            for r in runs
+        ),
+        "",
+        "| growth | bytes per utterance | µs per utterance (scan + plan) |",
+        "|---|---|---|",
+        *(
+            f"| {g['from']:,} → {g['to']:,} | {g['bytes_per_utt']} | {g['us_per_utt']} |"
+            for g in growth
+        ),
+        "",
+        f"The same {parts['utterances']:,} rows on the same 2 cores: 1 part of 1 worker "
+        f"{parts['one_part_one_worker_wall_s']} s, 1 part of 2 workers "
+        f"{parts['one_part_2_workers_wall_s']} s, 2 parts of 1 worker at once "
+        f"{parts['two_parts_wall_s']} s (each scanning half: {parts['two_parts_scan_s']} s).",
+    ]
+    return "\n".join(lines)
+
+
+SECTIONS = {"results": table, "scale": scale_table}
+
+
 def _cmd(command: list[str]) -> str:
     return " ".join(["python", *command[1:]])
 
@@ -116,17 +155,27 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="small corpora (a check, not numbers to publish)"
     )
-    args = parser.parse_args()
-    rendered = table(args.quick)
-    readme = REPO / "README.md"
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no {BEGIN} … {END} section")
-    text = re.sub(
-        re.escape(BEGIN) + ".*?" + re.escape(END), f"{BEGIN}\n{rendered}\n{END}", text, flags=re.S
+    parser.add_argument(
+        "--only", choices=sorted(SECTIONS), help="refresh one section of the README only"
     )
-    readme.write_text(text)
-    print(rendered)
+    args = parser.parse_args()
+    readme = REPO / "README.md"
+    for name, render in SECTIONS.items():
+        if args.only not in (None, name):
+            continue
+        rendered = render(args.quick)
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        text = readme.read_text()
+        if begin not in text or end not in text:
+            raise SystemExit(f"README.md has no {begin} … {end} section")
+        text = re.sub(
+            re.escape(begin) + ".*?" + re.escape(end),
+            f"{begin}\n{rendered}\n{end}",
+            text,
+            flags=re.S,
+        )
+        readme.write_text(text)
+        print(rendered)
 
 
 if __name__ == "__main__":

@@ -58,3 +58,20 @@ def test_loader_bench_prints_baseline_and_both_melcache_rows(tmp_path: Path) -> 
         assert ours["loader"] == "melcache" and ours["samples_per_s"] > 0
         assert 0 <= ours["padding_fraction"] < base["padding_fraction"]
         assert set(ours["resume_first_batch_s"]) == {"1%", "90%"}
+
+
+@pytest.mark.slow
+def test_scale_bench_prints_runs_growth_and_parts(tmp_path: Path) -> None:
+    rows = bench_rows("scale_bench", tmp_path / "data", "--sizes", "300", "900")
+    runs = [r for r in rows if r["row"] == "dry run"]
+    assert [r["utterances"] for r in runs] == [300, 900]
+    assert all(r["scan_s"] > 0 and r["plan_s"] > 0 and r["peak_rss_mb"] > 0 for r in runs)
+    (growth,) = [r for r in rows if r["row"] == "growth"]
+    assert (growth["from"], growth["to"]) == (300, 900) and "bytes_per_utt" in growth
+    (parts,) = [r for r in rows if r["row"] == "parts"]
+    assert parts["utterances"] == 900 and len(parts["two_parts_scan_s"]) == 2
+    manifest = (tmp_path / "data" / "manifest-900.jsonl").read_text().splitlines()
+    assert (
+        len(manifest) == 900
+        and (tmp_path / "data" / json.loads(manifest[-1])["audio_filepath"]).is_file()
+    )
