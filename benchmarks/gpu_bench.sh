@@ -1,5 +1,12 @@
 #!/usr/bin/env bash
-# The GPU training benchmark (see benchmarks/gpu_bench.py), from any directory: relative
-# paths in the arguments stay relative to where it is run.
+# The whole GPU check in one command, from any directory: the training benchmark
+# (benchmarks/gpu_bench.py) sized to finish in about five minutes on one GPU, its rows kept in
+# benchmarks/gpu_results.jsonl, and the README's GPU table rendered from them. Arguments are
+# passed on to gpu_bench and override these defaults; relative paths stay relative to where
+# it is run.
+set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m benchmarks.gpu_bench "$@"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+python3 -m benchmarks.gpu_bench --minutes 20 --steps 30 --warmup 10 \
+    --json "$repo/benchmarks/gpu_results.jsonl" "$@"
+cd "$repo" && python3 -m benchmarks.results --only gpu

@@ -1,6 +1,6 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|scale]
+    python -m benchmarks.results [--quick] [--only results|scale|gpu]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
 against a naive librosa loop), ``benchmarks.loader_bench`` (streaming loader against
@@ -8,8 +8,9 @@ on-the-fly extraction) and ``benchmarks/trainer_bench.py`` (trainer overhead and
 collects the JSON lines they print, and replaces the README section between
 ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
 command and the machine; ``benchmarks.scale_bench`` (planning time and memory per
-utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way. Nothing in
-the tables is typed by hand.
+utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way, and the rows
+``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
+fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
 """
 
 from __future__ import annotations
@@ -141,7 +142,26 @@ def scale_table(quick: bool) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = {"results": table, "scale": scale_table}
+GPU_RESULTS = REPO / "benchmarks" / "gpu_results.jsonl"
+
+
+def gpu_table(quick: bool) -> str:
+    """The rows ``bash benchmarks/gpu_bench.sh`` left in ``GPU_RESULTS``, as markdown; it is
+    run on a GPU machine, not from here."""
+    if not GPU_RESULTS.exists():
+        return "Not measured yet: no GPU has been lent to this project. `bash benchmarks/gpu_bench.sh` fills this in."
+    from benchmarks.gpu_bench import markdown_table
+
+    rows = [json.loads(line) for line in GPU_RESULTS.read_text().splitlines() if line.strip()]
+    stamp = datetime.date.fromtimestamp(GPU_RESULTS.stat().st_mtime)
+    return (
+        f"Measured {stamp} by `bash benchmarks/gpu_bench.sh` ({rows[0]['model']} model on "
+        f"{rows[0]['device']}; table from `benchmarks/{GPU_RESULTS.name}`), rendered on {machine()}.\n\n"
+        + markdown_table(rows)
+    )
+
+
+SECTIONS = {"results": table, "scale": scale_table, "gpu": gpu_table}
 
 
 def _cmd(command: list[str]) -> str:

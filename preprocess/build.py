@@ -90,7 +90,10 @@ def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -
     state.mkdir(parents=True, exist_ok=True)
     meeting = Meeting(*options.part)
     try:
-        with running_build(state), ordered_map(options.workers, _init_worker, (features,)) as run:
+        with (
+            running_build(state, options.part),
+            ordered_map(options.workers, _init_worker, (features,)) as run,
+        ):
             prepared = _scan_and_plan(corpus, options, features, config, run, meeting)
             if prepared is None or options.dry_run:
                 return Outcome(plan=prepared and prepared[1], scan=prepared and prepared[0])

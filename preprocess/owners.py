@@ -40,9 +40,10 @@ def _alive(host: str, pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_build(folder: Path) -> Iterator[None]:
-    """Mark this build as running in ``folder`` (``OUT/.build``) while the block runs, and warn
-    about each other build marked there that is still running."""
+def running_build(folder: Path, part: tuple[int, int]) -> Iterator[None]:
+    """Mark this build (part K of N) as running in ``folder`` (``OUT/.build``) while the
+    block runs, and warn about each other build of the same part marked there that is still
+    running (other parts are expected)."""
     for marker in sorted(folder.glob(MARKER_PREFIX + "*")):
         try:
             other = json.loads(marker.read_text())
@@ -51,6 +52,8 @@ def running_build(folder: Path) -> Iterator[None]:
             continue  # half written by a build starting right now, or foreign: not ours to judge
         if not _alive(host, pid):
             marker.unlink(missing_ok=True)  # left by a killed build
+            continue
+        if other.get("part", [0, 1]) != list(part):
             continue
         log.warning(
             "another build is writing %s: pid %d on host %s, since %s; both end with the same "
@@ -62,7 +65,13 @@ def running_build(folder: Path) -> Iterator[None]:
         )
     marker = folder / f"{MARKER_PREFIX}{HOST_TAG}-{os.getpid()}"
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    info = {"host": socket.gethostname(), "tag": HOST_TAG, "pid": os.getpid(), "started": started}
+    info = {
+        "host": socket.gethostname(),
+        "tag": HOST_TAG,
+        "pid": os.getpid(),
+        "started": started,
+        "part": list(part),
+    }
     marker.write_text(json.dumps(info))
     try:
         yield

@@ -57,7 +57,7 @@ from melcache.format import (
     iter_members,
 )
 from preprocess.audio import resampled_length
-from preprocess.sources import Found, open_corpus, share
+from preprocess.sources import Found, Slice, open_corpus, share
 from preprocess.verify import verify
 
 pytestmark = pytest.mark.slow  # builds in subprocesses, kills, a tiny disk: the full tier
@@ -310,7 +310,7 @@ def test_ljspeech_id_cannot_reach_outside_the_corpus(tmp_path: Path) -> None:
     shutil.copy(SPEECH, lj / "wavs" / "LJ-1.wav")
     shutil.copy(SPEECH, tmp_path / "secret.wav")
     (lj / "metadata.csv").write_text("LJ-1|inside\n../../secret|outside\n")
-    found = list(share(open_corpus(lj, tmp_path / "out"), 0, 1, 24000, []))
+    found = list(share(open_corpus(lj, tmp_path / "out"), Slice(0, 1), 24000, []))
     assert [f.source for f in found if isinstance(f, Found)] == ["wavs/LJ-1.wav"]
     rejections = [f for f in found if not isinstance(f, Found)]
     assert len(rejections) == 1 and rejections[0].reason  # the row, with a plain reason
@@ -383,7 +383,7 @@ UNPRIVILEGED_PROBE = """
 import json, sys
 from pathlib import Path
 from preprocess.audio import AudioError, probe
-from preprocess.sources import open_corpus, share
+from preprocess.sources import Slice, open_corpus, share
 from melcache.errors import UserError
 found = {}
 for path in sys.argv[1:3]:
@@ -392,7 +392,7 @@ for path in sys.argv[1:3]:
     except AudioError as exc:
         found[path] = str(exc)
 try:
-    list(share(open_corpus(Path(sys.argv[3]), Path("out")), 0, 1, 24000, []))
+    list(share(open_corpus(Path(sys.argv[3]), Path("out")), Slice(0, 1), 24000, []))
     found["discover"] = "no error"
 except UserError as exc:
     found["discover"] = f"UserError: {exc}"

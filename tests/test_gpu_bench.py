@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import results
 from benchmarks.gpu_bench import DEFAULT_ROWS, PadToBatch, UtilSampler, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_cpu_run_prints_every_row(tmp_path: Path) -> None:
+def test_cpu_run_prints_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rows_file = tmp_path / "rows.jsonl"
     command = [sys.executable, "-m", "benchmarks.gpu_bench", "--device", "cpu"]
     command += ["--model", "tiny", "--steps", "2", "--warmup", "1", "--minutes", "0.3"]
@@ -46,6 +47,11 @@ def test_cpu_run_prints_every_row(tmp_path: Path) -> None:
     # activations change the cost, never the result (same batches, seeds and dropout masks).
     assert rows[3]["loss"] == pytest.approx(rows[4]["loss"], rel=1e-3)
     assert rows[5]["loss"] == pytest.approx(rows[4]["loss"], rel=1e-3)
+    # The README's GPU section is rendered from the rows file, the same table.
+    monkeypatch.setattr(results, "GPU_RESULTS", rows_file)
+    rendered = results.gpu_table(quick=False).splitlines()
+    assert "tiny model on cpu" in rendered[0]
+    assert [line for line in rendered if line.startswith("| ")] == table
 
 
 def test_baseline_batch_matches_the_cache_layout() -> None:
