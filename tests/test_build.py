@@ -20,7 +20,7 @@ from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
-from preprocess import build
+from preprocess import writer
 from preprocess.config import BuildConfig
 from preprocess.plan import PlannedShard, PlannedUtterance
 from preprocess.sources import Corpus
@@ -229,15 +229,15 @@ def test_user_errors_are_one_line_exit_2(tmp_path: Path) -> None:
 def test_a_failed_shard_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
     """Whatever goes wrong while a shard is written, its temporary file goes with it."""
 
-    def explode(writer, *args) -> None:
-        writer.write({"__key__": "half", "json": b"{}"})  # some bytes are on disk by now
+    def explode(tar, *args) -> None:
+        tar.write({"__key__": "half", "json": b"{}"})  # some bytes are on disk by now
         raise RuntimeError("a bug, not a full disk")
 
-    monkeypatch.setattr(build, "_write_utterance", explode)
+    monkeypatch.setattr(writer, "_write_utterance", explode)
     utterance = PlannedUtterance("k", "zh_01.wav", 1, 16000, 0)
     shard = PlannedShard("b00-000000.tar", 0, 0, (utterance,))
     corpus = Corpus("folder", str(SAMPLE_CORPUS / "zh"))
-    (tmp_path / build.RECEIPTS).mkdir()
+    (tmp_path / writer.RECEIPTS).mkdir()
     with pytest.raises(RuntimeError, match="a bug"):
-        build.build_shard(shard, corpus, tmp_path, FeatureConfig(), BuildConfig(), False, "digest")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [build.RECEIPTS]
+        writer.build_shard(shard, corpus, tmp_path, FeatureConfig(), BuildConfig(), False, "digest")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [writer.RECEIPTS]
