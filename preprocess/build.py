@@ -28,6 +28,7 @@ from melcache.format import (
 )
 from preprocess.config import BuildConfig
 from preprocess.finish import finish_cache
+from preprocess.inputs import Corpus
 from preprocess.owners import running_build, sweep_temps
 from preprocess.parallel import Runner, ordered_map
 from preprocess.parts import Meeting
@@ -40,7 +41,7 @@ from preprocess.plan import (
     save_plan,
 )
 from preprocess.scan import Scan, part_folder, scan_folder, scan_is_current, scan_meta, scan_part
-from preprocess.sources import Corpus, open_corpus
+from preprocess.sources import open_corpus
 from preprocess.writer import (
     RECEIPTS,
     build_shard_job,

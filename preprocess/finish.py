@@ -14,8 +14,8 @@ from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, REJECTED_NAME, STATS_NAME, write_atomic
 from melcache.index import write_index, write_stats
 from preprocess.config import BuildConfig
+from preprocess.inputs import Rejection, printable
 from preprocess.plan import Plan
-from preprocess.sources import Rejection, printable
 
 
 def finish_cache(

@@ -24,8 +24,8 @@ import numpy as np
 from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, shard_name, temp_path
 from preprocess.config import BuildConfig
+from preprocess.inputs import Rejection, key_base, key_hash
 from preprocess.scan import Scan
-from preprocess.sources import Rejection, key_base, key_hash
 
 # Per-sample bytes besides the mel: three 512-byte tar headers, npy header, json.
 SAMPLE_OVERHEAD_BYTES = 2048

@@ -30,20 +30,9 @@ from tqdm import tqdm
 from melcache.errors import UserError
 from melcache.format import temp_path
 from preprocess.audio import AudioError, probe, resampled_length
+from preprocess.inputs import Corpus, Found, Rejection, Slice, key_base, key_hash, utterance_hash
 from preprocess.parallel import Runner
-from preprocess.sources import (
-    Corpus,
-    Found,
-    Rejection,
-    Slice,
-    key_base,
-    key_hash,
-    read_transcript_file,
-    share,
-    transcript_path,
-    unchanged,
-    utterance_hash,
-)
+from preprocess.sources import read_transcript_file, share, transcript_path, unchanged
 
 SCAN_VERSION = 1
 _COLUMNS = {"ordinal": "q", "samples": "q", "locator": "q", "content": "Q", "key": "Q"}

@@ -25,8 +25,9 @@ from melcache.format import HashingStream, encode_sample, open_tar_writer, temp_
 from preprocess.audio import AudioError, encode_flac, load_mono
 from preprocess.config import BuildConfig
 from preprocess.features import MelExtractor
+from preprocess.inputs import Corpus, clean_text, utterance_hash
 from preprocess.plan import Plan, PlannedShard, PlannedUtterance
-from preprocess.sources import Corpus, clean_text, read_transcript, utterance_hash
+from preprocess.sources import read_transcript
 
 log = logging.getLogger(__name__)
 RECEIPTS = ".build"

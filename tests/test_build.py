@@ -22,8 +22,8 @@ from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
 from preprocess import writer
 from preprocess.config import BuildConfig
+from preprocess.inputs import Corpus
 from preprocess.plan import PlannedShard, PlannedUtterance
-from preprocess.sources import Corpus
 
 
 def read_samples(shard: Path) -> list[dict]:

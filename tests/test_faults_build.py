@@ -57,7 +57,8 @@ from melcache.format import (
     iter_members,
 )
 from preprocess.audio import resampled_length
-from preprocess.sources import Found, Slice, open_corpus, share
+from preprocess.inputs import Found, Slice
+from preprocess.sources import open_corpus, share
 from preprocess.verify import verify
 
 pytestmark = pytest.mark.slow  # builds in subprocesses, kills, a tiny disk: the full tier
@@ -383,7 +384,8 @@ UNPRIVILEGED_PROBE = """
 import json, sys
 from pathlib import Path
 from preprocess.audio import AudioError, probe
-from preprocess.sources import Slice, open_corpus, share
+from preprocess.inputs import Slice
+from preprocess.sources import open_corpus, share
 from melcache.errors import UserError
 found = {}
 for path in sys.argv[1:3]:

@@ -1,0 +1,133 @@
+"""What the build knows of a corpus's inputs before it writes them: where the corpus is, which
+slice of it a scan takes, and each input as found (an utterance or a rejection), with the
+hashes that name an utterance's metadata and key without keeping its text."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+
+from melcache.format import is_unicode
+
+Stamp = tuple[str, int, int]  # a listing's path relative to the corpus, mtime_ns, size
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Where a corpus is: its ``kind`` (folder, ljspeech, manifest, tars), the folder its
+    sources are relative to, the listing file (metadata.csv, the manifest) if it has one, the
+    archives (tars) it is packed in, and the ``--where`` selection on its metadata."""
+
+    kind: str
+    root: str
+    listing: str | None = None
+    exclude: str | None = None  # a folder inside not to search: the build's own OUT
+    archives: tuple[str, ...] = ()
+    where: str | None = None
+
+    def audio_path(self, source: str) -> str:
+        """The audio file of an utterance."""
+        return os.path.join(self.root, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """Which inputs a scan takes: part ``part`` of ``parts`` (the inputs whose ordinal is
+    ``part`` modulo ``parts``), and of those, piece ``piece`` of ``pieces`` (one per worker
+    process of that part)."""
+
+    part: int
+    parts: int
+    piece: int = 0
+    pieces: int = 1
+
+    def holds(self, ordinal: int) -> bool:
+        """Whether the input numbered ``ordinal`` is in this slice."""
+        return (
+            ordinal % self.parts == self.part
+            and (ordinal // self.parts) % self.pieces == self.piece
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)  # one per input while scanning: no __dict__
+class Found:
+    """An input of this part's share that names an audio file. ``locator`` says where its
+    transcript is (a suffix number, or its line's byte offset); ``content`` (the hash of its
+    text, :func:`utterance_hash`) is ``None`` when a worker reads a transcript file;
+    ``samples`` (at the target rate) is ``None`` when a worker reads the audio header."""
+
+    ordinal: int
+    source: str
+    locator: int
+    content: int | None
+    speaker: str | None
+    samples: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rejection:
+    """An input that will not be written, and why."""
+
+    source: str
+    reason: str
+    stage: str = "discover"
+
+
+# ---- one utterance ---------------------------------------------------------------------------
+def found(
+    ordinal: int,
+    source: str,
+    locator: int,
+    text: str | None,
+    speaker: str | None,
+    samples: int | None,
+) -> Found | Rejection:
+    content = utterance_hash(source, text, speaker)
+    if isinstance(content, str):
+        return Rejection(source, content)
+    return Found(ordinal, source, locator, content, speaker, samples)
+
+
+def clean_text(text: str) -> str:
+    """A transcript with its whitespace collapsed: what a shard stores."""
+    return " ".join(text.split())
+
+
+def utterance_hash(source: str, text: str | None, speaker: str | None) -> int | str:
+    """A 64-bit digest of what a sample stores besides its audio (source, cleaned text,
+    speaker), or the reason they cannot be stored: equal hashes, equal metadata."""
+    if text is not None and (text := clean_text(text)):
+        try:
+            data = "\0".join((source, text, speaker if speaker is not None else "\1")).encode()
+            return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+        except UnicodeEncodeError:  # JSON can escape a lone surrogate that UTF-8 cannot hold
+            pass
+    if not is_unicode(source):  # a byte that is not UTF-8 in a name (old Latin-1 archives)
+        return "file name is not valid UTF-8"
+    if text is None:
+        return "manifest text is missing or not a string"
+    if not text:
+        return "empty transcript"
+    return f"{'transcript' if not is_unicode(text) else 'speaker'} is not valid Unicode (a lone surrogate)"
+
+
+def key_base(source: str) -> str:
+    """The sample key a source would get: path separators and dots as ``_``, before the
+    ``_2``, ``_3`` that tell apart sources with one base."""
+    return re.sub(r"[^\w\-]+", "_", source.rsplit(".", 1)[0]).strip("_") or "utt"
+
+
+def key_hash(key: str) -> int:
+    """A 64-bit digest of a key, the same in every process (``hash`` is salted)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def printable(text: str) -> str:
+    """``text`` with each undecodable file-name byte as ``\\xNN`` and each lone surrogate as
+    ``\\udNNN``: what a rejection record can hold."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
