@@ -64,6 +64,7 @@ class BuildOptions:
     keep_audio: bool = False
     dry_run: bool = False
     rescan: bool = False
+    where: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Outcome:
 
 def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -> Outcome:
     """Build (or resume) this part of the cache; with ``dry_run``, scan and plan only."""
-    corpus = open_corpus(options.src, options.out)
+    corpus = open_corpus(options.src, options.out, options.where)
     state = options.out / RECEIPTS
     state.mkdir(parents=True, exist_ok=True)
     meeting = Meeting(*options.part)
@@ -197,6 +198,7 @@ def _finish(
         features,
         config,
         options.keep_audio,
+        scan.filtered,
     )
     return Outcome(index=index)
 

@@ -40,7 +40,14 @@ def _build(args: argparse.Namespace) -> int:
     features, config = load_config(args.config)
     part = choose_part(args.part)
     options = BuildOptions(
-        args.src, args.out, args.workers, part, args.keep_audio, args.dry_run, args.rescan
+        args.src,
+        args.out,
+        args.workers,
+        part,
+        args.keep_audio,
+        args.dry_run,
+        args.rescan,
+        args.where,
     )
     started = time.perf_counter()
     outcome = build(options, features, config)
@@ -50,10 +57,11 @@ def _build(args: argparse.Namespace) -> int:
         return 0
     totals = outcome.index["totals"]
     wall = time.perf_counter() - started
+    left_out = f"; {totals['filtered_out']} left out by --where" if args.where else ""
     print(
         f"{args.out}: {totals['utterances']} utterances, {totals['hours']:.3f} h in "
-        f"{totals['shards']} shards; {totals['rejected']} rejected (see {args.out}/rejected.jsonl); "
-        f"{wall:.1f} s wall, {totals['seconds'] / max(wall, 1e-9):.0f}x real time"
+        f"{totals['shards']} shards; {totals['rejected']} rejected (see {args.out}/rejected.jsonl)"
+        f"{left_out}; {wall:.1f} s wall, {totals['seconds'] / max(wall, 1e-9):.0f}x real time"
     )
     return 0
 
@@ -162,6 +170,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="scan and plan only: print utterances, hours, rejections, buckets, shards and the "
         "expected size; the scan and plan are kept, so the real build starts writing at once",
+    )
+    build.add_argument(
+        "--where",
+        metavar="EXPR",
+        help='keep only manifest rows whose fields match, e.g. \'language == "en" and '
+        "dnsmos >= 3.2' (field names, literals, == != < <= > >= in, not in, and, or, not; a "
+        "missing field compares false); the rows left out are counted, not listed",
     )
     build.add_argument(
         "--rescan",

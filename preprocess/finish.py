@@ -26,8 +26,10 @@ def finish_cache(
     features: FeatureConfig,
     config: BuildConfig,
     keep_audio: bool,
+    filtered: int,
 ) -> dict[str, Any]:
-    """Write rejected.jsonl and stats.zarr, then index.json last (atomically); return the index."""
+    """Write rejected.jsonl and stats.zarr, then index.json last (atomically); return the
+    index. ``filtered`` inputs were left out by ``--where``: counted, not listed."""
     rejected = [
         {"source": printable(r.source), "reason": printable(r.reason), "stage": r.stage}
         for r in rejections
@@ -82,6 +84,7 @@ def finish_cache(
             "frames": frames,
             "shards": len(written),
             "rejected": len(rejected),
+            "filtered_out": filtered,
             "rejected_by_reason": dict(
                 sorted(Counter(reason_kind(r["reason"]) for r in rejected).items())
             ),

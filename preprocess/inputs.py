@@ -66,6 +66,9 @@ class Found:
     samples: int | None
 
 
+FILTERED = "filtered"  # the stage of an input --where left out: counted, never listed
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rejection:
     """An input that will not be written, and why."""

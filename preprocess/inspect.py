@@ -49,6 +49,8 @@ def summarize(cache: Path) -> str:
             f"{padding:6.1%}"
         )
     lines += ["", f"rejected: {totals['rejected']} of {totals['discovered']} discovered"]
+    if totals.get("filtered_out"):
+        lines.insert(-1, f"left out by --where: {totals['filtered_out']}")
     lines += [f"  {n:>6}  {reason}" for reason, n in totals["rejected_by_reason"].items()]
     return "\n".join(lines)
 
@@ -74,6 +76,8 @@ def describe_plan(plan: Plan, scan: Scan, features: FeatureConfig, config: Build
     rejected.update(
         reason_kind(r.reason) for r in length_rejections(plan, scan, config, features.sample_rate)
     )
+    if scan.filtered:
+        lines += ["", f"left out by --where: {scan.filtered}"]
     lines += ["", f"rejected before decoding: {sum(rejected.values())}"]
     lines += [f"  {n:>6}  {reason}" for reason, n in sorted(rejected.items())]
     return "\n".join(lines)

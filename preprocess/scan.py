@@ -30,7 +30,17 @@ from tqdm import tqdm
 from melcache.errors import UserError
 from melcache.format import temp_path
 from preprocess.audio import AudioError, probe, resampled_length
-from preprocess.inputs import Corpus, Found, Rejection, Slice, key_base, key_hash, utterance_hash
+from preprocess.inputs import (
+    FILTERED,
+    Corpus,
+    Found,
+    Rejection,
+    Slice,
+    Stamp,
+    key_base,
+    key_hash,
+    utterance_hash,
+)
 from preprocess.parallel import Runner
 from preprocess.sources import read_transcript_file, share, transcript_path, unchanged
 
@@ -62,13 +72,18 @@ def scan_is_current(folder: Path, corpus: Corpus, sample_rate: int) -> bool:
     """Whether a finished scan in ``folder`` is of this corpus, at this rate, and its
     listing is unchanged since (one stat per folder or listing file)."""
     meta = scan_meta(folder)
-    if meta is None or meta.get("corpus") != [corpus.kind, corpus.root, corpus.listing]:
+    if meta is None or meta.get("corpus") != _identity(corpus):
         return False
     try:
         stamps = json.loads((folder / "stamps.json").read_text())
     except (OSError, ValueError):
         return False
     return meta.get("sample_rate") == sample_rate and unchanged(corpus, [tuple(s) for s in stamps])
+
+
+def _identity(corpus: Corpus) -> list[str | None]:
+    """What a scan is of: the corpus and the selection on it."""
+    return [corpus.kind, corpus.root, corpus.listing, corpus.where]
 
 
 def stamps_digest(stamps: list[tuple[str, int, int]]) -> str:
@@ -95,14 +110,16 @@ def scan_part(
         (corpus, temp / f"piece-{j}", Slice(part, parts, j, pieces), sample_rate)
         for j in range(pieces)
     ]
-    stamps = list(run(_scan_piece_job, jobs))
+    results = list(run(_scan_piece_job, jobs))
+    stamps = [stamps for stamps, _ in results]
     if any(s != stamps[0] for s in stamps):
         raise UserError(f"--src {corpus.root} changed while it was scanned; run the build again")
     (temp / "stamps.json").write_text(json.dumps(stamps[0]))  # \u escapes keep lone surrogates
     meta = {
         "version": SCAN_VERSION,
-        "corpus": [corpus.kind, corpus.root, corpus.listing],
+        "corpus": _identity(corpus),
         "sample_rate": sample_rate,
+        "filtered": sum(filtered for _, filtered in results),
         "part": part,
         "parts": parts,
         "pieces": pieces,
@@ -116,25 +133,31 @@ def scan_part(
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _scan_piece_job(job: tuple[Corpus, Path, Slice, int]) -> list[tuple[str, int, int]]:
+def _scan_piece_job(job: tuple[Corpus, Path, Slice, int]) -> tuple[list[Stamp], int]:
     return scan_piece(*job)
 
 
 def scan_piece(
     corpus: Corpus, folder: Path, taken: Slice, sample_rate: int
-) -> list[tuple[str, int, int]]:
-    """Scan one slice of the corpus into ``folder``; return the listing stamps it saw."""
+) -> tuple[list[Stamp], int]:
+    """Scan one slice of the corpus into ``folder``; return the listing stamps it saw and how
+    many inputs ``--where`` left out."""
     columns = {name: array(code) for name, code in _COLUMNS.items()}
     ordinals, lengths, locators, contents, keys = columns.values()
     sources, ends = bytearray(), array("q")
     rejections: list[list[str]] = []
-    stamps: list[tuple[str, int, int]] = []
+    stamps: list[Stamp] = []
+    filtered = 0
     shown = taken.piece == 0  # the pieces are interleaved, so one bar shows them all
     label = f"scan {taken.part}/{taken.parts}" + (
         f" (1 of {taken.pieces} pieces)" if taken.pieces > 1 else ""
     )
     with tqdm(desc=label, unit="utt", disable=None if shown else True) as bar:
         for item in share(corpus, taken, sample_rate, stamps):
+            bar.update()
+            if isinstance(item, Rejection) and item.stage == FILTERED:
+                filtered += 1
+                continue
             result = (
                 item.reason if isinstance(item, Rejection) else _resolve(item, corpus, sample_rate)
             )
@@ -148,14 +171,13 @@ def scan_piece(
                 keys.append(key_hash(key_base(item.source)))
                 sources.extend(item.source.encode())
                 ends.append(len(sources))
-            bar.update()
     folder.mkdir()
     for name, column in columns.items():
         np.save(folder / f"{name}.npy", np.frombuffer(column, column.typecode))
     np.save(folder / "source.npy", np.frombuffer(sources, np.uint8))
     np.save(folder / "source_end.npy", np.frombuffer(ends, np.int64))
     (folder / "rejections.json").write_text(json.dumps(rejections))  # \u escapes: surrogates
-    return stamps
+    return stamps, filtered
 
 
 def _resolve(item: Found, corpus: Corpus, sample_rate: int) -> tuple[int, int] | str:
@@ -213,9 +235,14 @@ class Scan:
     def __len__(self) -> int:
         return sum(len(p) for p in self.pieces)
 
+    @property
+    def filtered(self) -> int:
+        """Inputs ``--where`` left out, in every part."""
+        return sum(meta.get("filtered", 0) for meta in self.metas)
+
     def has_inputs(self) -> bool:
         """Whether any part found an utterance or a rejection at all."""
-        return len(self) > 0 or next(self.rejections(), None) is not None
+        return len(self) > 0 or self.filtered > 0 or next(self.rejections(), None) is not None
 
     def column(self, name: str) -> np.ndarray:
         """A numeric column of every piece, in ordinal order."""

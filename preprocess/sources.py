@@ -28,26 +28,34 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from melcache.errors import UserError
 from melcache.format import is_unicode
 from preprocess.audio import AUDIO_EXTENSIONS
-from preprocess.inputs import Corpus, Found, Rejection, Slice, Stamp, found
+from preprocess.inputs import FILTERED, Corpus, Found, Rejection, Slice, Stamp, found
+from preprocess.where import Where
 
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
 # A relative path with no empty, "." or ".." component: what normpath would leave as it is.
 _PLAIN_PATH = re.compile(r"(?!/)(?:(?!\.\.?(?:/|$))[^/]+/)*(?!\.\.?$)[^/]+$")
 
 
-def open_corpus(src: Path, out: Path) -> Corpus:
-    """The layout of ``src``, built into ``out``; :class:`UserError` when it is missing or a
-    file but no manifest."""
+def open_corpus(src: Path, out: Path, where: str | None = None) -> Corpus:
+    """The layout of ``src``, built into ``out``, selecting by ``where`` (a manifest only);
+    :class:`UserError` when it is missing, a file but no manifest, or ``where`` is bad."""
     if not src.exists():
         raise UserError(f"--src {src} does not exist")
     if src.is_file():
         if src.suffix != ".jsonl":
             raise UserError(f"--src {src} is a file but not a .jsonl manifest")
-        return Corpus("manifest", str(src.parent.resolve()), str(src.resolve()))
+        if where is not None:
+            Where(where)  # a bad expression fails here, before any scan
+        return Corpus("manifest", str(src.parent.resolve()), str(src.resolve()), where=where)
+    if where is not None:
+        raise UserError(
+            f"--where selects on metadata, which only a JSONL manifest has; --src {src} is a folder"
+        )
     root = str(src.resolve())
     if (src / "metadata.csv").is_file():
         return Corpus("ljspeech", root, os.path.join(root, "metadata.csv"))
@@ -233,24 +241,31 @@ def parse_metadata_row(raw: bytes, number: int) -> tuple[str | None, str]:
 def _manifest_share(corpus: Corpus, taken: Slice, sample_rate: int) -> Iterator[Found | Rejection]:
     assert corpus.listing is not None
     name = os.path.basename(corpus.listing)
+    where = Where(corpus.where) if corpus.where is not None else None
     for number, offset, raw in _lines(corpus.listing, taken):
         if not raw.strip():
             continue
         try:
-            source, text, speaker, samples = parse_manifest_line(raw, corpus.root, sample_rate)
+            source, text, speaker, samples, entry = parse_manifest_line(
+                raw, corpus.root, sample_rate
+            )
         except ValueError as exc:
             yield Rejection(f"{name}:{number}", str(exc))
             continue
         except LookupError as exc:  # the line is readable but its audio is not usable
             yield Rejection(exc.args[0], exc.args[1])
             continue
+        if where is not None and not where(entry):
+            yield Rejection(source, corpus.where or "", stage=FILTERED)  # counted, not listed
+            continue
         yield found(number, source, offset, text, speaker, samples)
 
 
 def parse_manifest_line(
     raw: bytes, root: str, sample_rate: int
-) -> tuple[str, str | None, str | None, int | None]:
-    """``(source, text, speaker, samples at sample_rate or None)`` of one manifest line.
+) -> tuple[str, str | None, str | None, int | None, dict[str, Any]]:
+    """``(source, text, speaker, samples at sample_rate or None, the whole row)`` of one
+    manifest line.
 
     :class:`ValueError` when the line itself is bad; :class:`LookupError` with
     ``(audio_filepath, reason)`` when its audio path or length is unusable; ``text`` is
@@ -279,6 +294,7 @@ def parse_manifest_line(
         text if isinstance(text, str) else None,
         None if speaker is None else str(speaker),
         samples,
+        entry,
     )
 
 
@@ -313,7 +329,7 @@ def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str | No
             text, speaker = parse_metadata_row(raw, 1 if locator == 0 else 2)[1], None
         else:
             try:
-                _, listed, speaker, _ = parse_manifest_line(raw, corpus.root, 1)
+                _, listed, speaker, _, _ = parse_manifest_line(raw, corpus.root, 1)
             except LookupError as exc:
                 raise ValueError(exc.args[1]) from None
             text = listed

@@ -186,6 +186,7 @@ def recipe(corpus: Corpus, features: FeatureConfig, config: BuildConfig, keep_au
         corpus.kind,
         corpus.root,
         corpus.listing,
+        corpus.where,
         features.to_dict(),
         config.to_dict(),
         keep_audio,

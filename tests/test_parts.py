@@ -223,3 +223,28 @@ def test_changed_transcript_is_caught_and_rescan_recovers(tmp_path: Path) -> Non
     assert index["totals"]["discovered"] == 29
     assert sorted(p.name for p in out.glob("*.tar")) == sorted(s["name"] for s in index["shards"])
     assert run_preprocess("verify", str(out)).returncode == 0
+
+
+def test_where_builds_the_selection_and_counts_the_rest(tmp_path: Path) -> None:
+    manifest, _ = manifest_corpus(tmp_path)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    for number, row in enumerate(rows):
+        row |= {"language": "zh" if number % 3 == 0 else "en", "dnsmos": 2.5 + number / 10}
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, where = tmp_path / "out", 'language == "en" and dnsmos >= 3.2'
+    kept = [r for r in rows if r["language"] == "en" and r["dnsmos"] >= 3.2]
+    done = run_preprocess(
+        *build_args(manifest, out, "--workers", "2", "--where", where, "--dry-run")
+    )
+    assert f"left out by --where: {len(rows) - len(kept)}" in done.stdout
+    done = run_preprocess(*build_args(manifest, out, "--workers", "2", "--where", where))
+    assert f"{len(rows) - len(kept)} left out by --where" in done.stdout
+    index = json.loads((out / "index.json").read_text())
+    assert index["totals"]["filtered_out"] == len(rows) - len(kept)
+    assert index["totals"]["discovered"] == len(kept)  # left out is not rejected
+    assert run_preprocess("verify", str(out)).returncode == 0
+    assert "left out by --where" in run_preprocess("inspect", str(out)).stdout
+    bad = run_preprocess(
+        *build_args(manifest, tmp_path / "bad", "--where", "open('x')"), check=False
+    )
+    assert bad.returncode == 2 and "--where" in bad.stderr and "Traceback" not in bad.stderr

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 from helpers import SAMPLE_CORPUS
 
+from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from preprocess.config import BuildConfig
 from preprocess.plan import make_plan, planned_shard
 from preprocess.scan import Scan, part_folder, scan_folder, scan_part
 from preprocess.sources import open_corpus
+from preprocess.where import Where
 
 
 def in_process(fn, items, chunksize=1):  # the Runner of one worker
@@ -95,3 +97,38 @@ def offset(scan: Scan, source: str) -> int:
             if piece.source(local) == source:
                 return int(piece.columns["locator"][local])
     raise AssertionError(source)
+
+
+def test_where_selects_on_metadata_and_runs_no_code() -> None:
+    where = Where('language == "en" and dnsmos >= 3.2')
+    assert where.fields == ["dnsmos", "language"]
+    assert where({"language": "en", "dnsmos": 3.5})
+    assert not where({"language": "en", "dnsmos": 3.1})
+    assert not where({"language": "zh", "dnsmos": 3.5})
+    assert not where({"language": "en"})  # a missing field compares false
+    assert not Where("dnsmos > 3")({"dnsmos": "high"})  # unorderable: false, not a crash
+    assert Where('speaker in ["a", "b"] or not clean')({"speaker": "c"})
+    assert not Where("clean")({}) and Where("clean == true")({"clean": True})
+    assert Where("-1 < score")({"score": 0})
+    for code in ('__import__("os").system("true")', "a.b == 1", "x[0] == 1", "f(x)", "x +"):
+        with pytest.raises(UserError, match="--where"):
+            Where(code)
+
+
+def test_where_leaves_rows_out_counted(tmp_path: Path) -> None:
+    src = manifest(tmp_path)
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    for number, row in enumerate(rows):
+        row["language"] = "en" if number % 3 else "zh"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = open_corpus(src, tmp_path / "out", where='language == "en"')
+    state = tmp_path / "out" / ".build"
+    scan_part(corpus, part_folder(state, 0, 2), 0, 2, 24000, in_process, 2)
+    scan_part(corpus, part_folder(state, 1, 2), 1, 2, 24000, in_process, 1)
+    scan = Scan(scan_folder(state, 2), 2)
+    assert scan.filtered == sum(1 for r in rows if r["language"] == "zh") == 16
+    sources = [piece.source(i) for piece in scan.pieces for i in range(len(piece))]
+    language = {r["audio_filepath"]: r["language"] for r in rows}
+    assert {language[s] for s in sources} == {"en"}
+    with pytest.raises(UserError, match="only a JSONL manifest"):
+        open_corpus(SAMPLE_CORPUS, tmp_path / "out", where='language == "en"')
