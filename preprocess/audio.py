@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import BinaryIO
 
 import numpy as np
 import soundfile as sf
@@ -20,8 +21,9 @@ class AudioError(Exception):
     """An audio file that cannot be used; the message is the plain reason recorded for it."""
 
 
-def probe(path: str) -> tuple[int, int]:
-    """Return ``(num_samples, sample_rate)`` from the file header, without decoding."""
+def probe(path: str | BinaryIO) -> tuple[int, int]:
+    """Return ``(num_samples, sample_rate)`` from the header of a file (or the bytes of one),
+    without decoding."""
     _check_readable(path)
     try:
         info = sf.info(path)
@@ -38,7 +40,7 @@ def resampled_length(num_samples: int, source_rate: int, target_rate: int) -> in
 
 
 def load_mono(
-    path: str, target_rate: int, length: int, silence_dbfs: float, tolerance: int
+    path: str | BinaryIO, target_rate: int, length: int, silence_dbfs: float, tolerance: int
 ) -> np.ndarray:
     """Decode ``path`` to mono float32 at ``target_rate``; reject all-silent audio.
 
@@ -81,7 +83,7 @@ _INTEGER_READS = {
 }
 
 
-def read_float32(path: str) -> tuple[np.ndarray, int]:
+def read_float32(path: str | BinaryIO) -> tuple[np.ndarray, int]:
     """All channels ``[samples, channels]`` as float32 in [-1, 1], and the sample rate."""
     with sf.SoundFile(path) as file:
         if file.subtype not in _INTEGER_READS:
@@ -98,8 +100,10 @@ def encode_flac(audio: np.ndarray, sample_rate: int) -> bytes:
     return buffer.getvalue()
 
 
-def _check_readable(path: str) -> None:
+def _check_readable(path: str | BinaryIO) -> None:
     """Name the OS's reason (permission, missing link target): libsndfile only says "System error"."""
+    if not isinstance(path, str):
+        return  # bytes already read (a tar member)
     try:
         open(path, "rb").close()
     except FileNotFoundError:

@@ -140,13 +140,16 @@ def _parser() -> argparse.ArgumentParser:
             "Decode, resample and featurise a corpus into tar shards bucketed by length, then "
             "write index.json. Rerunning the same command after an interruption resumes and gives "
             "byte-identical shards. SRC is a folder of audio with <stem>.txt/.lab/.normalized.txt "
-            "transcripts, an LJSpeech folder (metadata.csv + wavs/), or a JSONL manifest "
+            "transcripts, an LJSpeech folder (metadata.csv + wavs/), WebDataset audio tars (a folder "
+            "of .tar, one .tar or a {000..999} pattern; <key>.mp3/.flac/.wav + <key>.json), or a JSONL manifest "
             "(audio_filepath, text, speaker, and duration or num_samples + sampling_rate to plan "
             "without opening the audio). The scan of the corpus and the plan are kept in "
             "OUT/.build/ and reused while the corpus listing is unchanged."
         ),
     )
-    build.add_argument("--src", type=Path, required=True, help="corpus folder or .jsonl manifest")
+    build.add_argument(
+        "--src", type=Path, required=True, help="corpus folder, .jsonl manifest, or tars"
+    )
     build.add_argument(
         "--out", type=Path, default=Path("shards"), help="output folder (default: shards)"
     )

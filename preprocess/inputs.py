@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import re
 
@@ -64,6 +65,12 @@ class Found:
     content: int | None
     speaker: str | None
     samples: int | None
+    audio_at: int = -1  # in a tar: where the audio member's bytes start
+
+
+def unit_of(kind: str, ordinal: int) -> int:
+    """What parts deal out: an input, or for tars (ordinal = tar << 32 | sample) a whole tar."""
+    return ordinal >> 32 if kind == "tars" else ordinal
 
 
 FILTERED = "filtered"  # the stage of an input --where left out: counted, never listed
@@ -134,3 +141,21 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def listed_samples(entry: dict, sample_rate: int) -> int | str | None:
+    """The length metadata gives, at ``sample_rate``: from ``num_samples`` and
+    ``sampling_rate``, else ``duration``; ``None`` when it gives none, a reason when invalid."""
+    if "num_samples" in entry or "sampling_rate" in entry:
+        count, rate = entry.get("num_samples"), entry.get("sampling_rate")
+        if type(count) is not int or type(rate) is not int or count < 0 or rate <= 0:
+            return "manifest num_samples/sampling_rate are not a count and a positive rate"
+        return (2 * count * sample_rate + rate) // (2 * rate)  # as soxr rounds
+    if "duration" in entry:
+        seconds = entry["duration"]
+        if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:
+            return "manifest duration is not a finite number of seconds ≥ 0"
+        # Half up, as soxr rounds; the 1e-7 sample absorbs float error in seconds = frames/rate,
+        # so an exact duration plans the length the header would.
+        return math.floor(seconds * sample_rate + 0.5 + 1e-7)
+    return None

@@ -46,13 +46,15 @@ class Bucket:
 @dataclasses.dataclass(frozen=True, slots=True)  # one per utterance of a shard being written
 class PlannedUtterance:
     """What the writer needs of one utterance: its key, source, where its transcript is, its
-    length at the target rate and the hash of its text the scan saw."""
+    length at the target rate, the hash of its text the scan saw, and in a tar where its audio
+    is."""
 
     key: str
     source: str
     locator: int
     samples: int
     content: int
+    audio_at: int = -1  # in a tar: where the audio member's bytes start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,7 @@ def planned_shard(plan: Plan, scan: Scan, number: int) -> PlannedShard:
                 int(columns["locator"][local]),
                 int(columns["samples"][local]),
                 int(columns["content"][local]),
+                int(columns["audio_at"][local]),
             )
         )
     return PlannedShard(plan.name(number), plan.bucket(number), number, tuple(items))

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from melcache.errors import UserError
 from melcache.format import temp_path
+from preprocess.archives import audio_input
 from preprocess.audio import AudioError, probe, resampled_length
 from preprocess.inputs import (
     FILTERED,
@@ -39,13 +40,21 @@ from preprocess.inputs import (
     Stamp,
     key_base,
     key_hash,
+    unit_of,
     utterance_hash,
 )
 from preprocess.parallel import Runner
 from preprocess.sources import read_transcript_file, share, transcript_path, unchanged
 
 SCAN_VERSION = 1
-_COLUMNS = {"ordinal": "q", "samples": "q", "locator": "q", "content": "Q", "key": "Q"}
+_COLUMNS = {
+    "ordinal": "q",
+    "samples": "q",
+    "locator": "q",
+    "content": "Q",
+    "key": "Q",
+    "audio_at": "q",  # -1 but in tars: not read by the plan
+}
 _BATCH = 4096  # inputs handed to the workers at once: keeps them busy, bounds what waits
 
 
@@ -81,9 +90,9 @@ def scan_is_current(folder: Path, corpus: Corpus, sample_rate: int) -> bool:
     return meta.get("sample_rate") == sample_rate and unchanged(corpus, [tuple(s) for s in stamps])
 
 
-def _identity(corpus: Corpus) -> list[str | None]:
+def _identity(corpus: Corpus) -> list[Any]:
     """What a scan is of: the corpus and the selection on it."""
-    return [corpus.kind, corpus.root, corpus.listing, corpus.where]
+    return [corpus.kind, corpus.root, corpus.listing, list(corpus.archives), corpus.where]
 
 
 def stamps_digest(stamps: list[tuple[str, int, int]]) -> str:
@@ -143,7 +152,7 @@ def scan_piece(
     """Scan one slice of the corpus into ``folder``; return the listing stamps it saw and how
     many inputs ``--where`` left out."""
     columns = {name: array(code) for name, code in _COLUMNS.items()}
-    ordinals, lengths, locators, contents, keys = columns.values()
+    ordinals, lengths, locators, contents, keys, audio_at = columns.values()
     sources, ends = bytearray(), array("q")
     rejections: list[list[str]] = []
     stamps: list[Stamp] = []
@@ -169,6 +178,7 @@ def scan_piece(
                 locators.append(item.locator)  # type: ignore[union-attr]
                 contents.append(result[1])
                 keys.append(key_hash(key_base(item.source)))
+                audio_at.append(item.audio_at)  # type: ignore[union-attr]
                 sources.extend(item.source.encode())
                 ends.append(len(sources))
     folder.mkdir()
@@ -195,7 +205,7 @@ def _resolve(item: Found, corpus: Corpus, sample_rate: int) -> tuple[int, int] |
     samples = item.samples
     if samples is None:
         try:
-            count, rate = probe(corpus.audio_path(item.source))
+            count, rate = probe(audio_input(corpus, item.source, item.audio_at))
         except AudioError as exc:
             return str(exc)
         samples = resampled_length(count, rate, sample_rate)
@@ -254,8 +264,9 @@ class Scan:
 
     def locate(self, ordinal: int) -> tuple[ScanPiece, int]:
         """The piece holding an utterance (as :class:`Slice` deals them), and its place there."""
-        part = self.parts[ordinal % len(self.parts)]
-        piece = part[(ordinal // len(self.parts)) % len(part)]
+        unit = unit_of(self.metas[0]["corpus"][0], ordinal)
+        part = self.parts[unit % len(self.parts)]
+        piece = part[(unit // len(self.parts)) % len(part)]
         return piece, int(np.searchsorted(piece.columns["ordinal"], ordinal))
 
     def rejections(self) -> Iterator[Rejection]:

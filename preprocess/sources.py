@@ -23,7 +23,6 @@ UTF-8 (a BOM is allowed); anything else is rejected rather than guessed.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Iterator
@@ -32,8 +31,18 @@ from typing import Any
 
 from melcache.errors import UserError
 from melcache.format import is_unicode
+from preprocess.archives import find_tars, parse_text_member, read_member, tar_share
 from preprocess.audio import AUDIO_EXTENSIONS
-from preprocess.inputs import FILTERED, Corpus, Found, Rejection, Slice, Stamp, found
+from preprocess.inputs import (
+    FILTERED,
+    Corpus,
+    Found,
+    Rejection,
+    Slice,
+    Stamp,
+    found,
+    listed_samples,
+)
 from preprocess.where import Where
 
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
@@ -44,6 +53,11 @@ _PLAIN_PATH = re.compile(r"(?!/)(?:(?!\.\.?(?:/|$))[^/]+/)*(?!\.\.?$)[^/]+$")
 def open_corpus(src: Path, out: Path, where: str | None = None) -> Corpus:
     """The layout of ``src``, built into ``out``, selecting by ``where`` (a manifest only);
     :class:`UserError` when it is missing, a file but no manifest, or ``where`` is bad."""
+    tars = find_tars(str(src))
+    if tars is not None:
+        if where is not None:
+            Where(where)
+        return Corpus("tars", tars[0], archives=tars[1], where=where)
     if not src.exists():
         raise UserError(f"--src {src} does not exist")
     if src.is_file():
@@ -69,6 +83,8 @@ def share(
     later whether the corpus listing changed (every folder walked, or the listing)."""
     if corpus.kind == "folder":
         return _folder_share(corpus, taken, stamps)
+    if corpus.kind == "tars":
+        return tar_share(corpus, taken, sample_rate, stamps, _stamp)
     assert corpus.listing is not None  # internal invariant: open_corpus sets it
     stamps.append(_stamp(corpus.root, os.path.relpath(corpus.listing, corpus.root)))
     if corpus.kind == "ljspeech":
@@ -285,7 +301,7 @@ def parse_manifest_line(
         if not audio.startswith(root + os.sep):
             raise LookupError(listed, "audio path is outside the manifest's folder")
         source = audio[len(root) + 1 :]
-    samples = _listed_samples(entry, sample_rate)
+    samples = listed_samples(entry, sample_rate)
     if isinstance(samples, str):
         raise LookupError(listed, samples)
     text, speaker = entry.get("text"), entry.get("speaker")
@@ -298,28 +314,16 @@ def parse_manifest_line(
     )
 
 
-def _listed_samples(entry: dict, sample_rate: int) -> int | str | None:
-    """The length a manifest line gives, at ``sample_rate``: from ``num_samples`` and
-    ``sampling_rate``, else ``duration``; ``None`` when it gives none, a reason when invalid."""
-    if "num_samples" in entry or "sampling_rate" in entry:
-        count, rate = entry.get("num_samples"), entry.get("sampling_rate")
-        if type(count) is not int or type(rate) is not int or count < 0 or rate <= 0:
-            return "manifest num_samples/sampling_rate are not a count and a positive rate"
-        return (2 * count * sample_rate + rate) // (2 * rate)  # as soxr rounds
-    if "duration" in entry:
-        seconds = entry["duration"]
-        if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:
-            return "manifest duration is not a finite number of seconds ≥ 0"
-        return round(seconds * sample_rate)
-    return None
-
-
 def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str | None, str | None]:
     """``(text, speaker)`` of an utterance, read again from the corpus when it is written
     (check them with :func:`utterance_hash`); :class:`ValueError` when unreadable."""
     if corpus.kind == "folder":
         text = read_transcript_file(transcript_path(corpus, source, locator))
         speaker = os.path.dirname(source) or None
+    elif corpus.kind == "tars":
+        data, is_json = read_member(corpus, source, locator)
+        meta, text = parse_text_member(data, is_json)
+        speaker = None if meta.get("speaker") is None else str(meta["speaker"])
     else:
         assert corpus.listing is not None
         with open(corpus.listing, "rb") as file:

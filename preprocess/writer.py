@@ -22,6 +22,7 @@ import torch
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.format import HashingStream, encode_sample, open_tar_writer, temp_path, write_atomic
+from preprocess.archives import audio_input
 from preprocess.audio import AudioError, encode_flac, load_mono
 from preprocess.config import BuildConfig
 from preprocess.features import MelExtractor
@@ -125,7 +126,7 @@ def _write_utterance(
         )
     try:
         audio = load_mono(
-            corpus.audio_path(item.source),
+            audio_input(corpus, item.source, item.audio_at),
             features.sample_rate,
             item.samples,
             config.silence_dbfs,
@@ -186,6 +187,7 @@ def recipe(corpus: Corpus, features: FeatureConfig, config: BuildConfig, keep_au
         corpus.kind,
         corpus.root,
         corpus.listing,
+        list(corpus.archives),
         corpus.where,
         features.to_dict(),
         config.to_dict(),

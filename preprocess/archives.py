@@ -1,0 +1,182 @@
+"""Corpora shipped as WebDataset audio tars (the Emilia layout), read in place, never unpacked.
+
+A sample is the members of a tar sharing a key (the path up to the first dot of the file
+name): one audio member (``.flac .wav .mp3 .opus .ogg``) and a ``.json`` (``text``, and
+optionally ``speaker``, ``duration`` or ``num_samples`` + ``sampling_rate``, and any fields
+``--where`` selects on) or, without a json, a ``.txt`` transcript. Tars are plain
+(uncompressed) so that scanning reads member headers and the json only, seeking past the
+audio, and the writer later reads one member at its offset. Parts take whole tars. Its
+source is ``TAR:KEY.EXT``; a sample lacking audio or text, and the rest of a damaged tar,
+are rejections with reasons.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import tarfile
+from collections.abc import Iterator
+from typing import Any
+
+from braceexpand import braceexpand
+
+from melcache.errors import UserError
+from preprocess.audio import AudioError
+from preprocess.inputs import (
+    FILTERED,
+    Corpus,
+    Found,
+    Rejection,
+    Slice,
+    Stamp,
+    found,
+    listed_samples,
+)
+from preprocess.where import Where
+
+TAR_AUDIO = ("flac", "wav", "mp3", "opus", "ogg")
+_BLOCK = 512
+
+
+def find_tars(src: str) -> tuple[str, tuple[str, ...]] | None:
+    """``(root, tar paths relative to it)`` when ``src`` names tars: one ``.tar``, a brace or
+    glob pattern (``'EN/EN-B{000000..000999}.tar'``), or a folder with ``.tar`` files at its top
+    level; else ``None``."""
+    if any(c in src for c in "{*?["):
+        paths = sorted({p for pattern in braceexpand(src) for p in glob.glob(pattern)})
+        if not paths:
+            raise UserError(f"--src {src!r} matches no file")
+    elif src.endswith(".tar") and os.path.isfile(src):
+        paths = [src]
+    elif os.path.isdir(src):
+        paths = sorted(e.path for e in os.scandir(src) if e.name.endswith(".tar") and e.is_file())
+        if not paths:
+            return None
+    else:
+        return None
+    paths = [os.path.abspath(p) for p in paths]
+    root = os.path.commonpath([os.path.dirname(p) for p in paths])
+    return root, tuple(os.path.relpath(p, root) for p in paths)
+
+
+def tar_share(
+    corpus: Corpus, taken: Slice, sample_rate: int, stamps: list[Stamp], stamp: Any
+) -> Iterator[Found | Rejection]:
+    """The samples of this slice's tars (tar number ≡ part mod parts); every tar is stamped."""
+    where = Where(corpus.where) if corpus.where is not None else None
+    for number, rel in enumerate(corpus.archives):
+        stamps.append(stamp(corpus.root, rel))
+        if taken.holds(number):
+            yield from _tar_samples(corpus, number, rel, sample_rate, where)
+
+
+def _tar_samples(
+    corpus: Corpus, number: int, rel: str, sample_rate: int, where: Where | None
+) -> Iterator[Found | Rejection]:
+    count, key, members = 0, None, {}
+    try:
+        with tarfile.open(os.path.join(corpus.root, rel), "r:") as tar:
+            for info in tar:  # headers only: tarfile seeks past each member's data
+                if not info.isfile():
+                    continue
+                folder, name = os.path.split(info.name)
+                stem, _, extension = name.partition(".")
+                if os.path.join(folder, stem) != key and members:
+                    yield _sample(tar, rel, number << 32 | count, key, members, sample_rate, where)
+                    count, members = count + 1, {}
+                key = os.path.join(folder, stem)
+                members[extension.lower()] = info
+            if members:
+                yield _sample(tar, rel, number << 32 | count, key, members, sample_rate, where)
+    except (tarfile.TarError, OSError, EOFError, UnicodeDecodeError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        yield Rejection(rel, f"damaged tar after {count} samples: {reason}")
+
+
+def _sample(
+    tar: tarfile.TarFile,
+    rel: str,
+    ordinal: int,
+    key: Any,
+    members: dict[str, tarfile.TarInfo],
+    sample_rate: int,
+    where: Where | None,
+) -> Found | Rejection:
+    audio = next((e for e in TAR_AUDIO if e in members), None)
+    source = f"{rel}:{key}" + (f".{audio}" if audio else "")
+    if audio is None:
+        return Rejection(source, "sample has no audio member (.flac .wav .mp3 .opus .ogg)")
+    text_member = members.get("json") or members.get("txt")
+    if text_member is None:
+        return Rejection(source, "sample has no text: no .json, no .txt")
+    data = tar.extractfile(text_member).read()  # type: ignore[union-attr]
+    try:
+        meta, text = parse_text_member(data, json_member="json" in members)
+    except ValueError as exc:
+        return Rejection(source, str(exc))
+    if where is not None and not where(meta):
+        return Rejection(source, where.text, stage=FILTERED)
+    samples = listed_samples(meta, sample_rate)
+    if isinstance(samples, str):
+        return Rejection(source, samples.replace("manifest", "sample json"))
+    speaker = meta.get("speaker")
+    speaker = None if speaker is None else str(speaker)
+    item = found(ordinal, source, text_member.offset_data, text, speaker, samples)
+    if isinstance(item, Rejection):
+        return item
+    return Found(
+        item.ordinal,
+        item.source,
+        item.locator,
+        item.content,
+        speaker,
+        samples,
+        members[audio].offset_data,
+    )
+
+
+def parse_text_member(data: bytes, json_member: bool) -> tuple[dict[str, Any], str]:
+    """``(metadata, text)`` of a sample's ``.json`` (or ``.txt``); :class:`ValueError` with
+    the reason when it has none."""
+    if not json_member:
+        try:
+            return {}, data.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise ValueError("sample txt is not UTF-8") from None
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError("sample json is not UTF-8 JSON") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("text"), str):
+        raise ValueError("sample json has no text string")
+    return meta, meta["text"]
+
+
+def read_member(corpus: Corpus, source: str, offset: int) -> tuple[bytes, bool]:
+    """The bytes of the tar member whose data starts at ``offset``, and whether it is a json
+    (by its header's name); :class:`ValueError` when the tar no longer holds it."""
+    path = os.path.join(corpus.root, source.rsplit(":", 1)[0])
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset - _BLOCK)
+            info = tarfile.TarInfo.frombuf(file.read(_BLOCK), tarfile.ENCODING, "surrogateescape")
+            data = file.read(info.size)
+    except (OSError, tarfile.TarError) as exc:
+        raise ValueError(f"tar member unreadable: {exc}") from None
+    if len(data) != info.size:
+        raise ValueError("tar member cut short")
+    return data, info.name.endswith(".json")
+
+
+def audio_input(corpus: Corpus, source: str, audio_at: int) -> str | io.BytesIO:
+    """What soundfile opens for an utterance: its file, or its tar member's bytes;
+    :class:`AudioError` when the member cannot be read."""
+    if audio_at < 0:
+        return corpus.audio_path(source)
+    try:
+        data, _ = read_member(corpus, source, audio_at)
+    except ValueError as exc:
+        raise AudioError(f"unreadable audio: {exc}") from None
+    return io.BytesIO(data)
