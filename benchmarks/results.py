@@ -1,6 +1,6 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|scale|gpu]
+    python -m benchmarks.results [--quick] [--only results|scale|tars|gpu]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
 against a naive librosa loop), ``benchmarks.loader_bench`` (streaming loader against
@@ -8,7 +8,8 @@ on-the-fly extraction) and ``benchmarks/trainer_bench.py`` (trainer overhead and
 collects the JSON lines they print, and replaces the README section between
 ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
 command and the machine; ``benchmarks.scale_bench`` (planning time and memory per
-utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way, and the rows
+utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way,
+``benchmarks.tar_bench`` (tars of mp3 against loose wav) ``<!-- tars:begin -->``, and the rows
 ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
 """
@@ -142,6 +143,25 @@ def scale_table(quick: bool) -> str:
     return "\n".join(lines)
 
 
+def tar_table(quick: bool) -> str:
+    """Run the tar benchmark and render its rows as one markdown table row."""
+    command = [sys.executable, "-m", "benchmarks.tar_bench", "--hours", "0.1" if quick else "0.5"]
+    rows = {row["row"]: row for row in run_json(command)}
+    tars, loose = rows["tars of mp3"], rows["loose wav"]
+    return "\n".join(
+        [
+            f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
+            "--only tars`.",
+            "",
+            "| what | melcache | reference | ratio | command |",
+            "|---|---|---|---|---|",
+            f"| build real-time factor from WebDataset tars of mp3 + json ({tars['workers']} workers, "
+            f"{tars['audio_hours']} h) | {tars['real_time_x']}× | the same audio as loose wav "
+            f"{loose['real_time_x']}× | {rows['ratio']['tars_over_loose']}× | `{_cmd(command)}` |",
+        ]
+    )
+
+
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.jsonl"
 
 
@@ -161,7 +181,7 @@ def gpu_table(quick: bool) -> str:
     )
 
 
-SECTIONS = {"results": table, "scale": scale_table, "gpu": gpu_table}
+SECTIONS = {"results": table, "scale": scale_table, "tars": tar_table, "gpu": gpu_table}
 
 
 def _cmd(command: list[str]) -> str:
