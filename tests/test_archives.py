@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-from helpers import SAMPLE_CORPUS, build_args, run_preprocess
+from helpers import (
+    SAMPLE_CORPUS,
+    build_args,
+    build_command,
+    cache_digests,
+    receipts,
+    run_preprocess,
+    started,
+    wait_for,
+)
 
 from melcache.format import decode_meta, fast_decode_mel, group_samples, iter_members
 
@@ -129,3 +140,17 @@ def test_a_cut_tar_keeps_its_whole_samples_and_says_where_it_broke(tmp_path: Pat
     assert kept > 0 and damaged["reason"].startswith("damaged tar after")
     assert index["totals"]["utterances"] + len(rejected) - 1 == kept  # each whole sample counted
     assert run_preprocess("verify", str(out)).returncode == 0
+
+
+def test_a_killed_tar_build_resumes_byte_identical(tmp_path: Path) -> None:
+    tars, _, _ = emilia(tmp_path)
+    reference = tmp_path / "reference"
+    run_preprocess(*build_args(tars, reference, "--workers", "1"))
+    out = tmp_path / "out"
+    with started(build_command(tars, out, "--workers", "1"), tmp_path / "log") as proc:
+        assert wait_for(lambda: out.exists() and receipts(out) > 0, proc, 120)
+        os.killpg(proc.pid, signal.SIGKILL)  # mid-build: some shards done, one half written
+        proc.wait()
+    assert not (out / "index.json").exists()
+    run_preprocess(*build_args(tars, out, "--workers", "1"))
+    assert cache_digests(out) == cache_digests(reference)
