@@ -33,6 +33,7 @@ from preprocess.inputs import (
     Stamp,
     found,
     listed_samples,
+    stamp,
 )
 from preprocess.where import Where
 
@@ -62,7 +63,7 @@ def find_tars(src: str) -> tuple[str, tuple[str, ...]] | None:
 
 
 def tar_share(
-    corpus: Corpus, taken: Slice, sample_rate: int, stamps: list[Stamp], stamp: Any
+    corpus: Corpus, taken: Slice, sample_rate: int, stamps: list[Stamp]
 ) -> Iterator[Found | Rejection]:
     """The samples of this slice's tars (tar number ≡ part mod parts); every tar is stamped."""
     where = Where(corpus.where) if corpus.where is not None else None
@@ -75,7 +76,7 @@ def tar_share(
 def _tar_samples(
     corpus: Corpus, number: int, rel: str, sample_rate: int, where: Where | None
 ) -> Iterator[Found | Rejection]:
-    count, key, members = 0, None, {}
+    count, key, members = 0, "", {}
     try:
         with tarfile.open(os.path.join(corpus.root, rel), "r:") as tar:
             for info in tar:  # headers only: tarfile seeks past each member's data
@@ -99,7 +100,7 @@ def _sample(
     tar: tarfile.TarFile,
     rel: str,
     ordinal: int,
-    key: Any,
+    key: str,
     members: dict[str, tarfile.TarInfo],
     sample_rate: int,
     where: Where | None,
@@ -123,18 +124,8 @@ def _sample(
         return Rejection(source, samples.replace("manifest", "sample json"))
     speaker = meta.get("speaker")
     speaker = None if speaker is None else str(speaker)
-    item = found(ordinal, source, text_member.offset_data, text, speaker, samples)
-    if isinstance(item, Rejection):
-        return item
-    return Found(
-        item.ordinal,
-        item.source,
-        item.locator,
-        item.content,
-        speaker,
-        samples,
-        members[audio].offset_data,
-    )
+    audio_at = members[audio].offset_data
+    return found(ordinal, source, text_member.offset_data, text, speaker, samples, audio_at)
 
 
 def parse_text_member(data: bytes, json_member: bool) -> tuple[dict[str, Any], str]:

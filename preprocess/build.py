@@ -69,13 +69,12 @@ class BuildOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """How a build ended: the index once the cache is complete, the plan after a dry run
-    (``None`` while other parts still scan), or how many shards remain for other parts."""
+    """How a build ended: the index once the cache is complete, or the plan and scan after a
+    dry run; neither while other parts still scan or write."""
 
     index: dict[str, Any] | None = None
     plan: Plan | None = None
     scan: Scan | None = None
-    remaining: int = 0
 
 
 def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -> Outcome:
@@ -90,17 +89,18 @@ def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -
             ordered_map(options.workers, init_worker, (features,)) as run,
         ):
             prepared = _scan_and_plan(corpus, options, features, config, run, meeting)
-            if prepared is None or options.dry_run:
-                return Outcome(plan=prepared and prepared[1], scan=prepared and prepared[0])
+            if prepared is None:
+                return Outcome()
             scan, plan = prepared
+            if options.dry_run:
+                return Outcome(plan=plan, scan=scan)
             made_by = recipe(corpus, features, config, options.keep_audio)
             receipts = valid_receipts(options.out, plan, made_by)
             k, n = options.part
             todo = [i for i in range(len(plan)) if i % n == k and plan.name(i) not in receipts]
-            tasks = (planned_shard(plan, scan, i) for i in todo)
-            _write_shards(run, tasks, todo, plan, corpus, options, features, config, receipts)
+            _write_shards(run, todo, plan, scan, corpus, options, features, config, receipts)
         meeting.barrier()  # under torchrun: every rank's shards are written
-        return _finish(options, features, config, corpus, scan, plan, meeting)
+        return _finish(options, features, config, made_by, scan, plan, meeting)
     finally:
         meeting.close()
 
@@ -144,12 +144,14 @@ def _scan_and_plan(
         raise UserError(f"--src {options.src} holds no audio files")
     inputs = _plan_inputs(scan, features, config, options.keep_audio)
     folder = scan_folder(state, n) / "plan"
-    plan = None if meeting.collective and k != 0 else load_plan(folder, inputs)
-    if plan is None and not (meeting.collective and k != 0):
+    planner = not meeting.collective or k == 0  # under torchrun, rank 0 plans for all
+    plan = load_plan(folder, inputs) if planner else None
+    if planner and plan is None:
         plan = make_plan(scan, features, config, options.keep_audio)
         save_plan(plan, folder, inputs)
     meeting.barrier()  # under torchrun: rank 0 has saved the plan
-    plan = plan or load_plan(folder, inputs)
+    if not planner:
+        plan = load_plan(folder, inputs)
     assert plan is not None, "rank 0 saved the plan before the barrier"  # internal invariant
     return scan, plan
 
@@ -165,13 +167,12 @@ def _finish(
     options: BuildOptions,
     features: FeatureConfig,
     config: BuildConfig,
-    corpus: Corpus,
+    made_by: str,
     scan: Scan,
     plan: Plan,
     meeting: Meeting,
 ) -> Outcome:
     """Write the index if every shard is complete (by rank 0 under torchrun)."""
-    made_by = recipe(corpus, features, config, options.keep_audio)
     receipts = valid_receipts(options.out, plan, made_by)
     k, n = options.part
     remaining = len(plan) - len(receipts)
@@ -185,7 +186,7 @@ def _finish(
             len(plan),
             remaining,
         )
-        return Outcome(remaining=remaining)
+        return Outcome()
     # Every shard is complete: temporary files and scan folders left are of killed writers.
     sweep_temps(options.out)
     sweep_temps(scan_folder(options.out / RECEIPTS, options.part[1]))
@@ -205,9 +206,9 @@ def _finish(
 
 def _write_shards(
     run: Runner,
-    tasks: Any,
     todo: Sequence[int],
     plan: Plan,
+    scan: Scan,
     corpus: Corpus,
     options: BuildOptions,
     features: FeatureConfig,
@@ -215,7 +216,16 @@ def _write_shards(
     receipts: dict[str, dict[str, Any]],
 ) -> None:
     jobs = (
-        (t, corpus, options.out, features, config, options.keep_audio, plan.digest) for t in tasks
+        (
+            planned_shard(plan, scan, i),
+            corpus,
+            options.out,
+            features,
+            config,
+            options.keep_audio,
+            plan.digest,
+        )
+        for i in todo
     )
     total = sum(len(plan.shard_members(i)) for i in todo)
     seconds = 0.0

@@ -32,6 +32,10 @@ class Corpus:
         """The audio file of an utterance."""
         return os.path.join(self.root, source)
 
+    def identity(self) -> list[object]:
+        """What a scan or a build is of: the corpus (by place) and the selection on it."""
+        return [self.kind, self.root, self.listing, list(self.archives), self.where]
+
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
@@ -93,11 +97,22 @@ def found(
     text: str | None,
     speaker: str | None,
     samples: int | None,
+    audio_at: int = -1,
 ) -> Found | Rejection:
+    """An input whose text is known: :class:`Found` with its hash, or why it is rejected."""
     content = utterance_hash(source, text, speaker)
     if isinstance(content, str):
         return Rejection(source, content)
-    return Found(ordinal, source, locator, content, speaker, samples)
+    return Found(ordinal, source, locator, content, speaker, samples, audio_at)
+
+
+def stamp(root: str, rel: str) -> Stamp:
+    """``(rel, mtime_ns, size)`` of a folder or listing file, ``-1``s when it is gone."""
+    try:
+        info = os.stat(os.path.join(root, rel))
+    except OSError:
+        return rel, -1, -1
+    return rel, info.st_mtime_ns, info.st_size
 
 
 def clean_text(text: str) -> str:

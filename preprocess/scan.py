@@ -81,18 +81,13 @@ def scan_is_current(folder: Path, corpus: Corpus, sample_rate: int) -> bool:
     """Whether a finished scan in ``folder`` is of this corpus, at this rate, and its
     listing is unchanged since (one stat per folder or listing file)."""
     meta = scan_meta(folder)
-    if meta is None or meta.get("corpus") != _identity(corpus):
+    if meta is None or meta.get("corpus") != corpus.identity():
         return False
     try:
         stamps = json.loads((folder / "stamps.json").read_text())
     except (OSError, ValueError):
         return False
     return meta.get("sample_rate") == sample_rate and unchanged(corpus, [tuple(s) for s in stamps])
-
-
-def _identity(corpus: Corpus) -> list[Any]:
-    """What a scan is of: the corpus and the selection on it."""
-    return [corpus.kind, corpus.root, corpus.listing, list(corpus.archives), corpus.where]
 
 
 def stamps_digest(stamps: list[tuple[str, int, int]]) -> str:
@@ -126,7 +121,7 @@ def scan_part(
     (temp / "stamps.json").write_text(json.dumps(stamps[0]))  # \u escapes keep lone surrogates
     meta = {
         "version": SCAN_VERSION,
-        "corpus": _identity(corpus),
+        "corpus": corpus.identity(),
         "sample_rate": sample_rate,
         "filtered": sum(filtered for _, filtered in results),
         "part": part,
@@ -241,6 +236,7 @@ class Scan:
             for k, meta in enumerate(self.metas)
         ]
         self.pieces = [piece for part in self.parts for piece in part]
+        self.kind: str = self.metas[0]["corpus"][0]
 
     def __len__(self) -> int:
         return sum(len(p) for p in self.pieces)
@@ -264,7 +260,7 @@ class Scan:
 
     def locate(self, ordinal: int) -> tuple[ScanPiece, int]:
         """The piece holding an utterance (as :class:`Slice` deals them), and its place there."""
-        unit = unit_of(self.metas[0]["corpus"][0], ordinal)
+        unit = unit_of(self.kind, ordinal)
         part = self.parts[unit % len(self.parts)]
         piece = part[(unit // len(self.parts)) % len(part)]
         return piece, int(np.searchsorted(piece.columns["ordinal"], ordinal))

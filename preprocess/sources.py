@@ -42,6 +42,7 @@ from preprocess.inputs import (
     Stamp,
     found,
     listed_samples,
+    stamp,
 )
 from preprocess.where import Where
 
@@ -84,11 +85,11 @@ def share(
     if corpus.kind == "folder":
         return _folder_share(corpus, taken, stamps)
     if corpus.kind == "tars":
-        return tar_share(corpus, taken, sample_rate, stamps, _stamp)
+        return tar_share(corpus, taken, sample_rate, stamps)
     assert corpus.listing is not None  # internal invariant: open_corpus sets it
-    stamps.append(_stamp(corpus.root, os.path.relpath(corpus.listing, corpus.root)))
+    stamps.append(stamp(corpus.root, os.path.relpath(corpus.listing, corpus.root)))
     if corpus.kind == "ljspeech":
-        stamps.append(_stamp(corpus.root, "wavs"))
+        stamps.append(stamp(corpus.root, "wavs"))
         return _ljspeech_share(corpus, taken)
     return _manifest_share(corpus, taken, sample_rate)
 
@@ -96,18 +97,9 @@ def share(
 def unchanged(corpus: Corpus, stamps: list[Stamp]) -> bool:
     """Whether every listing recorded by :func:`share` is as it was (same mtime and size):
     nothing was added, removed or renamed since the scan."""
-    return all(_stamp(corpus.root, rel) == (rel, mtime, size) for rel, mtime, size in stamps)
+    return all(stamp(corpus.root, rel) == (rel, mtime, size) for rel, mtime, size in stamps)
 
 
-def _stamp(root: str, rel: str) -> Stamp:
-    try:
-        info = os.stat(os.path.join(root, rel))
-    except OSError:
-        return rel, -1, -1
-    return rel, info.st_mtime_ns, info.st_size
-
-
-# ---- folder ----------------------------------------------------------------------------------
 def _folder_share(corpus: Corpus, taken: Slice, stamps: list[Stamp]) -> Iterator[Found | Rejection]:
     # Strings and one listing per folder rather than pathlib and a stat per candidate
     # transcript: 2.5–3× faster per file, which matters at tens of millions of files.
@@ -161,7 +153,7 @@ def _walk_files(
                 raise UserError(f"cannot list --src {folder}: {exc.strerror}") from None
             yield prefix[:-1], f"unreadable folder: {exc.strerror}", nothing
             return
-        stamps.append(_stamp(root, prefix or "."))
+        stamps.append(stamp(root, prefix or "."))
         listed: list[tuple[os.DirEntry[str], bool | OSError]] = []  # entry, is it a folder
         for entry in entries:
             try:

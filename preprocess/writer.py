@@ -184,11 +184,7 @@ def _receipt(
 def recipe(corpus: Corpus, features: FeatureConfig, config: BuildConfig, keep_audio: bool) -> str:
     """Which corpus (by place) and config a build is of, whatever the corpus now holds."""
     what = [
-        corpus.kind,
-        corpus.root,
-        corpus.listing,
-        list(corpus.archives),
-        corpus.where,
+        *corpus.identity(),
         features.to_dict(),
         config.to_dict(),
         keep_audio,
