@@ -253,15 +253,10 @@ class Scan:
     def column(self, name: str) -> np.ndarray:
         """A numeric column of every piece, in ordinal order."""
         merged = np.concatenate([p.columns[name] for p in self.pieces])
-        return merged if self._order is None else merged[self._order]
-
-    @functools.cached_property
-    def _order(self) -> np.ndarray | None:
-        """The permutation that puts the pieces' rows in ordinal order (sorted once: the plan
-        reads several columns); ``None`` for a single piece, already in order."""
         if len(self.pieces) == 1:
-            return None
-        return np.argsort(np.concatenate([p.columns["ordinal"] for p in self.pieces]))
+            return merged
+        order = np.argsort(np.concatenate([p.columns["ordinal"] for p in self.pieces]))
+        return merged[order]
 
     def locate(self, ordinal: int) -> tuple[ScanPiece, int]:
         """The piece holding an utterance (as :class:`Slice` deals them), and its place there."""
