@@ -255,6 +255,8 @@ class Scan:
         merged = np.concatenate([p.columns[name] for p in self.pieces])
         if len(self.pieces) == 1:
             return merged
+        # Sorted per call, not kept: the permutation would add 8 B per utterance to the
+        # planning process's peak for the whole plan, to save ~0.1 s per million rows.
         order = np.argsort(np.concatenate([p.columns["ordinal"] for p in self.pieces]))
         return merged[order]
 
