@@ -48,6 +48,7 @@ def _build(args: argparse.Namespace) -> int:
         args.dry_run,
         args.rescan,
         args.where,
+        args.columns,
     )
     started = time.perf_counter()
     outcome = build(options, features, config)
@@ -141,14 +142,16 @@ def _parser() -> argparse.ArgumentParser:
             "write index.json. Rerunning the same command after an interruption resumes and gives "
             "byte-identical shards. SRC is a folder of audio with <stem>.txt/.lab/.normalized.txt "
             "transcripts, an LJSpeech folder (metadata.csv + wavs/), WebDataset audio tars (a folder "
-            "of .tar, one .tar or a {000..999} pattern; <key>.mp3/.flac/.wav + <key>.json), or a JSONL manifest "
+            "of .tar, one .tar or a {000..999} pattern; <key>.mp3/.flac/.wav + <key>.json), Parquet "
+            "files (the same ways; an audio column of bytes or {bytes, path} and a text column; "
+            "needs pyarrow), or a JSONL manifest "
             "(audio_filepath, text, speaker, and duration or num_samples + sampling_rate to plan "
             "without opening the audio). The scan of the corpus and the plan are kept in "
             "OUT/.build/ and reused while the corpus listing is unchanged."
         ),
     )
     build.add_argument(
-        "--src", type=Path, required=True, help="corpus folder, .jsonl manifest, or tars"
+        "--src", type=Path, required=True, help="corpus folder, .jsonl manifest, tars or Parquet"
     )
     build.add_argument(
         "--out", type=Path, default=Path("shards"), help="output folder (default: shards)"
@@ -177,9 +180,15 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--where",
         metavar="EXPR",
-        help='keep only manifest rows whose fields match, e.g. \'language == "en" and '
+        help='keep only manifest rows, tar samples or Parquet rows whose fields match, e.g. \'language == "en" and '
         "dnsmos >= 3.2' (field names, literals, == != < <= > >= in, not in, and, or, not; a "
         "missing field compares false); the rows left out are counted, not listed",
+    )
+    build.add_argument(
+        "--columns",
+        metavar="AUDIO,TEXT[,SPEAKER]",
+        help="Parquet columns holding the encoded audio, the transcript and the speaker "
+        "(default: audio,text,speaker; the speaker column may be absent)",
     )
     build.add_argument(
         "--rescan",

@@ -26,12 +26,11 @@ from preprocess.archives import audio_input
 from preprocess.audio import AudioError, encode_flac, load_mono
 from preprocess.config import BuildConfig
 from preprocess.features import MelExtractor
-from preprocess.inputs import Corpus, clean_text, utterance_hash
+from preprocess.inputs import RECEIPTS, Corpus, clean_text, utterance_hash
 from preprocess.plan import Plan, PlannedShard, PlannedUtterance
 from preprocess.sources import read_transcript
 
 log = logging.getLogger(__name__)
-RECEIPTS = ".build"
 
 # ---- pool ------------------------------------------------------------------------------
 _extractor: MelExtractor | None = None

@@ -78,13 +78,15 @@ def test_scale_bench_prints_runs_growth_and_parts(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tar_bench_prints_both_builds_and_the_ratio(tmp_path: Path) -> None:
+def test_tar_bench_prints_each_layouts_build_and_the_ratios(tmp_path: Path) -> None:
     rows = {
         r["row"]: r
         for r in bench_rows("tar_bench", tmp_path / "data", "--hours", "0.01", "--rounds", "1")
     }
     assert rows["tars of mp3"]["real_time_x"] > 0 and rows["loose wav"]["real_time_x"] > 0
     assert rows["tars of mp3"]["audio_hours"] > 0 and rows["ratio"]["tars_over_loose"] > 0
+    assert rows["parquet of mp3"]["audio_hours"] == rows["tars of mp3"]["audio_hours"]
+    assert rows["ratio"]["parquet_over_loose"] > 0
     assert sorted(p.name for p in (tmp_path / "data").glob("tars-0.01h/*.tar")) == [
         "part-000000.tar"
     ]
