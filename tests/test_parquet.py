@@ -184,3 +184,18 @@ def test_misnamed_columns_and_mixed_archives_are_refused(tmp_path: Path) -> None
         open_corpus(tmp_path, tmp_path / "out")
     with pytest.raises(UserError, match="--columns names Parquet columns"):
         open_corpus(SAMPLE_CORPUS, tmp_path / "out", columns="audio,text")
+
+
+@pytest.mark.slow
+def test_a_cut_parquet_file_is_one_rejection_and_the_rest_builds(tmp_path: Path) -> None:
+    folder, _, good = hugging_face(tmp_path)
+    whole = (folder / "train-00001-of-00002.parquet").read_bytes()
+    (folder / "train-00001-of-00002.parquet").write_bytes(whole[: len(whole) // 2])  # no footer
+    out = tmp_path / "out"
+    run_preprocess(*build_args(folder, out, *COLUMNS))
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    (damaged,) = [r for r in rejected if r["source"] == "train-00001-of-00002.parquet"]
+    assert damaged["reason"].startswith("damaged Parquet file after 0 rows:")
+    index = json.loads((out / "index.json").read_text())
+    assert index["totals"]["utterances"] == good // 2 + good % 2  # the whole first file
+    assert run_preprocess("verify", str(out)).returncode == 0
