@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from melcache.codec import encode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.format import HashingStream, encode_sample, open_tar_writer, temp_path, write_atomic
+from melcache.storage import FP16, MEL_MEMBERS
 from preprocess.archives import audio_input
 from preprocess.audio import AudioError, encode_flac, load_mono
 from preprocess.config import BuildConfig
@@ -150,7 +152,8 @@ def _write_utterance(
         "bucket": bucket,
     }
     flac = encode_flac(audio, features.sample_rate) if keep_audio else None
-    writer.write(encode_sample(item.key, mel16, meta, flac))
+    stored = encode_mel(mel16 if config.storage == FP16 else mel32, config.storage)
+    writer.write(encode_sample(item.key, stored, meta, flac, MEL_MEMBERS[config.storage]))
     tally.sums += sums
     tally.squares += np.square(mel32, dtype=np.float64).sum(axis=0)
     tally.frames.append(meta["frames"])
