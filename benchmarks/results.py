@@ -1,6 +1,6 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|scale|tars|gpu]
+    python -m benchmarks.results [--quick] [--only results|scale|tars|storage|gpu]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
 against a naive librosa loop), ``benchmarks.loader_bench`` (streaming loader against
@@ -9,7 +9,9 @@ collects the JSON lines they print, and replaces the README section between
 ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
 command and the machine; ``benchmarks.scale_bench`` (planning time and memory per
 utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way,
-``benchmarks.tar_bench`` (tars of mp3 against loose wav) ``<!-- tars:begin -->``, and the rows
+``benchmarks.tar_bench`` (tars of mp3 against loose wav) ``<!-- tars:begin -->``,
+``benchmarks.storage_bench`` (fp16 against the compact storage, and Lhotse's lilcom when
+installed) ``<!-- storage:begin -->``, and the rows
 ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
 """
@@ -168,6 +170,35 @@ def tar_table(quick: bool) -> str:
     return "\n".join(lines)
 
 
+def storage_table(quick: bool) -> str:
+    """Run the storage benchmark and render one row per storage kind (and Lhotse's)."""
+    command = [sys.executable, "-m", "benchmarks.storage_bench", "--hours", "0.1" if quick else "1"]
+    rows = run_json(command)
+    ratio = next(row for row in rows if row["row"] == "ratio")
+    lines = [
+        f"Measured {datetime.date.today()} on {machine()}, by `{_cmd(command)}` "
+        f"(loader and build side by side, {rows[0]['workers']} workers; error against the "
+        "float32 mel the build computes). Loader: compact "
+        f"{ratio['loader_compact_over_fp16']}× fp16's samples/s; build: "
+        f"{ratio['build_compact_over_fp16']}× fp16's real-time factor.",
+        "",
+        "| storage | mel MB per hour | shard MB per hour | max abs error | mean abs error "
+        "| build real-time factor | loader samples/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row["row"] == "ratio":
+            continue
+        cells = [row.get(k, "—") for k in ("mel_mb_per_hour", "shard_mb_per_hour")]
+        cells += [row["max_abs_error"], row["mean_abs_error"]]
+        cells += [
+            f"{row['build_real_time_x']}×" if "build_real_time_x" in row else "—",
+            row.get("loader_samples_per_s", "—"),
+        ]
+        lines.append(f"| {row['row']} | " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.jsonl"
 
 
@@ -187,7 +218,13 @@ def gpu_table(quick: bool) -> str:
     )
 
 
-SECTIONS = {"results": table, "scale": scale_table, "tars": tar_table, "gpu": gpu_table}
+SECTIONS = {
+    "results": table,
+    "scale": scale_table,
+    "tars": tar_table,
+    "storage": storage_table,
+    "gpu": gpu_table,
+}
 
 
 def _cmd(command: list[str]) -> str:
