@@ -35,13 +35,19 @@ def encode_mel(mel: np.ndarray, storage: str) -> bytes:
     """A float32 log-mel ``[frames, n_mels]`` as the bytes of its ``storage`` member."""
     if storage == FP16:
         return encode_npy(np.ascontiguousarray(mel, dtype=MEL_DTYPE))
-    codes = np.rint(mel.astype(np.float64) / STEP).astype(np.int32)
-    residuals = np.diff(np.diff(codes, axis=0, prepend=0), axis=1, prepend=0)
-    wide = (residuals < -127) | (residuals > 127)
-    small = np.where(wide, _ESCAPE, residuals).astype(np.int8)
-    escapes = residuals[wide].astype("<i2")  # |code| ≤ 2^10 for any finite fp16-range mel
-    payload = small.tobytes() + escapes.tobytes()
-    packed = blosc.compress(payload, b"zstd", 3, blosc.NOSHUFFLE, 0)
+    codes = np.rint(mel * np.float32(1 / STEP)).astype(np.int32)  # exact: a power-of-two scale
+    across_time = np.empty_like(codes)
+    across_time[0] = codes[0]
+    np.subtract(codes[1:], codes[:-1], out=across_time[1:])
+    residuals = np.empty_like(codes)
+    residuals[:, 0] = across_time[:, 0]
+    np.subtract(across_time[:, 1:], across_time[:, :-1], out=residuals[:, 1:])
+    small = residuals.astype(np.int8)
+    wide = (small != residuals) | (small == _ESCAPE)
+    small[wide] = _ESCAPE
+    escapes = residuals[wide].astype("<i2")  # |residual| ≤ 4 · 2^11 for any fp16-range mel
+    # zstd level 1: as small as level 3 on mels (measured) at a quarter of the time.
+    packed = blosc.compress(small.tobytes() + escapes.tobytes(), b"zstd", 1, blosc.NOSHUFFLE, 0)
     return _HEADER.pack(_MAGIC, mel.shape[0], mel.shape[1], 0, len(escapes)) + packed
 
 

@@ -78,6 +78,9 @@ def test_residuals_beyond_a_byte_are_escaped_exactly() -> None:
     assert decode_mel_into(data, COMPACT, 100, "burst", out) == 50
     assert np.abs(out[:50].astype(np.float64) - mel).max() <= BOUND
     assert (out[50:] == 123).all()  # rows past the mel untouched
+    edges = np.zeros((2, 4), np.float32)
+    edges[0] = np.cumsum([-128, 127, 128, -127]) * 2.0**-5  # residuals at the int8 edges
+    assert np.array_equal(decode_mel(encode_mel(edges, COMPACT), COMPACT, 4, "edges"), edges)
 
 
 def damaged(data: bytes, how: str) -> bytes:
