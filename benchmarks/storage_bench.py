@@ -24,7 +24,7 @@ import argparse
 import json
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -73,22 +73,25 @@ def storage_rows(corpus: Path, cache: Path) -> dict[str, float]:
     features = features_from_dict(index["features"])
     stored = list(stored_mels(cache, features.n_mels))
     hours = index["totals"]["seconds"] / 3600
+    references = float32_mels(corpus, [source for source, _, _ in stored], features)
+    return {
+        "mel_mb_per_hour": round(sum(size for _, _, size in stored) / 1e6 / hours, 2),
+        "shard_mb_per_hour": round(sum(s["bytes"] for s in index["shards"]) / 1e6 / hours, 2),
+        **errors(zip((mel for _, mel, _ in stored), references, strict=True)),
+    }
+
+
+def errors(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
+    """Max and mean absolute difference over ``(stored, float32 reference)`` pairs."""
     worst, total, values = 0.0, 0.0, 0
-    for (_, mel, _), reference in zip(
-        stored, float32_mels(corpus, [s for s, _, _ in stored], features), strict=True
-    ):
-        error = np.abs(mel.astype(np.float64) - reference)
+    for stored, reference in pairs:
+        error = np.abs(stored.astype(np.float64) - reference)
         worst, total, values = (
             max(worst, float(error.max())),
             total + error.sum(),
             values + error.size,
         )
-    return {
-        "mel_mb_per_hour": round(sum(size for _, _, size in stored) / 1e6 / hours, 2),
-        "shard_mb_per_hour": round(sum(s["bytes"] for s in index["shards"]) / 1e6 / hours, 2),
-        "max_abs_error": round(worst, 6),
-        "mean_abs_error": round(total / values, 6),
-    }
+    return {"max_abs_error": round(worst, 6), "mean_abs_error": round(total / values, 6)}
 
 
 def loader_rate(cache: Path, workers: int, min_seconds: float) -> float:
@@ -115,27 +118,19 @@ def lhotse_row(corpus: Path, cache: Path) -> dict[str, object] | None:
     index = read_index(cache)
     features = features_from_dict(index["features"])
     sources = [source for source, _, _ in stored_mels(cache, features.n_mels)]
+    references = list(float32_mels(corpus, sources, features))
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "feats.lca"
-        worst, total, values, keys = 0.0, 0.0, 0, []
-        references = list(float32_mels(corpus, sources, features))
         with LilcomChunkyWriter(path) as writer:
             keys = [writer.write(str(i), mel) for i, mel in enumerate(references)]
         reader = LilcomChunkyReader(path)
-        for key, reference in zip(keys, references, strict=True):
-            error = np.abs(reader.read(key).astype(np.float64) - reference)
-            worst, total, values = (
-                max(worst, float(error.max())),
-                total + error.sum(),
-                values + error.size,
-            )
+        measured = errors(zip((reader.read(key) for key in keys), references, strict=True))
         size = path.stat().st_size
     hours = index["totals"]["seconds"] / 3600
     return {
         "row": f"lhotse {__version__} LilcomChunkyWriter",
         "mel_mb_per_hour": round(size / 1e6 / hours, 2),
-        "max_abs_error": round(worst, 6),
-        "mean_abs_error": round(total / values, 6),
+        **measured,
     }
 
 
