@@ -156,7 +156,8 @@ class PadToBatch:
             mel[row, : len(m)] = m
             text[row, : len(tokens)] = tokens
         keys = [str(i) for i in range(len(items))]
-        return Batch(mel.half(), mel_lengths, text, text_lengths, keys, [None] * len(items))
+        speaker = [None] * len(items)
+        return Batch(mel.half(), mel_lengths, text, text_lengths, keys, speaker, bucket=-1)
 
 
 def on_the_fly_batches(
