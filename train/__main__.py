@@ -30,7 +30,13 @@ def _train_parser() -> argparse.ArgumentParser:
         "and data-wait % from RUN/metrics.jsonl. Bad input is one line on stderr and exit 2.",
     )
     p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
-    p.add_argument("--config", type=Path, help="trainer TOML ([model], [data], [optim], [train])")
+    p.add_argument(
+        "--config",
+        type=Path,
+        action="append",
+        help="trainer TOML ([model], [data], [optim], [train]); repeat it to merge files in "
+        "order, e.g. a preset then the budgets `python -m train tune` wrote",
+    )
     p.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, metrics")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("overrides", nargs="*", metavar="table.key=value", help="config overrides")
