@@ -168,6 +168,8 @@ class TrainConfig:
     # CUDA kernels such as embedding backward are nondeterministic by default; true turns on
     # torch.use_deterministic_algorithms (slower) so a resume is bitwise on GPUs as on CPU.
     deterministic: bool = False
+    # Share of the device's memory `python -m train tune` fills with the largest batch per bucket.
+    memory_target: float = 0.9
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
@@ -187,6 +189,7 @@ class TrainConfig:
         require(
             self.comm_hook in COMM_HOOKS, "train.comm_hook", self.comm_hook, " or ".join(COMM_HOOKS)
         )
+        require(0 < self.memory_target <= 1, "train.memory_target", self.memory_target, "in (0, 1]")
         require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
         # One fp16 overflow step writes inf into PowerSGD's error memory; every later step is
         # then skipped by the loss scaler while the loss looks fine.
