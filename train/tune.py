@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -168,6 +169,8 @@ def tune(
 ) -> tuple[list[Row], str]:
     """The budget of every bucket of cache ``shards`` (see the module docstring) and a line
     saying where it was measured. ``memory_limit_mib`` is required on CPU, ignored on CUDA."""
+    if dist.is_available() and dist.is_initialized():
+        raise UserError("train tune measures one process, no DDP: run it with python, not torchrun")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     env = Env(rank=0, world_size=1, local_rank=0, device=device)
     target = cfg.train.memory_target
@@ -196,6 +199,8 @@ def tune(
         finally:
             trainer.close()
             quiet.setLevel(level)
+            if device.type == "cuda":  # the cap was for the search only
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
     where += f", {trainer.precision}, {cfg.model.impl}"
     if cfg.train.activation_checkpointing:
         where += ", activation checkpointing"
