@@ -180,13 +180,20 @@ def on_rank_1(record: Path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("accum", [1, 2])  # 2: errors in no_sync passes and backwards too
 def test_ddp_forward_oom_on_one_rank_skips_exactly_those_steps_and_resumes(
-    train_cache: Path, tmp_path: Path
+    train_cache: Path, tmp_path: Path, accum: int
 ) -> None:
     out, record = tmp_path / "run", tmp_path / "rank1.jsonl"
-    run_ok(train_cmd(train_cache, out, *on_rank_1(record)), timeout=600)
+    extra = [*on_rank_1(record), f"train.grad_accum={accum}"]
+    if accum == 2:
+        extra.append("model.args.stage=backward")  # the first pass's backward: no_sync
+    run_ok(train_cmd(train_cache, out, *extra), timeout=600)
     logged = events(out)
     assert logged and {e["rank"] for e in logged} == {1}
+    # With 2 micro-batches, the batches over the limit come first in their steps (seed 0):
+    # their backward is a no_sync one, recoverable like a forward.
+    assert {e["stage"] for e in logged} == {"forward" if accum == 1 else "backward"}
     caps: dict[int, int] = {}
     raised = replay(record, logged, caps, bucket_of(train_cache))
     final = checkpoint(out, 20)
@@ -195,13 +202,14 @@ def test_ddp_forward_oom_on_one_rank_skips_exactly_those_steps_and_resumes(
     assert shared["budgets"]["caps"] == {str(b): c for b, c in caps.items()}
     for rank in (0, 1):  # every rank ran every step, the skipped ones included
         local = load(final, f"rank-{rank:05d}.pt")
-        assert local["step"] == 20 and local["loader"]["batches"] == 20
+        assert local["step"] == 20 and local["loader"]["batches"] == 20 * accum
     windows = [r for r in metrics(out) if "loss" in r]
     assert [r["step"] for r in windows] == [5, 10, 15, 20]
     assert sum(r["skipped_steps"] for r in windows) == raised
 
     again = tmp_path / "rank1-resumed.jsonl"
-    done = run_ok(train_cmd(train_cache, out, *on_rank_1(again), max_steps=30), timeout=600)
+    extra[: len(on_rank_1(again))] = on_rank_1(again)
+    done = run_ok(train_cmd(train_cache, out, *extra, max_steps=30), timeout=600)
     assert "resumed from" in done.stderr
     replay(again, [e for e in events(out) if e["step"] > 20], dict(caps), bucket_of(train_cache))
     later = load(checkpoint(out, 30))["budgets"]["caps"]
