@@ -127,3 +127,14 @@ def test_tune_is_within_one_step_of_the_limit_and_a_tuned_run_stays_under_it(
     longest_budget = table[str(max(samples))]
     assert largest[0] > longest_budget  # more frames than one budget safe for every bucket
     print(f"tuned {table}; largest batches {largest}; peak {run_cap.peak / 2**20:.1f} MiB")
+
+
+def test_tune_on_cpu_needs_a_memory_limit(
+    train_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from train.__main__ import main
+
+    output = tmp_path / "budgets.toml"
+    command = ["tune", "--shards", str(train_cache), "--config", str(TINY), "--output", str(output)]
+    assert main(command) == 2 and not output.exists()
+    assert "--memory-limit-mib" in caplog.text
