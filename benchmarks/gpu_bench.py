@@ -3,6 +3,7 @@
     python -m benchmarks.gpu_bench [--device auto|cuda|cpu] [--model base|tiny] [--steps 50]
         [--warmup 20] [--minutes 60] [--batch-frames N] [--workers 2] [--accum 4]
         [--rows otf-fp32,cache-fp32,...|all] [--data /tmp/melcache-gpu-bench] [--json OUT]
+        [--memory-limit-mib N (CPU, for the budget rows)]
 
 Makes (or reuses) a speech corpus with ``benchmarks.speech`` (espeak-ng when on ``PATH``,
 synthetic speech-like audio otherwise: no download, no network), builds (or reuses) its cache
@@ -18,7 +19,13 @@ options named in the row change:
 - ``accum-sync`` / ``accum-nosync``: + ``--accum`` micro-batches per optimizer step, every
   micro-batch all-reducing its gradients / only the last (DDP ``no_sync``, the trainer's way);
 - ``ckpt`` / ``compile``: ``accum-nosync`` + activation checkpointing / + ``torch.compile``
-  (``compile`` only when asked for: compiling the base model takes a minute or more).
+  (``compile`` only when asked for: compiling the base model takes a minute or more);
+- ``copy-compute``: ``cache-bf16`` with the host-to-device copies on the compute stream instead
+  of the trainer's side stream (``train/prefetch.py``): what overlapping them is worth;
+- ``budget-global`` / ``budget-tuned``: ``cache-bf16`` with one frame budget for every bucket
+  (the largest that is safe for all: the tuned budget of the longest bucket) / with the
+  per-bucket table. The table comes from ``train.tune.tune`` on this device before the rows run
+  (on CPU against ``--memory-limit-mib`` of live tensors).
 
 The process joins a one-rank process group (NCCL on CUDA, gloo on CPU), so the model is
 wrapped in DDP exactly as under torchrun and ``no_sync`` has something to skip; with one rank
@@ -73,6 +80,7 @@ from train.config import Config, load_config
 from train.distributed import Env
 from train.metrics import peak_memory
 from train.trainer import Trainer
+from train.tune import tune
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +103,8 @@ class Row:
     no_sync: bool = True  # with accumulation: all-reduce only on the last micro-batch
     compile: bool = False
     checkpointing: bool = False
+    side_stream: bool = True  # host-to-device copies on a side stream (the trainer's way)
+    budgets: str = "config"  # data.batch_frames: the config's, "global" or "tuned" (train tune)
 
 
 ROWS = {
@@ -103,6 +113,9 @@ ROWS = {
         Row(name="otf-fp32", what="on-the-fly mels, fp32", on_the_fly=True, precision="fp32"),
         Row(name="cache-fp32", what="shard cache, fp32", precision="fp32"),
         Row(name="cache-bf16", what="+ bf16 autocast"),
+        Row(
+            name="copy-compute", what="cache-bf16, copies on the compute stream", side_stream=False
+        ),
         Row(
             name="accum-sync",
             what="+ grad accumulation, sync every micro",
@@ -114,6 +127,8 @@ ROWS = {
             name="ckpt", what="accum-nosync + activation ckpt", accumulate=True, checkpointing=True
         ),
         Row(name="compile", what="accum-nosync + torch.compile", accumulate=True, compile=True),
+        Row(name="budget-global", what="cache-bf16, one budget safe for all", budgets="global"),
+        Row(name="budget-tuned", what="cache-bf16, per-bucket budgets", budgets="tuned"),
     )
 }
 DEFAULT_ROWS = [name for name in ROWS if name != "compile"]
@@ -156,7 +171,8 @@ class PadToBatch:
             mel[row, : len(m)] = m
             text[row, : len(tokens)] = tokens
         keys = [str(i) for i in range(len(items))]
-        return Batch(mel.half(), mel_lengths, text, text_lengths, keys, [None] * len(items))
+        speaker = [None] * len(items)
+        return Batch(mel.half(), mel_lengths, text, text_lengths, keys, speaker, bucket=-1)
 
 
 def on_the_fly_batches(
@@ -313,6 +329,8 @@ def run_row(row: Row, args: argparse.Namespace, env: Env, sampler: UtilSampler) 
         torch.cuda.reset_peak_memory_stats(env.device)
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as out:
         trainer = Trainer(cfg, str(args.cache), Path(out), env)
+        if not row.side_stream:
+            trainer.copies.stream = None
         warmup, steps = (-(-n // cfg.train.grad_accum) for n in (args.warmup, args.steps))
         sync = contextlib.nullcontext()
         if not row.no_sync:  # the trainer always uses no_sync; this row must not
@@ -336,6 +354,7 @@ def run_row(row: Row, args: argparse.Namespace, env: Env, sampler: UtilSampler) 
         "what": row.what,
         "precision": "tf32" if cuda_fp32 else trainer.precision,
         "grad_accum": cfg.train.grad_accum,
+        "batch_frames": cfg.data.batch_frames,
         **result,
         "peak_allocated_mib": _mib(memory.get("cuda_max_allocated_mib")),
         "peak_reserved_mib": _mib(memory.get("cuda_max_reserved_mib")),
@@ -361,9 +380,30 @@ def row_overrides(row: Row, args: argparse.Namespace) -> list[str]:
         f"train.compile={str(row.compile).lower()}",
         f"train.activation_checkpointing={str(row.checkpointing).lower()}",
     ]
-    if args.batch_frames is not None:
+    if row.budgets != "config":
+        table = args.tuned
+        if row.budgets == "global":
+            table = min(table.values())
+        overrides.append(f"data.batch_frames={_toml(table)}")
+    elif args.batch_frames is not None:
         overrides.append(f"data.batch_frames={args.batch_frames}")
     return overrides
+
+
+def _toml(budget: int | dict[str, int]) -> str:
+    """A budget as a TOML value: a number, or an inline table {bucket = frames}."""
+    if isinstance(budget, int):
+        return str(budget)
+    return "{" + ", ".join(f"{b} = {f}" for b, f in budget.items()) + "}"
+
+
+def tuned_budgets(args: argparse.Namespace) -> dict[str, int]:
+    """``train tune``'s table for the budget rows' config, measured in this (one) process
+    before it joins its process group."""
+    cfg = load_config(args.config, row_overrides(ROWS["cache-bf16"], args))
+    rows, where = tune(cfg, str(args.cache), memory_limit_mib=args.memory_limit_mib)
+    log.info("tuned on %s: %s", where, {r.bucket: r.budget for r in rows})
+    return {str(r.bucket): r.budget for r in rows}
 
 
 def row_batches(
@@ -436,6 +476,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma list, or 'all'")
     parser.add_argument("--data", type=Path, default=Path("/tmp/melcache-gpu-bench"))
     parser.add_argument("--json", type=Path, help="also write the rows here as JSON lines")
+    parser.add_argument(
+        "--memory-limit-mib",
+        type=float,
+        help="on CPU, the memory the budget rows are tuned for (MiB of live tensors)",
+    )
     args = parser.parse_args(argv)
     args.rows = list(ROWS) if args.rows == "all" else [r.strip() for r in args.rows.split(",")]
     unknown = [r for r in args.rows if r not in ROWS]
@@ -461,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args.corpus, args.cache = prepare_data(args.data, args.minutes)
     log.info("data ready in %.1f s", time.perf_counter() - started)
+    if any(ROWS[name].budgets != "config" for name in args.rows):
+        if not cuda and args.memory_limit_mib is None:
+            raise UserError("the budget rows on CPU need --memory-limit-mib (see train tune)")
+        args.tuned = tuned_budgets(args)
     env = join_process_group(device)
     sampler = UtilSampler(device)
     results: list[dict] = []

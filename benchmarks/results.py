@@ -1,6 +1,6 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|scale|tars|storage|gpu]
+    python -m benchmarks.results [--quick] [--only results|scale|tars|storage|budgets|gpu]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
 against a naive librosa loop), ``benchmarks.loader_bench`` (streaming loader against
@@ -11,7 +11,8 @@ command and the machine; ``benchmarks.scale_bench`` (planning time and memory pe
 utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way,
 ``benchmarks.tar_bench`` (tars of mp3 against loose wav) ``<!-- tars:begin -->``,
 ``benchmarks.storage_bench`` (fp16 against the compact storage, and Lhotse's lilcom when
-installed) ``<!-- storage:begin -->``, and the rows
+installed) ``<!-- storage:begin -->``, ``benchmarks.budget_bench`` (one global batch budget
+against ``train tune``'s per-bucket table) ``<!-- budgets:begin -->``, and the rows
 ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
 """
@@ -199,6 +200,40 @@ def storage_table(quick: bool) -> str:
     return "\n".join(lines)
 
 
+def budget_table(quick: bool) -> str:
+    """Run the budget benchmark and render one global budget against the tuned table."""
+    command = [sys.executable, "-m", "benchmarks.budget_bench", "--hours", "0.5" if quick else "4"]
+    rows = run_json(command)
+    total = rows[-1]
+
+    def cells(row: dict[str, Any], name: str) -> str:
+        return (
+            f"{row[f'{name}_samples_per_batch']} | {row[f'{name}_padded_frames_per_batch']:,} | "
+            f"{row[f'{name}_padding_pct']} %"
+        )
+
+    return "\n".join(
+        [
+            f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
+            f"--only budgets` (`{_cmd(command)}`): budgets tuned on {total['tuned_on']}; one "
+            f"epoch of every shard planned as the loader plans it, under one global budget of "
+            f"{total['global_budget']:,} frames (the largest safe for every bucket) and under "
+            "the table.",
+            "",
+            "| bucket | longest (frames) | global: utterances per batch | padded frames per "
+            "batch | padding | table budget | table: utterances per batch | padded frames per "
+            "batch | padding |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *(
+                f"| {r['bucket']} | {r['max_frames']} | {cells(r, 'global')} | "
+                f"{r['tuned_budget']:,} | {cells(r, 'table')} |"
+                for r in rows[:-1]
+            ),
+            f"| all | | {cells(total, 'global')} | | {cells(total, 'table')} |",
+        ]
+    )
+
+
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.jsonl"
 
 
@@ -223,6 +258,7 @@ SECTIONS = {
     "scale": scale_table,
     "tars": tar_table,
     "storage": storage_table,
+    "budgets": budget_table,
     "gpu": gpu_table,
 }
 

@@ -72,6 +72,7 @@ def union(batches: list[Batch]) -> Batch:
         text_lengths=torch.cat([b.text_lengths for b in batches]),
         keys=[k for b in batches for k in b.keys],
         speaker=[s for b in batches for s in b.speaker],
+        bucket=-1,  # several buckets
     )
 
 

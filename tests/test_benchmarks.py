@@ -101,3 +101,17 @@ def test_storage_bench_prints_each_storage_and_the_ratios(tmp_path: Path) -> Non
     assert compact["mel_mb_per_hour"] < fp16["mel_mb_per_hour"] / 2
     assert compact["loader_samples_per_s"] > 0 and fp16["build_real_time_x"] > 0
     assert rows["ratio"]["loader_compact_over_fp16"] > 0
+
+
+@pytest.mark.slow
+def test_budget_bench_plans_one_budget_against_the_tuned_table(tmp_path: Path) -> None:
+    rows = bench_rows("budget_bench", tmp_path / "data", "--hours", "0.05")
+    *buckets, total = rows
+    assert total["bucket"] == "all" and "cpu" in total["tuned_on"]
+    assert [r["bucket"] for r in buckets] == sorted(r["bucket"] for r in buckets)
+    assert total["global_budget"] == min(r["tuned_budget"] for r in buckets)
+    for row in buckets:  # never fewer frames per batch than under the one budget
+        assert row["table_padded_frames_per_batch"] >= row["global_padded_frames_per_batch"], row
+        assert row["table_batches"] <= row["global_batches"], row
+    assert sum(r["table_batches"] for r in buckets) == total["table_batches"]
+    assert 0 <= total["table_padding_pct"] < 100

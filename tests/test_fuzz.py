@@ -241,7 +241,7 @@ def load_and_collate(path: Path, entry: dict, case: str) -> int:
 
         packed = expect_clean(case, lambda: collate(
             [samples[i] for i in indices], seq=0, mel_out=mel_out, n_mels=N_MELS,  # noqa: B023
-            pad_multiple=8, pad_value=math.log(1e-5), tokenizer=utf8_tokens, where=str(path),
+            pad_multiple=8, pad_value=math.log(1e-5), tokenizer=utf8_tokens, where=str(path), bucket=0,
         ))  # fmt: skip
         if packed is None:
             return made

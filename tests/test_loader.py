@@ -516,5 +516,37 @@ def test_too_little_shared_memory_is_one_clear_error(
     usage = shutil.disk_usage("/tmp")._replace(free=32 * 2**20)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
     with pytest.raises(UserError, match=r"needs 92 MiB .* 32 MiB free.*--shm-size"):
-        loader(sample_cache, num_workers=2, batch_frames=40_000)
+        loader(sample_cache, num_workers=2, batch_frames=40_000, max_batch_size=64)
     loader(sample_cache, num_workers=2).close()  # 3000 frames: 7 MiB fit
+    # 40,000 frames, but 3 utterances per batch at most: the rings hold 3 of the longest.
+    loader(sample_cache, num_workers=2, batch_frames=40_000).close()
+
+
+def test_a_budget_table_gives_each_bucket_its_own_budget(sample_cache: Path) -> None:
+    longest = {
+        b: max(s["max_frames"] for s in index_of(sample_cache)["shards"] if s["bucket"] == b)
+        for b in {s["bucket"] for s in index_of(sample_cache)["shards"]}
+    }
+    table = {str(b): 6 * round_up(frames, 8) for b, frames in longest.items()}
+    table[str(max(longest))] = round_up(longest[max(longest)], 8)  # the longest: one at a time
+    meta = all_keys(sample_cache)
+    stream = loader(sample_cache, batch_frames=table, max_batch_size=64, num_workers=2)
+    seen: dict[int, int] = {}
+    for batch in take(stream, 40):
+        (bucket,) = {meta[k]["bucket"] for k in batch.keys}
+        assert batch.bucket == bucket
+        assert batch.mel.shape[0] * batch.mel.shape[1] <= table[str(bucket)]
+        seen[bucket] = max(seen.get(bucket, 0), len(batch))
+    stream.close()
+    assert seen[max(longest)] == 1 and max(seen.values()) > 1, seen
+    state = loader(sample_cache, batch_frames=table, max_batch_size=64).state_dict()
+    assert state["batch_frames"] == table
+    # A changed table, or one number instead of it, is refused by name on restore.
+    for changed in ({**table, "0": table["0"] + 8}, max(table.values())):
+        with pytest.raises(UserError, match="batch_frames"):
+            loader(sample_cache, batch_frames=changed, max_batch_size=64).load_state_dict(state)
+    # Every bucket of the cache needs an entry, and no other; each must hold its longest.
+    with pytest.raises(UserError, match=r"names buckets \[0, 1, 2\] but cache"):
+        loader(sample_cache, batch_frames={k: v for k, v in table.items() if k != "3"})
+    with pytest.raises(UserError, match=r"batch_frames\.0 = 8 is below .* bucket 0"):
+        loader(sample_cache, batch_frames={**table, "0": 8})

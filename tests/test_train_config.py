@@ -44,6 +44,10 @@ def test_overrides_are_typed_and_nested() -> None:
         ("optim.decay_steps=5", "optim.decay_steps"),
         ("optim.lr=true", "optim.lr"),
         ("data.batch_frames=0", "data.batch_frames"),
+        ("data.batch_frames=true", "data.batch_frames"),
+        ("data.batch_frames={a = 3}", "data.batch_frames"),
+        ("data.batch_frames={}", "data.batch_frames"),
+        ("data.batch_frames={0 = -5}", "data.batch_frames.0"),
         ("data.on_error=ignore", "data.on_error"),
         ("model.impl=nocolon", "model.impl"),
         ("train.max_step=3", "train.max_step"),
@@ -91,3 +95,14 @@ def test_powersgd_with_fp16_is_refused_by_name() -> None:
     for precision in ("bf16", "fp32", "auto"):
         load_config(None, ["train.comm_hook=powersgd", f"train.precision={precision}"])
     assert not load_config(None).train.deterministic  # deterministic kernels: opt in
+
+
+def test_a_budget_table_is_read_from_toml_and_later_files_win(tmp_path: Path) -> None:
+    tuned = tmp_path / "budgets.toml"
+    tuned.write_text("[data.batch_frames]\n0 = 24000\n2 = 8000\n01 = 16000\n")
+    cfg = load_config([REPO / "configs" / "tiny.toml", tuned])
+    assert cfg.data.batch_frames == {"0": 24000, "1": 16000, "2": 8000}
+    assert [cfg.data.budget(b) for b in (0, 1, 2)] == [24000, 16000, 8000]
+    assert cfg.data.max_batch_size == 16  # the rest of tiny.toml's [data] is kept
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    assert load_config([tuned], ["data.batch_frames=5000"]).data.budget(7) == 5000

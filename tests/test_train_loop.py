@@ -69,19 +69,19 @@ def test_sigterm_checkpoints_and_resume_continues(train_cache: Path, tmp_path: P
         assert trainer.fit(max_steps=50) == "signal"
     finally:
         trainer.close()
-    # The vote taken during step 3 is acted on one step later, by every rank alike.
-    assert trainer.step == 4
-    assert (tmp_path / "checkpoints" / "step-00000004" / "COMPLETE.json").is_file()
+    # The signal comes during step 3; every rank alike stops after it (the step's host vote).
+    assert trainer.step == 3
+    assert (tmp_path / "checkpoints" / "step-00000003" / "COMPLETE.json").is_file()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 4]
+    assert [r["step"] for r in records] == [2, 3]
     assert set(records[0]) >= METRIC_KEYS
     assert 0 <= records[0]["padding_pct"] < 100 and 0 <= records[0]["data_wait_pct"] <= 100
 
     resumed = make_trainer(train_cache, tmp_path)
     try:
-        assert resumed.step == 4
+        assert resumed.step == 3
         assert resumed.loader.state_dict() == trainer.loader.state_dict()
         resumed.fit(max_steps=6)
     finally:

@@ -1,5 +1,5 @@
-"""Command line: ``[torchrun ...] -m train --shards DIR --config FILE --out RUN`` and
-``python -m train plot RUN``.
+"""Command line: ``[torchrun ...] -m train --shards DIR --config FILE --out RUN``,
+``python -m train tune --shards DIR --config FILE`` and ``python -m train plot RUN``.
 
 Examples::
 
@@ -27,12 +27,39 @@ def _train_parser() -> argparse.ArgumentParser:
         description="Train on a melcache cache; the same command under torchrun runs DDP. "
         "Rerunning with the same --out resumes from its latest complete checkpoint.",
         epilog="Also: `python -m train plot RUN [--output PNG]` draws a run's loss, frames/s "
-        "and data-wait % from RUN/metrics.jsonl. Bad input is one line on stderr and exit 2.",
+        "and data-wait % from RUN/metrics.jsonl; `python -m train tune --shards DIR --config "
+        "FILE` finds per-bucket batch budgets for this device. Bad input is one line on stderr "
+        "and exit 2.",
     )
     p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
-    p.add_argument("--config", type=Path, help="trainer TOML ([model], [data], [optim], [train])")
+    p.add_argument(
+        "--config",
+        type=Path,
+        action="append",
+        help="trainer TOML ([model], [data], [optim], [train]); repeat it to merge files in "
+        "order, e.g. a preset then the budgets `python -m train tune` wrote",
+    )
     p.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, metrics")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument("overrides", nargs="*", metavar="table.key=value", help="config overrides")
+    return p
+
+
+def _tune_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train tune",
+        description="Find, per length bucket, the largest batch budget whose training step fits "
+        "train.memory_target of this device's memory (a GPU tool; see train/tune.py), print a "
+        "table and write a [data.batch_frames] table to pass as a second --config.",
+    )
+    p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
+    p.add_argument("--config", type=Path, action="append", help="trainer TOML, as for training")
+    p.add_argument("--output", type=Path, default=Path("budgets.toml"), help="TOML to write")
+    p.add_argument(
+        "--memory-limit-mib",
+        type=float,
+        help="on CPU: search against this many MiB of live tensors (tests the search)",
+    )
     p.add_argument("overrides", nargs="*", metavar="table.key=value", help="config overrides")
     return p
 
@@ -63,6 +90,20 @@ def main(argv: list[str] | None = None) -> int:
 
             args = _plot_parser().parse_args(argv[1:])
             print(plot_run(args.run, args.output))
+            return 0
+        if argv[:1] == ["tune"]:
+            from train.config import load_config
+            from train.tune import render, tune
+
+            args = _tune_parser().parse_args(argv[1:])
+            rows, where = tune(
+                load_config(args.config, args.overrides),
+                args.shards,
+                memory_limit_mib=args.memory_limit_mib,
+            )
+            table, toml = render(rows, where)
+            args.output.write_text(toml, encoding="utf-8")
+            print(f"{table}\n\nwritten to {args.output}")
             return 0
         args = _train_parser().parse_args(argv)
         from train.config import load_config

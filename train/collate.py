@@ -47,6 +47,7 @@ class Batch:
     text_lengths: torch.Tensor  # int64 [B]
     keys: list[str]
     speaker: list[str | None]
+    bucket: int  # the length bucket of the shard it comes from (-1: not from a cache)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -81,13 +82,14 @@ class PackedBatch:
     text_lengths: np.ndarray
     keys: list[str]
     speaker: list[str | None]
+    bucket: int
 
     def unpack(self, mel: torch.Tensor, pin_memory: bool) -> Batch:
         """The :class:`Batch`, given the mel copied out of the ring."""
         small = [torch.from_numpy(a) for a in (self.mel_lengths, self.text, self.text_lengths)]
         if pin_memory:
             small = [t.pin_memory() for t in small]
-        return Batch(mel, *small, keys=self.keys, speaker=self.speaker)
+        return Batch(mel, *small, keys=self.keys, speaker=self.speaker, bucket=self.bucket)
 
 
 def collate(
@@ -100,6 +102,7 @@ def collate(
     pad_value: float,
     tokenizer: Tokenizer,
     where: str,
+    bucket: int,
 ) -> PackedBatch:
     """Decode the mels (never unpickling) and pad them into ``mel_out(shape)``, the rest
     into a :class:`PackedBatch`."""
@@ -129,4 +132,5 @@ def collate(
         text_lengths=np.array([len(t) for t in tokens], dtype=np.int64),
         keys=[s.key for s in samples],
         speaker=[s.speaker for s in samples],
+        bucket=bucket,
     )

@@ -59,7 +59,10 @@ class DataConfig:
     """The ``[data]`` table: the streaming loader's one configuration, handed whole to
     ``train.data.make_loader`` and on to its workers (job rank, world size and seed aside)."""
 
-    batch_frames: int = 6_000  # padded mel frames per micro-batch per rank
+    # Padded mel frames per micro-batch per rank: one count for every length bucket, or a
+    # table {bucket: count} (``python -m train tune`` writes one), since attention memory grows
+    # with the square of the length and a budget safe for the longest bucket starves the rest.
+    batch_frames: int | Mapping[str, int] = 6_000
     max_batch_size: int = 64
     num_workers: int = 2
     pad_multiple: int = 8
@@ -68,11 +71,39 @@ class DataConfig:
     mel_stats: bool = True  # hand the cache's per-channel mean/std (stats.zarr) to the model
 
     def __post_init__(self) -> None:
-        require(self.batch_frames > 0, "data.batch_frames", self.batch_frames, "a positive count")
+        if isinstance(self.batch_frames, Mapping):
+            object.__setattr__(self, "batch_frames", _budget_table(self.batch_frames))
+        else:
+            require(_is_count(self.batch_frames), "data.batch_frames", self.batch_frames, _BUDGET)
         require(self.max_batch_size > 0, "data.max_batch_size", self.max_batch_size, "≥ 1")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
         require(self.pad_multiple > 0, "data.pad_multiple", self.pad_multiple, "≥ 1")
         require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
+
+    def budget(self, bucket: int) -> int:
+        """Padded frames per micro-batch in length bucket ``bucket`` (the loader checks at start
+        that a table names every bucket of the cache)."""
+        if isinstance(self.batch_frames, int):
+            return self.batch_frames
+        return self.batch_frames[str(bucket)]
+
+
+_BUDGET = "a positive count, or a table of bucket numbers to counts such as {0 = 24000, 1 = 16000}"
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _budget_table(table: Mapping[Any, Any]) -> dict[str, int]:
+    """A ``batch_frames`` table checked and keyed by canonical bucket numbers, in order."""
+    require(len(table) > 0, "data.batch_frames", dict(table), _BUDGET)
+    out: dict[str, int] = {}
+    for key, value in table.items():
+        require(str(key).isdigit(), "data.batch_frames", dict(table), _BUDGET)
+        require(_is_count(value), f"data.batch_frames.{key}", value, "a positive count")
+        out[str(int(key))] = value
+    return dict(sorted(out.items(), key=lambda item: int(item[0])))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,6 +168,8 @@ class TrainConfig:
     # CUDA kernels such as embedding backward are nondeterministic by default; true turns on
     # torch.use_deterministic_algorithms (slower) so a resume is bitwise on GPUs as on CPU.
     deterministic: bool = False
+    # Share of the device's memory `python -m train tune` fills with the largest batch per bucket.
+    memory_target: float = 0.9
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
@@ -156,6 +189,7 @@ class TrainConfig:
         require(
             self.comm_hook in COMM_HOOKS, "train.comm_hook", self.comm_hook, " or ".join(COMM_HOOKS)
         )
+        require(0 < self.memory_target <= 1, "train.memory_target", self.memory_target, "in (0, 1]")
         require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
         # One fp16 overflow step writes inf into PowerSGD's error memory; every later step is
         # then skipped by the loss scaler while the loss looks fine.
@@ -239,10 +273,15 @@ def merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Read a trainer TOML (``None``: all defaults) and apply ``table.key=value`` overrides."""
-    data = {} if path is None else load_toml(path, _SECTIONS)
-    source = "defaults" if path is None else str(path)
+def load_config(paths: Path | Sequence[Path] | None, overrides: Sequence[str] = ()) -> Config:
+    """Read trainer TOML files (``None`` or none: all defaults), each merged over the ones
+    before it (a tuned ``[data.batch_frames]`` table over a preset), then apply
+    ``table.key=value`` overrides."""
+    paths = [] if paths is None else [paths] if isinstance(paths, (str, Path)) else list(paths)
+    data: dict[str, Any] = {}
+    for path in paths:
+        data = merge(data, load_toml(path, _SECTIONS))
+    source = " + ".join(map(str, paths)) or "defaults"
     if overrides:
         data = merge(data, parse_overrides(overrides))
         source += " with overrides"

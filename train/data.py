@@ -13,8 +13,9 @@ Usage::
 A :class:`Batch` holds ``mel`` float16 ``[B, T, n_mels]`` (T a multiple of ``pad_multiple``,
 padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, ``text`` int64
 ``[B, L]`` (UTF-8 bytes + 1 by default: vocabulary 257, 0 = padding), ``text_lengths``,
-``keys`` and ``speaker`` (``None`` where unknown). ``B × T <= batch_frames`` and
-``B <= max_batch_size``; all samples of a batch come from one shard, hence one length bucket.
+``keys``, ``speaker`` (``None`` where unknown) and ``bucket``. All samples of a batch come from
+one shard, hence one length bucket ``b``; ``B × T <= batch_frames`` (one number, or the table's
+entry for ``b``) and ``B <= max_batch_size``.
 
 Splitting: every epoch the shard list is permuted from ``(seed, epoch)`` and dealt to the
 ``world_size × max(1, num_workers)`` workers of the job, so each shard is read exactly once
@@ -36,7 +37,8 @@ shard once, records it in ``loader.skipped_shards`` and goes on, and still raise
 shard can be read at all rather than spin. Only ``mel.npy`` and ``json`` members are read,
 never with pickle.
 
-Throughput: workers pad mels straight into shared-memory ring slots (``train/transport.py``)
+Throughput: workers pad mels straight into shared-memory ring slots (``train/transport.py``,
+each the size of the largest batch any bucket can make)
 and DataLoader carries only the small rest; the consumer copies each mel out, into pinned
 memory when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.py`` measures it.
 """
@@ -236,7 +238,8 @@ def _stream(
     bookkeeping) as it is yielded."""
     data = spec.data
     rings = [
-        BatchRing(RING_SLOTS, data.batch_frames * spec.n_mels) for _ in range(spec.workers_per_rank)
+        BatchRing(RING_SLOTS, largest_batch(spec) * spec.n_mels)
+        for _ in range(spec.workers_per_rank)
     ]
     dataset = _WorkerDataset(spec, positions, next_worker, rings)
     loader = DataLoader(
@@ -338,18 +341,47 @@ def _check_layout(spec: StreamSpec) -> None:
             "would get none; use fewer workers or rebuild with [build] min_shards >= "
             f"{spec.num_slots} (ideally several times more)"
         )
-    longest = max(s["max_frames"] for s in spec.shards)
-    if round_up(longest, data.pad_multiple) > data.batch_frames:
-        raise UserError(
-            f"loader batch_frames = {data.batch_frames} is below the longest utterance of "
-            f"cache {cache} ({longest} frames, {round_up(longest, data.pad_multiple)} padded); "
-            "raise batch_frames"
-        )
+    longest = bucket_lengths(spec.shards)
+    if isinstance(data.batch_frames, dict):
+        named, present = {int(b) for b in data.batch_frames}, set(longest)
+        if named != present:
+            raise UserError(
+                f"data.batch_frames names buckets {sorted(named)} but cache {cache} has buckets "
+                f"{sorted(present)}: give one budget per bucket of this cache (python -m train "
+                "tune writes such a table), or one number for all"
+            )
+    for bucket, frames in longest.items():
+        budget, padded = data.budget(bucket), round_up(frames, data.pad_multiple)
+        if padded > budget:
+            key = "batch_frames" if isinstance(data.batch_frames, int) else f"batch_frames.{bucket}"
+            raise UserError(
+                f"loader {key} = {budget} is below the longest utterance of bucket {bucket} of "
+                f"cache {cache} ({frames} frames, {padded} padded); raise {key}"
+            )
+
+
+def bucket_lengths(shards: tuple[dict[str, Any], ...]) -> dict[int, int]:
+    """The longest utterance (frames) of each length bucket, from the index's shard entries."""
+    longest: dict[int, int] = {}
+    for shard in shards:
+        longest[shard["bucket"]] = max(longest.get(shard["bucket"], 0), shard["max_frames"])
+    return dict(sorted(longest.items()))
+
+
+def largest_batch(spec: StreamSpec) -> int:
+    """Padded frames of the largest batch the loader can make: per bucket its budget, or
+    ``max_batch_size`` of its longest utterances when fewer frames than that."""
+    data = spec.data
+    return max(
+        min(data.budget(bucket), data.max_batch_size * round_up(frames, data.pad_multiple))
+        for bucket, frames in bucket_lengths(spec.shards).items()
+    )
 
 
 def ring_bytes(spec: StreamSpec) -> int:
-    """Shared memory one rank's batch rings take: a ring of float16 slots per worker."""
-    return spec.workers_per_rank * RING_SLOTS * spec.data.batch_frames * spec.n_mels * 2
+    """Shared memory one rank's batch rings take: a ring of float16 slots per worker, each
+    the size of the largest batch."""
+    return spec.workers_per_rank * RING_SLOTS * largest_batch(spec) * spec.n_mels * 2
 
 
 def _check_shared_memory(spec: StreamSpec, folder: str = "/dev/shm") -> None:

@@ -129,7 +129,10 @@ def wrap_model(model: nn.Module, env: Env, cfg: TrainConfig) -> nn.Module:
 
     Compile goes inside DDP, as in nanoGPT, so DDP's ``no_sync`` runs eagerly around the
     compiled module. ``static_graph`` stays off: with ``no_sync`` it crashes or silently
-    skips the gradient all-reduce (pytorch#143580, accelerate#3679).
+    skips the gradient all-reduce (pytorch#143580, accelerate#3679). Buffers are broadcast
+    from rank 0 once, at wrapping, not before every forward: a forward then holds no
+    collective, so a rank whose forward ran out of memory can run it again on a stand-in
+    without falling out of step with the others (``train/oom.py``).
     """
     if cfg.compile:
         model = torch.compile(model)
@@ -140,6 +143,7 @@ def wrap_model(model: nn.Module, env: Env, cfg: TrainConfig) -> nn.Module:
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         find_unused_parameters=False,
+        forward_sync_buffers=False,
     )
     _register_comm_hook(ddp, cfg)
     return ddp
@@ -237,9 +241,8 @@ class StopFlag:
     """SIGTERM / SIGINT ask for a graceful stop: finish the step, checkpoint, exit 0.
 
     The handler only sets a flag. Ranks may get the signal at different moments, so the
-    trainer sums the flag over ranks inside the per-step all-reduce it does anyway and acts
-    on that sum one step later (:class:`Lagged`): every rank stops at the same step and the
-    host never waits for the step in flight.
+    trainer sums the flag over ranks in the :class:`HostVote` that ends every step: every rank
+    stops after the same step.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -271,28 +274,32 @@ class StopFlag:
         return 0.0 if self.received is None else 1.0
 
 
-class Lagged:
-    """A device scalar read on the host one step late, so reading it never stalls the GPU.
+class HostVote:
+    """One small all-reduce per step, on the host (a gloo group of its own), through which the
+    ranks agree on what only one of them may know: a stop signal, a step lost to an
+    out-of-memory error.
 
-    ``push(value)`` queues this step's value (a copy to the host after the kernels that make
-    it) and returns the previous step's, which finished long ago. On CPU it is the same
-    logic without events. All ranks push the same all-reduced value, so they agree.
+    Both are known on the host (a signal handler ran; the failing op's launch raised), so a
+    vote never waits for the device, and in a job without a process group it is the local
+    value. A dict gathered from every rank travels the same way when a step needs details.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+    def __init__(self, env: Env) -> None:
+        self.world_size = env.world_size
+        self.group = dist.new_group(backend="gloo") if env.distributed else None
 
-    def push(self, value: torch.Tensor) -> float | None:
-        """Queue ``value``; return the value pushed before it (``None`` on the first push)."""
-        host = value.detach().to("cpu", non_blocking=True) if self.cuda else value.detach().clone()
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event(blocking=True)  # synchronize() sleeps instead of spinning
-            event.record()
-        previous, self._pending = self._pending, (host, event)
-        if previous is None:
-            return None
-        if previous[1] is not None:
-            previous[1].synchronize()
-        return float(previous[0])
+    def sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over ranks (every rank calls this at the same point)."""
+        if self.group is None:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor.tolist()
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable, from our own ranks only), in rank order."""
+        if self.group is None:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values

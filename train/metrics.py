@@ -41,6 +41,7 @@ class Meter:
         self.host = dict.fromkeys(_HOST_KEYS, 0.0)
         self.device: dict[str, torch.Tensor] = {}
         self.steps = 0
+        self.skipped = 0
         self.start = time.perf_counter()
 
     def add_batch(
@@ -72,11 +73,16 @@ class Meter:
         """Mark one optimizer step done."""
         self.steps += 1
 
+    def skip_step(self) -> None:
+        """Mark one step skipped by every rank (out of memory): it counts in the step time,
+        not in the loss averages or the rates."""
+        self.skipped += 1
+
     def summary(self) -> dict[str, float]:
         """All-reduce the window's sums (one collective, one host read) and reset.
 
         Every rank must call this at the same step. Losses are global (Σ ranks), averaged
-        over the window's steps; rates are whole-job rates over this rank's wall time.
+        over the window's trained steps; rates are whole-job rates over this rank's wall time.
         """
         elapsed = time.perf_counter() - self.start
         names = sorted(self.device)
@@ -89,7 +95,8 @@ class Meter:
         steps = max(self.steps, 1)
         out = {name: sums[name] / steps for name in names}
         out.update(
-            step_time_s=elapsed / steps,
+            step_time_s=elapsed / max(self.steps + self.skipped, 1),
+            skipped_steps=self.skipped,
             samples_per_s=sums["samples"] / elapsed,
             frames_per_s=sums["frames"] / elapsed,
             text_tokens_per_s=sums["text_tokens"] / elapsed,
@@ -131,6 +138,12 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.update(1)
 
+    def event(self, step: int, record: dict[str, Any]) -> None:
+        """Append ``{"step": step, **record}`` (an out-of-memory error, say) to metrics.jsonl."""
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **record}) + "\n")
+
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Append ``{"step": step, **values}`` to metrics.jsonl and show the main numbers."""
         if not self.enabled:
@@ -138,7 +151,7 @@ class MetricsLog:
         record = {"step": step, **{k: _round(v) for k, v in values.items()}}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-        if self.bar is not None:
+        if self.bar is not None and "loss" in values:
             self.bar.set_postfix(
                 loss=f"{values['loss']:.4f}",
                 lr=f"{values['lr']:.2e}",

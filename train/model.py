@@ -13,6 +13,9 @@ Model contract (``[model] impl = "package.module:Class"``):
   scalars, summed the same way, are logged as ``<name>``.
 - Every parameter gets a gradient from ``loss_sum`` on every batch (DDP runs with
   ``find_unused_parameters=False``), and valid frames never depend on padding.
+- Buffers are broadcast from rank 0 once, when DDP wraps the model, not before every forward
+  (no collective inside a forward, see ``train/oom.py``): buffers a model changes in training,
+  such as BatchNorm's running statistics, stay per rank, and rank 0's are checkpointed.
 - Optional ``set_mel_stats(mean, std)`` (float32 ``[n_mels]``), called once on a fresh start
   with the cache's per-channel statistics; optional ``set_activation_checkpointing(bool)``.
 

@@ -21,7 +21,9 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     if not path.is_file():
         raise UserError(f"{path} not found: is {run} a training run folder?")
     # A resumed run may have logged a step twice; the later record wins.
-    records = sorted({r["step"]: r for r in read_metrics(path)}.values(), key=lambda r: r["step"])
+    # Event records (an out-of-memory error) carry no loss.
+    logged = [r for r in read_metrics(path) if "loss" in r]
+    records = sorted({r["step"]: r for r in logged}.values(), key=lambda r: r["step"])
     if not records:
         raise UserError(f"{path} has no records yet")
     steps = [r["step"] for r in records]

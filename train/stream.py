@@ -162,7 +162,7 @@ def plan_shards(
         batches = plan_batches(
             [s.frames for s in samples],
             rng=make_rng(spec.seed, BATCH_PLAN, visit.epoch, visit.shard_id),
-            batch_frames=spec.data.batch_frames,
+            batch_frames=spec.data.budget(spec.shards[visit.shard_id]["bucket"]),
             max_batch_size=spec.data.max_batch_size,
             pad_multiple=spec.data.pad_multiple,
         )
@@ -185,7 +185,8 @@ def collate_batches(
     for visit, after, samples in planned:
         if visit == failed:
             continue
-        name = spec.shards[visit.shard_id]["name"]
+        entry = spec.shards[visit.shard_id]
+        name = entry["name"]
         try:
             packed = collate(
                 samples,
@@ -196,6 +197,7 @@ def collate_batches(
                 pad_value=spec.pad_value,
                 tokenizer=spec.tokenizer,
                 where=member_location(spec.cache, name),
+                bucket=entry["bucket"],
             )
         except ShardError as exc:
             failed = visit

@@ -1,16 +1,20 @@
 """The training loop. Construction assembles the parts; :meth:`Trainer.fit` is the loop.
 
-One optimizer step (``train_step``): take ``grad_accum`` micro-batches; all-reduce the number
-of valid mel frames they hold over all ranks (with each rank's stop vote riding along); run
-forward and backward of each, the first k−1 under ``no_sync`` so gradients are all-reduced
-once; the loss is Σ per-frame losses ÷ that global frame count, so every frame of every
-utterance weighs the same whatever the batching, accumulation or world size. Then unscale
-(fp16), clip, step, schedule, EMA. Nothing in the step reads a device value on the host.
+One optimizer step (``train_step``): take ``grad_accum`` micro-batches and cut any over its
+bucket's lowered budget into passes (``train/oom.py``); start copying them to the device
+(``train/prefetch.py``); all-reduce the number of valid mel frames they hold over all ranks;
+run forward and backward of each pass, all but the last under ``no_sync`` so gradients are
+all-reduced once; the loss is Σ per-frame losses ÷ that global frame count, so every frame of
+every utterance weighs the same whatever the batching, accumulation or world size. Then the
+ranks vote on the host (a stop signal; a share of the step lost to an out-of-memory error,
+which drops the step everywhere); unscale (fp16), clip, step, schedule, EMA. Nothing in the
+step reads a device value on the host.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -28,7 +32,7 @@ from train.config import Config
 from train.data import Batch, make_loader
 from train.distributed import (
     Env,
-    Lagged,
+    HostVote,
     StopFlag,
     all_reduce_sum,
     derive_seed,
@@ -43,7 +47,9 @@ from train.distributed import (
 )
 from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
+from train.oom import Budgets
 from train.optim import EMA, build_optimizer, build_scheduler
+from train.prefetch import DeviceCopies
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +88,17 @@ class Trainer:
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
-        if self.scaler.is_enabled():  # a skipped fp16 step is normal, not a misordered schedule
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        # A skipped step (fp16 overflow, out of memory) is normal, not a misordered schedule.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
         self.ema = EMA(self.raw_model, t.ema_decay) if t.ema_decay > 0 else None
         self.ckpt = Checkpointer(
             self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
         )
+        self.vote = HostVote(env)
+        self.budgets = Budgets(env, cfg.data.pad_multiple, self.out)
+        self.copies = DeviceCopies(device)
         self.step = self._resume_or_start(shards)
+        self._pending_records = self.budgets.apply_pending()  # cuts a stopped run left
         if t.activation_checkpointing:
             _enable_activation_checkpointing(self.raw_model, cfg.model.impl)
         self.model = wrap_model(self.raw_model, env, t)
@@ -109,7 +119,11 @@ class Trainer:
         t = self.cfg.train
         max_steps = t.max_steps if max_steps is None else max_steps
         metrics = MetricsLog(self.out, self.env, start_step=self.step, max_steps=max_steps)
-        stop_votes = Lagged(self.env.device)
+        for record in self._pending_records:
+            metrics.event(self.step, record)
+        self._pending_records = []
+        if self.budgets.exhausted:
+            raise UserError(self.budgets.exhausted)
         batches = iter(self.loader)  # the loader never draws from the global torch RNG
         self.meter = Meter(self.env)  # the first window starts now, not at construction
         try:
@@ -118,15 +132,18 @@ class Trainer:
                     t0 = time.perf_counter()
                     micro = [next(batches) for _ in range(t.grad_accum)]
                     self.meter.add_wait(time.perf_counter() - t0)
-                    votes = self.train_step(micro)
+                    verdict = self.train_step(micro)
                     self.step += 1
                     metrics.advance()
-                    if self.step % t.log_every == 0 or self.step == max_steps:
+                    for record in verdict.records:  # a skipped step, a lowered budget
+                        metrics.event(self.step, record)
+                    if self.budgets.exhausted:  # the same on every rank
+                        raise UserError(self.budgets.exhausted)
+                    if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
                         metrics.log(self.step, self._summary())
-                    stopping = (stop_votes.push(votes) or 0.0) > 0
-                    if stopping or self.step % t.ckpt_every == 0 or self.step == max_steps:
+                    if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
                         self.save()
-                    if stopping:
+                    if verdict.stop:
                         log.info(
                             "stopping at step %d (%s)", self.step, self.stop.received or "peer"
                         )
@@ -135,26 +152,21 @@ class Trainer:
             metrics.close()
         return "max_steps"
 
-    def train_step(self, micro: list[Batch]) -> torch.Tensor:
-        """One optimizer step over ``micro``; returns the ranks' summed stop votes (device)."""
-        frames = sum(int(b.mel_lengths.sum()) for b in micro)  # host tensors: no sync
-        counts = torch.tensor([frames, self.stop.local], dtype=torch.float64)
-        if self.env.device.type == "cuda":  # a pageable source would serialise the copy
-            counts = counts.pin_memory()
-        counts = all_reduce_sum(counts.to(self.env.device, non_blocking=True), self.env)
-        inv_frames = (1.0 / counts[0]).float()  # 1 / global valid frames of this step
+    def train_step(self, micro: list[Batch]) -> Verdict:
+        """One optimizer step over ``micro``, or, if any rank ran out of memory, none on any."""
+        self.budgets.reset()
+        passes = self.budgets.split(micro)  # batches over their bucket's lowered budget, cut
+        inv_frames = self._inverse_global_frames(micro)
         # DDP averages gradients over ranks; × world size turns that mean into the sum.
-        loss_scale = inv_frames * self.env.world_size
-        for i, batch in enumerate(micro):
+        loss_sums = self._forward_backward(passes, inv_frames * self.env.world_size)
+        stop, lost = self.vote.sum([self.stop.local, float(self.budgets.lost)])
+        if lost:
+            return Verdict(stop=stop > 0, skipped=True, records=self._skip_step())
+        for batch in micro:
             self.meter.add_batch(batch.mel_lengths, batch.mel.shape, batch.text_lengths)
-            batch = batch.to(self.env.device)
-            with no_sync(self.model, sync=i == len(micro) - 1):
-                with self._autocast():
-                    out = self.model(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
-                self.scaler.scale(out["loss_sum"] * loss_scale).backward()
-            for name, value in out.items():
-                if name.endswith("_sum"):
-                    self.meter.add_device(name.removesuffix("_sum"), value * inv_frames)
+        for sums in loss_sums:
+            for name, value in sums.items():
+                self.meter.add_device(name.removesuffix("_sum"), value * inv_frames)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip or math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip, foreach=True)
@@ -169,7 +181,70 @@ class Trainer:
         if self.ema is not None:
             self.ema.update()
         self.meter.end_step()
-        return counts[1]
+        return Verdict(stop=stop > 0, skipped=False, records=[])
+
+    def _inverse_global_frames(self, micro: list[Batch]) -> torch.Tensor:
+        """1 / the valid mel frames of this step on all ranks, on the device."""
+        frames = sum(int(b.mel_lengths.sum()) for b in micro)  # host tensors: no sync
+        counts = torch.tensor([frames], dtype=torch.float64)
+        if self.env.device.type == "cuda":  # a pageable source would serialise the copy
+            counts = counts.pin_memory()
+        counts = all_reduce_sum(counts.to(self.env.device, non_blocking=True), self.env)
+        return (1.0 / counts[0]).float()
+
+    def _forward_backward(
+        self, passes: list[Batch], loss_scale: torch.Tensor
+    ) -> list[dict[str, torch.Tensor]]:
+        """Forward and backward of each pass, only the last all-reducing gradients (DDP); the
+        loss sums of each. Once this rank has run out of memory it computes no more of the
+        step, except the synchronised pass DDP needs from every rank, on a stand-in."""
+        sums, inputs = [], []
+        with self.budgets.watch(max(passes, key=lambda b: b.mel.numel()), "input copy"):
+            inputs = self.copies.start(passes)  # on CUDA, a side stream
+        for i, batch in enumerate(inputs):
+            last = i == len(passes) - 1
+            with self.budgets.watch(passes[i], "forward"), no_sync(self.model, sync=last):
+                out = self._forward(self.copies.ready(batch))
+            if not (self.budgets.lost or last):
+                with self.budgets.watch(passes[i], "backward"), no_sync(self.model, sync=False):
+                    self._backward(out, loss_scale)
+            if self.budgets.lost:
+                break
+            sums.append({k: v.detach() for k, v in out.items() if k.endswith("_sum")})
+        if self.budgets.lost and not self.env.distributed:
+            return sums  # no DDP to keep in step with
+        with self.budgets.fatal(passes[-1], self.step + 1, self.ckpt.latest):
+            if self.budgets.lost:
+                stand_in = self.budgets.stand_in(passes[-1]).to(self.env.device)
+                out, loss_scale = self._forward(stand_in), torch.zeros_like(loss_scale)
+            self._backward(out, loss_scale)  # DDP's gradient all-reduce runs in here
+        return sums
+
+    def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        with self._autocast():
+            return self.model(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
+
+    def _backward(self, out: dict[str, torch.Tensor], loss_scale: torch.Tensor) -> None:
+        self.scaler.scale(out["loss_sum"] * loss_scale).backward()
+
+    def _skip_step(self) -> list[dict[str, Any]]:
+        """Every rank drops this step's gradients: it counts as done (the schedule goes on)
+        but trains nothing. The failures are gathered and lower their buckets' budgets."""
+        failures = [f for f in self.vote.gather(self.budgets.failure) if f is not None]
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.budgets.skipped_steps += 1
+        self.meter.skip_step()
+        records = self.budgets.settle(failures)
+        if self.env.is_main:
+            for r in records:
+                log.warning(
+                    "step %d skipped: out of memory on rank %d (%s) in bucket %d, %d × %d "
+                    "padded frames; its budget is now %d frames per pass",
+                    self.step + 1, r["rank"], r["stage"], r["bucket"], r["rows"], r["frames"],
+                    r["budget"],
+                )  # fmt: skip
+        return records
 
     def save(self) -> None:
         """Checkpoint the current step (every rank calls this at the same step)."""
@@ -183,6 +258,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "ema": None if self.ema is None else self.ema.state_dict(),
+                "budgets": self.budgets.state_dict(),
             }
         local = {
             "step": self.step,
@@ -191,6 +267,9 @@ class Trainer:
             "loader": self.loader.state_dict(),
         }
         self.ckpt.save(self.step, shared, local)
+        if self.budgets.pending:  # cuts a stopped run left: on disk until a checkpoint holds them
+            self.ckpt.wait()
+            self.budgets.checkpointed()
 
     def close(self) -> None:
         """Finish the checkpoint in flight and stop the loader's workers; call in a ``finally``."""
@@ -202,7 +281,8 @@ class Trainer:
     def _summary(self) -> dict[str, float]:
         values = self.meter.summary()  # all ranks: one all-reduce, one host read
         values["lr"] = self._lr
-        if not math.isfinite(values["loss"]) and self.precision != "fp16":
+        # A window whose every step was skipped (out of memory) has no loss.
+        if not math.isfinite(values.get("loss", 0.0)) and self.precision != "fp16":
             raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
         return values
 
@@ -245,6 +325,8 @@ class Trainer:
             self.scaler.load_state_dict(shared["scaler"])
             if self.ema is not None and shared["ema"] is not None:
                 self.ema.load_state_dict(shared["ema"])
+            if "budgets" in shared:  # checkpoints from before per-bucket caps have none
+                self.budgets.load_state_dict(shared["budgets"])
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             detail = " ".join(str(exc).split())  # torch's messages span lines
             raise UserError(
@@ -255,6 +337,15 @@ class Trainer:
         set_rng_state(local["rng"], self.env.device)
         log.info("resumed from %s", latest)
         return int(shared["step"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the ranks agreed on at the end of a step."""
+
+    stop: bool  # a rank got SIGTERM/SIGINT: checkpoint and stop after this step
+    skipped: bool  # a rank ran out of memory: no rank trained on this step
+    records: list[dict[str, Any]]  # one per out-of-memory error, for metrics.jsonl
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

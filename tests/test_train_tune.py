@@ -1,0 +1,140 @@
+"""``python -m train tune`` on CPU, against a memory limit (``train.tune.MemoryCap``): the search
+finds each bucket's largest batch within one step of the true limit, and a training run with the
+tuned table stays under it."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, SAMPLE_CORPUS, build_cache
+
+from melcache.batching import round_up
+from train.collate import Batch
+from train.config import load_config
+from train.distributed import Env
+from train.trainer import Trainer
+from train.tune import MemoryCap, largest_fitting, tensor_bytes, tune
+
+CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+TINY = REPO / "configs" / "tiny.toml"
+OVERRIDES = [
+    "model.args.dim=64",
+    "model.args.layers=2",
+    "train.precision=fp32",
+    "data.max_batch_size=64",
+    "data.num_workers=0",
+]
+LIMIT_MIB = 28
+# One shard per bucket (3 buckets, short utterances): batches as large as a budget allows.
+TUNE_CACHE_TOML = "[build]\nnum_buckets = 3\nmin_shards = 1\nmax_seconds = 4.5\n"
+
+
+@pytest.fixture(scope="module")
+def tune_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tune_cache")
+    (root / "build.toml").write_text(TUNE_CACHE_TOML)
+    assert SAMPLE_CORPUS.is_dir()
+    return build_cache(root / "cache", root / "build.toml")
+
+
+def test_the_search_is_exact_for_every_limit() -> None:
+    for limit in range(70):
+        for start in (1, 5, 64):
+            tried: list[int] = []
+
+            def fits(n: int, limit: int = limit, tried: list[int] = tried) -> bool:
+                tried.append(n)
+                return n <= limit
+
+            assert largest_fitting(fits, start=start, most=64) == min(limit, 64), (limit, start)
+            assert len(tried) <= 2 * math.ceil(math.log2(64)) + 2, tried
+
+
+def worst_batch(size: int, frames: int, tokens: int, bucket: int) -> Batch:
+    """``size`` utterances as long as ``frames``, with ``tokens`` of text: a bucket's worst."""
+    return Batch(
+        mel=torch.zeros(size, round_up(frames, 8), 100, dtype=torch.float16),
+        mel_lengths=torch.full((size,), frames),
+        text=torch.ones(size, round_up(tokens, 8), dtype=torch.int64),
+        text_lengths=torch.full((size,), tokens),
+        keys=["k"] * size,
+        speaker=[None] * size,
+        bucket=bucket,
+    )
+
+
+@pytest.mark.slow
+def test_tune_is_within_one_step_of_the_limit_and_a_tuned_run_stays_under_it(
+    tune_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from train.__main__ import main
+
+    output = tmp_path / "budgets.toml"
+    command = ["tune", "--shards", str(tune_cache), "--config", str(TINY)]
+    command += ["--memory-limit-mib", str(LIMIT_MIB), "--output", str(output), *OVERRIDES]
+    assert main(command) == 0
+    printed = capsys.readouterr().out
+    assert "| bucket | max length (frames) | budget (frames) | samples per batch | peak MiB |" in (
+        printed
+    )
+    table = tomllib.loads(output.read_text())["data"]["batch_frames"]
+    cfg = load_config([TINY, output], OVERRIDES)
+    assert cfg.data.batch_frames == table
+
+    rows, _ = tune(cfg, str(tune_cache), memory_limit_mib=LIMIT_MIB)  # the same answer again
+    assert {str(r.bucket): r.budget for r in rows} == table
+    # The true limit, found independently: a real training step on the bucket's worst batch
+    # of B utterances fits 90 % of the limit, one of B + 1 runs out of memory.
+    trainer = Trainer(cfg, str(tune_cache), tmp_path / "check", CPU)
+    cap = MemoryCap(0.9 * LIMIT_MIB * 2**20, tensor_bytes(trainer.raw_model.state_dict().values()))
+    with cap:
+        assert not trainer.train_step([worst_batch(1, 29, 8, 0)]).skipped  # optimizer state
+    for row in rows:
+        assert row.samples < cfg.data.max_batch_size  # the limit binds, not the cap on rows
+        for size, fits in ((row.samples, True), (row.samples + 1, False)):
+            with cap:
+                verdict = trainer.train_step(
+                    [worst_batch(size, row.max_frames, row.text_tokens, 0)]
+                )
+            assert verdict.skipped != fits, (row, size)
+            trainer.budgets.caps.clear()
+    trainer.close()
+    samples = {r.bucket: r.samples for r in rows}
+    assert samples[0] > samples[max(samples)]  # shorter utterances: more per batch
+
+    # Training with the tuned table under the whole limit never runs out of memory.
+    trainer = Trainer(cfg, str(tune_cache), tmp_path / "run", CPU)
+    run_cap = MemoryCap(LIMIT_MIB * 2**20, tensor_bytes(trainer.raw_model.state_dict().values()))
+    step, largest = trainer.train_step, {}
+
+    def capped_step(micro: list[Batch]):
+        for batch in micro:
+            largest[batch.bucket] = max(largest.get(batch.bucket, 0), batch.mel.numel() // 100)
+        with run_cap:
+            return step(micro)
+
+    trainer.train_step = capped_step
+    try:
+        trainer.fit(max_steps=24)
+    finally:
+        trainer.close()
+    assert trainer.budgets.skipped_steps == 0 and not trainer.budgets.caps
+    assert run_cap.peak <= LIMIT_MIB * 2**20
+    longest_budget = table[str(max(samples))]
+    assert largest[0] > longest_budget  # more frames than one budget safe for every bucket
+    print(f"tuned {table}; largest batches {largest}; peak {run_cap.peak / 2**20:.1f} MiB")
+
+
+def test_tune_on_cpu_needs_a_memory_limit(
+    train_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from train.__main__ import main
+
+    output = tmp_path / "budgets.toml"
+    command = ["tune", "--shards", str(train_cache), "--config", str(TINY), "--output", str(output)]
+    assert main(command) == 2 and not output.exists()
+    assert "--memory-limit-mib" in caplog.text
