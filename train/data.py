@@ -31,10 +31,10 @@ a mel, so it costs the same at 1 % or 90 % of an epoch. A state from a different
 size, worker count, seed, cache or batch budget is refused, naming the key.
 
 Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
-``check_sha256=False``) altered shard with a :class:`ShardError` naming it; ``"skip"`` logs each such
-shard once, records it in ``loader.skipped_shards`` and goes on, and still raises if no
-shard can be read at all rather than spin. Only ``mel.npy`` and ``json`` members are read,
-never with pickle.
+``shard_check="off"``) altered shard with a :class:`ShardError` naming it, in any epoch: every
+read is checked (``melcache.reader.ShardCheck``); ``"skip"`` logs each such shard once, records
+it in ``loader.skipped_shards`` and goes on, and still raises if no shard can be read at all
+rather than spin. Only ``mel.npy`` and ``json`` members are read, never with pickle.
 
 Throughput: workers pad mels straight into shared-memory ring slots (``train/transport.py``)
 and DataLoader carries only the small rest; the consumer copies each mel out, into pinned
