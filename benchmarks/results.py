@@ -1,14 +1,15 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|scale|tars|gpu]
+    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|gpu]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
-against a naive librosa loop), ``benchmarks.loader_bench`` (streaming loader against
-on-the-fly extraction) and ``benchmarks/trainer_bench.py`` (trainer overhead and data wait),
-collects the JSON lines they print, and replaces the README section between
+against a naive librosa loop) and ``benchmarks/trainer_bench.py`` (trainer overhead and data
+wait), collects the JSON lines they print, and replaces the README section between
 ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
-command and the machine; ``benchmarks.scale_bench`` (planning time and memory per
-utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way,
+command and the machine; ``benchmarks.loader_bench`` (streaming loader against on-the-fly
+extraction, and its shard check) fills ``<!-- loader:begin -->`` … ``<!-- loader:end -->``
+the same way, ``benchmarks.scale_bench`` (planning time and memory per utterance)
+``<!-- scale:begin -->``,
 ``benchmarks.tar_bench`` (tars of mp3 against loose wav) ``<!-- tars:begin -->``, and the rows
 ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
@@ -63,10 +64,9 @@ def machine() -> str:
 
 
 def table(quick: bool) -> str:
-    """Run the three benchmarks and render their rows as markdown."""
+    """Run the build and trainer benchmarks and render their rows as markdown."""
     py = sys.executable
     build_cmd = [py, "-m", "benchmarks.build_bench", "--hours", "0.5" if quick else "3"]
-    loader_cmd = [py, "-m", "benchmarks.loader_bench", "--hours", "0.5" if quick else "4"]
     trainer_cmd = [
         py,
         "benchmarks/trainer_bench.py",
@@ -76,7 +76,6 @@ def table(quick: bool) -> str:
         "3" if quick else "10",
     ]
     build = {row["row"]: row for row in run_json(build_cmd)}
-    loader = run_json(loader_cmd)
     trainer = run_json(trainer_cmd)[0]  # one indented JSON object
     overhead = trainer["overhead"]
     b, naive, comp = (
@@ -86,7 +85,6 @@ def table(quick: bool) -> str:
     )
     bound = comp[f"bound_{b['workers']}_workers_x"]
     stock_bound = comp[f"stock_bound_{b['workers']}_workers_x"]
-    base, ours, unchecked = loader
     lines = [
         f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results`.",
         "",
@@ -98,14 +96,43 @@ def table(quick: bool) -> str:
         f"| the issue's reference recipe alone (libsndfile float decode + soxr HQ + stock torchaudio mel), same run, × {b['workers']} cores | | {stock_bound}× (per core: decode {comp['decode_stock_real_time_x']}×, mel {comp['mel_stock_real_time_x']}×) | | same |",
         f"| build wall time per hour of audio | {b['wall_s_per_audio_hour']} s | | | same |",
         f"| storage per hour of audio (float16 mel) | {b['cache_mb_per_audio_hour']} MB | 172.8 MB raw 16-bit 24 kHz PCM | | same |",
-        f"| loader samples/s (warm, {ours.get('workers', 2)} workers) | {ours['samples_per_s']:.0f} | on-the-fly {base['samples_per_s']:.0f} | {ours['ratio']:.1f}× | `{_cmd(loader_cmd)}` |",
-        f"| loader samples/s with `check_sha256=False` | {unchecked['samples_per_s']:.0f} | with the check {ours['samples_per_s']:.0f} | {unchecked['samples_per_s'] / ours['samples_per_s']:.2f}× | same |",
-        f"| loader padding (padded ÷ all frames) | {ours['padding_fraction']:.1%} | on-the-fly random batches {base['padding_fraction']:.1%} | | same |",
-        f"| loader: first batch after resuming at 1 % / 90 % of an epoch | {ours['resume_first_batch_s']['1%']} s / {ours['resume_first_batch_s']['90%']} s | | | same |",
         f"| trainer overhead vs a bare loop (median, CPU time / wall) | {overhead['overhead_pct_cpu']:+.1f} % / {overhead['overhead_pct_wall']:+.1f} % | | | `{_cmd(trainer_cmd)}` |",
         f"| trainer data wait, 2-process run on the sample corpus (steady) | {trainer['data_wait']['data_wait_pct_steady']:.1f} % | | | same |",
     ]
     return "\n".join(lines)
+
+
+def loader_table(quick: bool) -> str:
+    """Run the loader benchmark and render its rows as markdown."""
+    command = [sys.executable, "-m", "benchmarks.loader_bench", "--hours", "0.5" if quick else "4"]
+    rows = run_json(command)
+    base, ratios = rows[0], rows[-1]
+    run = {(r["cache"], r["shard_check"]): r for r in rows[1:-1]}
+    ours, off, old, old_off = (
+        run["current", "fast"],
+        run["current", "off"],
+        run["previous", "fast"],
+        run["previous", "off"],
+    )
+    sha = run["current", "sha256"]
+    first = "first_pass_one_process_samples_per_cpu_s"
+    return "\n".join(
+        [
+            f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
+            "--only loader`.",
+            "",
+            "| what | melcache | reference | ratio | command |",
+            "|---|---|---|---|---|",
+            f"| loader samples/s (warm, {ours['workers']} workers, default shard check) | {ours['samples_per_s']:.0f} | on-the-fly {base['samples_per_s']:.0f} | {ours['ratio']:.1f}× | `{_cmd(command)}` |",
+            f'| default check (`shard_check = "fast"`: xxh3_128 every read) against none (`"off"`), this release\'s cache, warm, taking turns | {ours["samples_per_s"]:.0f} | {off["samples_per_s"]:.0f} | {ratios["current_fast"]:.2f}× | same |',
+            f"| the same on the previous release's cache (no xxh3_128 in its index: sha256 at a worker's first read of a shard) | {old['samples_per_s']:.0f} | {old_off['samples_per_s']:.0f} | {ratios['previous_fast']:.2f}× | same |",
+            f'| `shard_check = "sha256"` (sha256 every read: the previous default) against none | {sha["samples_per_s"]:.0f} | {off["samples_per_s"]:.0f} | {ratios["current_sha256"]:.2f}× | same |',
+            f"| first pass, one process, samples per CPU second: default check against none, this release's / previous release's cache | {ours[first]:.0f} / {old[first]:.0f} | {off[first]:.0f} / {old_off[first]:.0f} | {ratios['current_fast_first_pass']:.2f}× / {ratios['previous_fast_first_pass']:.2f}× | same |",
+            f'| first pass, one process: `"sha256"` against none | {sha[first]:.0f} | {off[first]:.0f} | {ratios["current_sha256_first_pass"]:.2f}× | same |',
+            f"| loader padding (padded ÷ all frames) | {ours['padding_fraction']:.1%} | on-the-fly random batches {base['padding_fraction']:.1%} | | same |",
+            f"| loader: first batch after resuming at 1 % / 90 % of an epoch | {ours['resume_first_batch_s']['1%']} s / {ours['resume_first_batch_s']['90%']} s | | | same |",
+        ]
+    )
 
 
 def scale_table(quick: bool) -> str:
@@ -181,7 +208,13 @@ def gpu_table(quick: bool) -> str:
     )
 
 
-SECTIONS = {"results": table, "scale": scale_table, "tars": tar_table, "gpu": gpu_table}
+SECTIONS = {
+    "results": table,
+    "loader": loader_table,
+    "scale": scale_table,
+    "tars": tar_table,
+    "gpu": gpu_table,
+}
 
 
 def _cmd(command: list[str]) -> str:
