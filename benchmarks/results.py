@@ -1,6 +1,6 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|gpu]
+    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|gpu] [--data DIR]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
 against a naive librosa loop) and ``benchmarks/trainer_bench.py`` (trainer overhead and data
@@ -9,10 +9,11 @@ wait), collects the JSON lines they print, and replaces the README section betwe
 command and the machine; ``benchmarks.loader_bench`` (streaming loader against on-the-fly
 extraction, and its shard check) fills ``<!-- loader:begin -->`` … ``<!-- loader:end -->``
 the same way, ``benchmarks.scale_bench`` (planning time and memory per utterance)
-``<!-- scale:begin -->``,
-``benchmarks.tar_bench`` (tars of mp3 against loose wav) ``<!-- tars:begin -->``, and the rows
+``<!-- scale:begin -->``, ``benchmarks.tar_bench`` (tars of mp3 against loose wav)
+``<!-- tars:begin -->``, and the rows
 ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
+``--data DIR`` keeps every benchmark's corpora and caches under ``DIR`` (a sub-folder each).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_json(command: list[str]) -> list[dict[str, Any]]:
-    """Run a benchmark; return every JSON object it printed on stdout (one per line or block)."""
+def run_json(command: list[str], data: Path | None = None) -> list[dict[str, Any]]:
+    """Run a benchmark (keeping its corpora and caches in ``data`` when given, else where it
+    keeps them by default); return every JSON object it printed on stdout (one per line or
+    block)."""
+    command = [*command, "--data", str(data)] if data else command
     print("$", " ".join(command), file=sys.stderr, flush=True)
     out = subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True).stdout
     decoder, objects, at = json.JSONDecoder(), [], 0
@@ -63,7 +67,7 @@ def machine() -> str:
     return f"{len(os.sched_getaffinity(0))} cores ({model}), {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def table(quick: bool) -> str:
+def table(quick: bool, data: Path | None = None) -> str:
     """Run the build and trainer benchmarks and render their rows as markdown."""
     py = sys.executable
     build_cmd = [py, "-m", "benchmarks.build_bench", "--hours", "0.5" if quick else "3"]
@@ -75,7 +79,7 @@ def table(quick: bool) -> str:
         "--rounds",
         "3" if quick else "10",
     ]
-    build = {row["row"]: row for row in run_json(build_cmd)}
+    build = {row["row"]: row for row in run_json(build_cmd, data and data / "build")}
     trainer = run_json(trainer_cmd)[0]  # one indented JSON object
     overhead = trainer["overhead"]
     b, naive, comp = (
@@ -102,10 +106,10 @@ def table(quick: bool) -> str:
     return "\n".join(lines)
 
 
-def loader_table(quick: bool) -> str:
+def loader_table(quick: bool, data: Path | None = None) -> str:
     """Run the loader benchmark and render its rows as markdown."""
     command = [sys.executable, "-m", "benchmarks.loader_bench", "--hours", "0.5" if quick else "4"]
-    rows = run_json(command)
+    rows = run_json(command, data and data / "loader")
     base, ratios = rows[0], rows[-1]
     run = {(r["cache"], r["shard_check"]): r for r in rows[1:-1]}
     ours, off, old, old_off = (
@@ -135,11 +139,11 @@ def loader_table(quick: bool) -> str:
     )
 
 
-def scale_table(quick: bool) -> str:
+def scale_table(quick: bool, data: Path | None = None) -> str:
     """Run the planning benchmark and render its rows as markdown."""
     sizes = ["20000", "50000", "200000"] if quick else ["100000", "250000", "1000000", "3000000"]
     command = [sys.executable, "-m", "benchmarks.scale_bench", "--sizes", *sizes]
-    rows = run_json(command)
+    rows = run_json(command, data and data / "scale")
     runs = [r for r in rows if r["row"] == "dry run"]
     growth = [r for r in rows if r["row"] == "growth"]
     parts = next(r for r in rows if r["row"] == "parts")
@@ -170,10 +174,10 @@ def scale_table(quick: bool) -> str:
     return "\n".join(lines)
 
 
-def tar_table(quick: bool) -> str:
+def tar_table(quick: bool, data: Path | None = None) -> str:
     """Run the tar benchmark and render its rows as one markdown table row."""
     command = [sys.executable, "-m", "benchmarks.tar_bench", "--hours", "0.1" if quick else "0.5"]
-    rows = {row["row"]: row for row in run_json(command)}
+    rows = {row["row"]: row for row in run_json(command, data and data / "tars")}
     tars, loose = rows["tars of mp3"], rows["loose wav"]
     return "\n".join(
         [
@@ -192,7 +196,7 @@ def tar_table(quick: bool) -> str:
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.jsonl"
 
 
-def gpu_table(quick: bool) -> str:
+def gpu_table(quick: bool, data: Path | None = None) -> str:
     """The rows ``bash benchmarks/gpu_bench.sh`` left in ``GPU_RESULTS``, as markdown; it is
     run on a GPU machine, not from here."""
     if not GPU_RESULTS.exists():
@@ -231,12 +235,15 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=sorted(SECTIONS), help="refresh one section of the README only"
     )
+    parser.add_argument(
+        "--data", type=Path, help="keep the benchmarks' corpora and caches here (default: theirs)"
+    )
     args = parser.parse_args()
     readme = REPO / "README.md"
     for name, render in SECTIONS.items():
         if args.only not in (None, name):
             continue
-        rendered = render(args.quick)
+        rendered = render(args.quick, args.data)
         begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
         text = readme.read_text()
         if begin not in text or end not in text:

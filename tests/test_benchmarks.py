@@ -61,7 +61,7 @@ def test_loader_bench_prints_baseline_every_melcache_loader_and_the_ratios(
         *("--hours", "0.05", "--min-seconds", "1", "--turn-seconds", "0.2"),
         *("--first-pass-rounds", "1"),
     )
-    monkeypatch.setattr(results, "run_json", lambda command: rows)
+    monkeypatch.setattr(results, "run_json", lambda command, data=None: rows)
     table = results.loader_table(quick=True).splitlines()
     assert len(table) == 12 and all(row.count("|") == 6 for row in table[2:]), table
     base, *ours, ratios = rows
