@@ -17,15 +17,17 @@ tree, with the same number of DataLoader workers each:
 
 The baseline is measured warm: one full pass first, then one more. The melcache loaders are
 all started, each taken through one pass on its own (saving states at 1 % and 90 % of it, to
-time the first batch after a restore); then they take turns of ``--turn-seconds`` each until
-every one has run ``--min-seconds``, so a change in the machine's load falls on all of them
-alike (a waiting loader's workers only top up their few prefetched batches, well under 1 % of
-a turn). A worker's first read of a shard costs more on a previous-release cache (sha256),
-so the first pass is measured apart: a fresh one-process loader (``num_workers=0``) per
-setting, in CPU time, in ``--first-pass-rounds`` rounds. Prints one JSON line per loader:
-warm samples/s, audio seconds/s, padding fraction (padded frames ÷ all frames of the mel
-tensors), the ratio to the baseline and the first-pass rate; then one line of the
-checked-over-unchecked ratios.
+time the first batch after a restore); then they take turns of ``--turn-seconds`` each, in
+rounds whose order flips every round, until every one has run ``--min-seconds``: a change in
+the machine's load falls on all of them alike (a waiting loader's workers only top up their
+few prefetched batches, a few % of a turn). A worker's first read of a shard costs more on a
+previous-release cache (sha256), so the first pass is measured apart: a fresh one-process
+loader (``num_workers=0``) per setting, in CPU time, in ``--first-pass-rounds`` rounds.
+Prints one JSON line per loader: warm samples/s, audio seconds/s, padding fraction (padded
+frames ÷ all frames of the mel tensors), the ratio to the baseline and the first-pass rate;
+then one line of the checked-over-unchecked ratios, each the median over rounds of the ratio
+within a round (neighbouring turns), which a burst of load on this shared machine moves less
+than it moves the totals.
 
 The cache is built with the default build config, whose shards are cut from length-sorted
 buckets: the loader batches within a shard, so that is what keeps padding low.
@@ -179,6 +181,7 @@ class MelcacheRun:
         self.cache, self.loader = cache, make_loader(cache, self.data)
         self.batches = mel_batches(iter(self.loader))
         self.totals = {"samples": 0, "frames": 0, "padded": 0, "wall": 0.0}
+        self.rates: list[float] = []  # samples/s of each turn
 
     def warm_up(self, utterances: int) -> None:
         """One pass, saving the states at 1 % and 90 % of it."""
@@ -191,6 +194,7 @@ class MelcacheRun:
     def turn(self, seconds: float) -> None:
         one = measure(self.batches, seconds=seconds)
         self.totals = {key: self.totals[key] + one[key] for key in self.totals}
+        self.rates.append(one["samples"] / one["wall"])
 
     def resume_seconds(self) -> dict[str, float]:
         """Time to the first batch of a fresh loader restored at 1 % and at 90 %."""
@@ -224,48 +228,55 @@ def run_melcache(
     utterances: int,
     features: FeatureConfig,
     baseline: dict,
-) -> list[dict]:
-    """Every loader of :data:`MELCACHE_RUNS`: warm-ups one after another, then turns; then
-    the first passes in one process, in rounds (the median of each is reported)."""
-    runs = [MelcacheRun(caches[cache], args, check) for cache, check in MELCACHE_RUNS]
-    for run in runs:
+) -> tuple[list[dict], dict]:
+    """Every loader of :data:`MELCACHE_RUNS`: warm-ups one after another, then rounds of
+    turns; then rounds of one-process first passes. Returns a line per loader and the
+    checked-over-unchecked ratios, each the median of the ratios within a round."""
+    runs = {key: MelcacheRun(caches[key[0]], args, key[1]) for key in MELCACHE_RUNS}
+    for run in runs.values():
         run.warm_up(utterances)
-    while min(run.totals["wall"] for run in runs) < args.min_seconds:
-        for run in runs:
-            run.turn(args.turn_seconds)
-    for run in runs:
+    order = list(runs)
+    while min(run.totals["wall"] for run in runs.values()) < args.min_seconds:
+        for key in order:
+            runs[key].turn(args.turn_seconds)
+        order.reverse()  # neighbours take turns in both orders: a drift in load cancels
+    for run in runs.values():
         run.loader.close()
-    first: list[list[float]] = [[] for _ in runs]
+    first: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
     for _ in range(args.first_pass_rounds):
-        for rates, (cache, check) in zip(first, MELCACHE_RUNS, strict=True):
-            rates.append(first_pass_cpu(caches[cache], args, check, utterances))
-    lines = []
-    for (cache, check), run, rates in zip(MELCACHE_RUNS, runs, first, strict=True):
-        line = report("melcache", run.totals, features, baseline)
-        lines.append(
-            {
-                **line,
-                "cache": cache,
-                "shard_check": check,
-                "passes": round(run.totals["samples"] / utterances, 1),
-                "first_pass_one_process_samples_per_cpu_s": round(statistics.median(rates), 1),
-                "resume_first_batch_s": run.resume_seconds(),
-            }
-        )
-    return lines
-
-
-def checked_over_unchecked(lines: list[dict]) -> dict:
-    """Each checked loader's rates over the unchecked one's on the same cache."""
-    rate = {(r["cache"], r["shard_check"]): r for r in lines}
-    ratios = {"row": "checked over unchecked"}
-    first = "first_pass_one_process_samples_per_cpu_s"
-    for cache, check in MELCACHE_RUNS:
+        for key in order:
+            first[key].append(first_pass_cpu(caches[key[0]], args, key[1], utterances))
+        order.reverse()
+    lines = [
+        {
+            **report("melcache", run.totals, features, baseline),
+            "cache": cache,
+            "shard_check": check,
+            "passes": round(run.totals["samples"] / utterances, 1),
+            "turns": len(run.rates),
+            "first_pass_one_process_samples_per_cpu_s": round(
+                statistics.median(first[cache, check]), 1
+            ),
+            "first_passes": len(first[cache, check]),
+            "resume_first_batch_s": run.resume_seconds(),
+        }
+        for (cache, check), run in runs.items()
+    ]
+    ratios = {"row": "checked over unchecked, median of the rounds"}
+    for cache, check in runs:
         if check != "off":
-            on, off = rate[cache, check], rate[cache, "off"]
-            ratios[f"{cache}_{check}"] = round(on["samples_per_s"] / off["samples_per_s"], 3)
-            ratios[f"{cache}_{check}_first_pass"] = round(on[first] / off[first], 3)
-    return ratios
+            ratios[f"{cache}_{check}"] = median_ratio(
+                runs[cache, check].rates, runs[cache, "off"].rates
+            )
+            ratios[f"{cache}_{check}_first_pass"] = median_ratio(
+                first[cache, check], first[cache, "off"]
+            )
+    return lines, ratios
+
+
+def median_ratio(checked: list[float], unchecked: list[float]) -> float:
+    """The median over rounds of the checked rate over the unchecked one of the same round."""
+    return round(statistics.median(a / b for a, b in zip(checked, unchecked, strict=True)), 3)
 
 
 def previous_release(cache: Path, dest: Path) -> Path:
@@ -306,7 +317,7 @@ def main() -> None:
         "--min-seconds", type=float, default=10.0, help="measure each melcache loader this long"
     )
     parser.add_argument(
-        "--turn-seconds", type=float, default=1.0, help="one melcache loader's turn (default 1)"
+        "--turn-seconds", type=float, default=0.5, help="one melcache loader's turn (default 0.5)"
     )
     parser.add_argument(
         "--first-pass-rounds", type=int, default=3, help="one-process first passes per loader"
@@ -326,11 +337,11 @@ def main() -> None:
         "on-the-fly baseline", run_baseline(corpus, features, args.workers), features, None
     )
     print(json.dumps({**base, "batch_size": 32, "workers": args.workers}), flush=True)
-    lines = run_melcache(caches, args, utterances, features, base)
+    lines, ratios = run_melcache(caches, args, utterances, features, base)
     for line in lines:
         extra = {"batch_frames": args.batch_frames, "workers": args.workers}
         print(json.dumps({**line, **extra}), flush=True)
-    print(json.dumps(checked_over_unchecked(lines)), flush=True)
+    print(json.dumps(ratios), flush=True)
 
 
 if __name__ == "__main__":
