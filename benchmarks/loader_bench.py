@@ -20,14 +20,16 @@ all started, each taken through one pass on its own (saving states at 1 % and 90
 time the first batch after a restore); then they take turns of ``--turn-seconds`` each, in
 rounds whose order flips every round, until every one has run ``--min-seconds``: a change in
 the machine's load falls on all of them alike (a waiting loader's workers only top up their
-few prefetched batches, a few % of a turn). A worker's first read of a shard costs more on a
-previous-release cache (sha256), so the first pass is measured apart: a fresh one-process
-loader (``num_workers=0``) per setting, in CPU time, in ``--first-pass-rounds`` rounds.
+few prefetched batches, a few % of a turn). Each setting also runs as a fresh one-process
+loader (``num_workers=0``) timed in CPU time, steady on shared cores, over its first pass
+(every shard read and checked for the first time: sha256 on a previous-release cache) and
+its second, in ``--cpu-rounds`` rounds.
+
 Prints one JSON line per loader: warm samples/s, audio seconds/s, padding fraction (padded
-frames ÷ all frames of the mel tensors), the ratio to the baseline and the first-pass rate;
-then one line of the checked-over-unchecked ratios, each the median over rounds of the ratio
-within a round (neighbouring turns), which a burst of load on this shared machine moves less
-than it moves the totals.
+frames ÷ all frames of the mel tensors), the ratio to the baseline and the one-process
+rates; then one line of the checked-over-unchecked ratios, each the median over rounds of
+the ratio within a round, which a burst of load on a shared machine moves less than it
+moves the totals.
 
 The cache is built with the default build config, whose shards are cut from length-sorted
 buckets: the loader batches within a shard, so that is what keeps padding low.
@@ -209,17 +211,22 @@ class MelcacheRun:
         return resume
 
 
-def first_pass_cpu(cache: Path, args: argparse.Namespace, shard_check: str, samples: int) -> float:
-    """Samples per CPU second of the first pass of a fresh loader reading in this process
-    (``num_workers=0``): every shard is read, and checked, for the first time. CPU time of
-    one process is the steady measure on shared cores."""
+def one_process_cpu(
+    cache: Path, args: argparse.Namespace, shard_check: str, samples: int
+) -> tuple[float, float]:
+    """Samples per CPU second of a fresh loader reading in this process (``num_workers=0``):
+    its first pass, where every shard is read and checked for the first time, and its second.
+    CPU time of one process is the steady measure on shared cores."""
     data = DataConfig(num_workers=0, batch_frames=args.batch_frames, shard_check=shard_check)
     loader = make_loader(cache, data)
-    started = time.process_time()
-    stats = measure(mel_batches(loader), samples)
-    cpu = time.process_time() - started
+    batches = mel_batches(loader)
+    rates = []
+    for _ in range(2):
+        started = time.process_time()
+        stats = measure(batches, samples)
+        rates.append(stats["samples"] / (time.process_time() - started))
     loader.close()
-    return stats["samples"] / cpu
+    return rates[0], rates[1]
 
 
 def run_melcache(
@@ -243,9 +250,12 @@ def run_melcache(
     for run in runs.values():
         run.loader.close()
     first: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-    for _ in range(args.first_pass_rounds):
+    second: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for _ in range(args.cpu_rounds):
         for key in order:
-            first[key].append(first_pass_cpu(caches[key[0]], args, key[1], utterances))
+            one, two = one_process_cpu(caches[key[0]], args, key[1], utterances)
+            first[key].append(one)
+            second[key].append(two)
         order.reverse()
     lines = [
         {
@@ -254,10 +264,11 @@ def run_melcache(
             "shard_check": check,
             "passes": round(run.totals["samples"] / utterances, 1),
             "turns": len(run.rates),
-            "first_pass_one_process_samples_per_cpu_s": round(
-                statistics.median(first[cache, check]), 1
-            ),
-            "first_passes": len(first[cache, check]),
+            "one_process_samples_per_cpu_s": {
+                "first_pass": round(statistics.median(first[cache, check]), 1),
+                "second_pass": round(statistics.median(second[cache, check]), 1),
+                "rounds": args.cpu_rounds,
+            },
             "resume_first_batch_s": run.resume_seconds(),
         }
         for (cache, check), run in runs.items()
@@ -268,9 +279,10 @@ def run_melcache(
             ratios[f"{cache}_{check}"] = median_ratio(
                 runs[cache, check].rates, runs[cache, "off"].rates
             )
-            ratios[f"{cache}_{check}_first_pass"] = median_ratio(
-                first[cache, check], first[cache, "off"]
-            )
+            for name, rates in (("first", first), ("second", second)):
+                ratios[f"{cache}_{check}_one_process_{name}_pass"] = median_ratio(
+                    rates[cache, check], rates[cache, "off"]
+                )
     return lines, ratios
 
 
@@ -320,7 +332,7 @@ def main() -> None:
         "--turn-seconds", type=float, default=0.5, help="one melcache loader's turn (default 0.5)"
     )
     parser.add_argument(
-        "--first-pass-rounds", type=int, default=3, help="one-process first passes per loader"
+        "--cpu-rounds", type=int, default=3, help="one-process loaders per setting (default 3)"
     )
     parser.add_argument("--data", type=Path, default=Path("/tmp/melcache-bench"))
     args = parser.parse_args()

@@ -114,23 +114,35 @@ def loader_table(quick: bool, data: Path | None = None) -> str:
     run = {(r["cache"], r["shard_check"]): r for r in rows[1:-1]}
     ours, off, sha = run["current", "fast"], run["current", "off"], run["current", "sha256"]
     old, old_off = run["previous", "fast"], run["previous", "off"]
-    rate, first = "samples_per_s", "first_pass_one_process_samples_per_cpu_s"
+    cpu = {key: line["one_process_samples_per_cpu_s"] for key, line in run.items()}
     fast, none, sha256 = '`"fast"`', '`"off"`', '`"sha256"`'
+
+    def one_process(key: tuple[str, str], reference: tuple[str, str]) -> str:
+        """First / second pass: samples per CPU second against the reference's, and ratios."""
+        prefix = f"{key[0]}_{key[1]}_one_process"
+        return (
+            f"{cpu[key]['first_pass']:.0f} / {cpu[key]['second_pass']:.0f} | "
+            f"{cpu[reference]['first_pass']:.0f} / {cpu[reference]['second_pass']:.0f} | "
+            f"{ratios[prefix + '_first_pass']:.2f}× / {ratios[prefix + '_second_pass']:.2f}×"
+        )
+
     return "\n".join(
         [
             f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
-            "--only loader`. Checked over unchecked: the median over "
-            f"{ours['turns']} rounds of turns (warm) or {ours['first_passes']} one-process first "
-            "passes of the ratio within a round.",
+            f"--only loader`. A checked-over-unchecked ratio is the median over {ours['turns']} "
+            f"rounds of turns (warm, {ours['workers']} workers) or "
+            f"{ours['one_process_samples_per_cpu_s']['rounds']} one-process loaders (CPU time) "
+            "of the ratio within a round.",
             "",
             "| what | melcache | reference | ratio | command |",
             "|---|---|---|---|---|",
-            f"| loader samples/s (warm, {ours['workers']} workers, default shard check) | {ours[rate]:.0f} | on-the-fly {base[rate]:.0f} | {ours['ratio']:.1f}× | `{_cmd(command)}` |",
-            f"| samples/s, shard check {fast} (xxh3_128 every read) over {none}, this release's cache, warm | {ours[rate]:.0f} | {off[rate]:.0f} | {ratios['current_fast']:.2f}× | same |",
-            f"| the same, the previous release's cache (no xxh3_128 in its index: sha256 at a worker's first read of a shard, then xxh3_128) | {old[rate]:.0f} | {old_off[rate]:.0f} | {ratios['previous_fast']:.2f}× | same |",
-            f"| {sha256} (sha256 every read, the previous default) over {none}, warm | {sha[rate]:.0f} | {off[rate]:.0f} | {ratios['current_sha256']:.2f}× | same |",
-            f"| first pass (every shard read for the first time), one process, samples per CPU second: {fast} over {none}, this / the previous release's cache | {ours[first]:.0f} / {old[first]:.0f} | {off[first]:.0f} / {old_off[first]:.0f} | {ratios['current_fast_first_pass']:.2f}× / {ratios['previous_fast_first_pass']:.2f}× | same |",
-            f"| first pass, one process: {sha256} over {none} | {sha[first]:.0f} | {off[first]:.0f} | {ratios['current_sha256_first_pass']:.2f}× | same |",
+            f"| loader samples/s (warm, {ours['workers']} workers, default shard check) | {ours['samples_per_s']:.0f} | on-the-fly {base['samples_per_s']:.0f} | {ours['ratio']:.1f}× | `{_cmd(command)}` |",
+            f"| samples/s, shard check {fast} (xxh3_128 every read) over {none}, this release's cache, warm | {ours['samples_per_s']:.0f} | {off['samples_per_s']:.0f} | {ratios['current_fast']:.2f}× | same |",
+            f"| the same, the previous release's cache (no xxh3_128 in its index: sha256 at a worker's first read of a shard, then xxh3_128) | {old['samples_per_s']:.0f} | {old_off['samples_per_s']:.0f} | {ratios['previous_fast']:.2f}× | same |",
+            f"| {sha256} (sha256 every read, the previous default) over {none}, warm | {sha['samples_per_s']:.0f} | {off['samples_per_s']:.0f} | {ratios['current_sha256']:.2f}× | same |",
+            f"| one process, samples per CPU second, first / second pass: {fast} over {none}, this release's cache | {one_process(('current', 'fast'), ('current', 'off'))} | same |",
+            f"| the same, the previous release's cache | {one_process(('previous', 'fast'), ('previous', 'off'))} | same |",
+            f"| the same, {sha256} over {none} | {one_process(('current', 'sha256'), ('current', 'off'))} | same |",
             f"| loader padding (padded ÷ all frames) | {ours['padding_fraction']:.1%} | on-the-fly random batches {base['padding_fraction']:.1%} | | same |",
             f"| loader: first batch after resuming at 1 % / 90 % of an epoch | {ours['resume_first_batch_s']['1%']} s / {ours['resume_first_batch_s']['90%']} s | | | same |",
         ]

@@ -59,11 +59,11 @@ def test_loader_bench_prints_baseline_every_melcache_loader_and_the_ratios(
         "loader_bench",
         data,
         *("--hours", "0.05", "--min-seconds", "1", "--turn-seconds", "0.2"),
-        *("--first-pass-rounds", "1"),
+        *("--cpu-rounds", "1"),
     )
     monkeypatch.setattr(results, "run_json", lambda command, data=None: rows)
     table = results.loader_table(quick=True).splitlines()
-    assert len(table) == 12 and all(row.count("|") == 6 for row in table[2:]), table
+    assert len(table) == 13 and all(row.count("|") == 6 for row in table[2:]), table
     base, *ours, ratios = rows
     assert base["loader"] == "on-the-fly baseline" and base["samples_per_s"] > 0
     assert [(r["cache"], r["shard_check"]) for r in ours] == [
@@ -75,15 +75,16 @@ def test_loader_bench_prints_baseline_every_melcache_loader_and_the_ratios(
     ]
     for line in ours:
         assert line["loader"] == "melcache" and line["samples_per_s"] > 0
-        assert line["seconds"] >= 1 and line["turns"] >= 5 and line["first_passes"] == 1
-        assert line["first_pass_one_process_samples_per_cpu_s"] > 0
+        assert line["seconds"] >= 1 and line["turns"] >= 5
+        cpu = line["one_process_samples_per_cpu_s"]
+        assert cpu["rounds"] == 1 and cpu["first_pass"] > 0 and cpu["second_pass"] > 0
         assert 0 <= line["padding_fraction"] < base["padding_fraction"]
         assert set(line["resume_first_batch_s"]) == {"1%", "90%"}
     assert ratios.pop("row") == "checked over unchecked, median of the rounds"
     assert set(ratios) == {
         f"{cache}_{check}{part}"
         for cache, check in (("current", "fast"), ("previous", "fast"), ("current", "sha256"))
-        for part in ("", "_first_pass")
+        for part in ("", "_one_process_first_pass", "_one_process_second_pass")
     }
     assert all(ratio > 0 for ratio in ratios.values())
     # The previous release's cache: the same shard files, an index without xxh3_128.
