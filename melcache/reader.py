@@ -102,7 +102,7 @@ class ShardCheck:
     - ``"fast"``: size, then the index's ``xxh3_128``, on every read. An index without it
       (built before it was recorded) gets sha256 the first time this reader meets a shard, and
       from then on the xxh3_128 of the bytes that passed: a later change is caught the same.
-    - ``"sha256"``: size and sha256 on every read (~3 times the loader's own work here).
+    - ``"sha256"``: size and sha256 on every read (the loader's slowest setting).
     - ``"off"``: size only.
     """
 
@@ -110,24 +110,33 @@ class ShardCheck:
         if mode not in SHARD_CHECKS:
             raise ValueError(f"shard check {mode!r}: expected one of {', '.join(SHARD_CHECKS)}")
         self.mode = mode
-        self._passed: dict[str, str] = {}  # sha256 checked by this reader -> xxh3_128 of the bytes
+        self._passed: dict[str, str] = {}  # sha256 checked here -> xxh3_128 of those bytes
 
     def problems(self, data: bytes | mmap.mmap, entry: dict[str, Any], location: str) -> list[str]:
         """How the shard's bytes differ from its index entry (empty: sound)."""
         problems = size_problems(data, entry, location)
         if problems or self.mode == "off":
             return problems
-        if self.mode == "fast" and "xxh3_128" in entry:
+        if self.mode == "sha256":
+            return digest_problems(data, entry, location, "sha256")
+        if "xxh3_128" in entry:
             return digest_problems(data, entry, location, "xxh3_128")
+        return self._sha256_once(data, entry, location)
+
+    def _sha256_once(
+        self, data: bytes | mmap.mmap, entry: dict[str, Any], location: str
+    ) -> list[str]:
+        """An index without xxh3_128: sha256 at this reader's first read of the shard, then
+        the xxh3_128 of the bytes that passed."""
         passed = self._passed.get(entry.get("sha256", ""))
-        if self.mode == "fast" and passed is not None:
-            if xxhash.xxh3_128_hexdigest(data) != passed:
-                return [f"{location}: changed since its sha256 was checked (corrupt or replaced)"]
-            return []
-        problems = digest_problems(data, entry, location, "sha256")
-        if self.mode == "fast" and not problems:
-            self._passed[entry["sha256"]] = xxhash.xxh3_128_hexdigest(data)
-        return problems
+        if passed is None:
+            problems = digest_problems(data, entry, location, "sha256")
+            if not problems:
+                self._passed[entry["sha256"]] = xxhash.xxh3_128_hexdigest(data)
+            return problems
+        if xxhash.xxh3_128_hexdigest(data) != passed:
+            return [f"{location}: changed since its sha256 was checked (corrupt or replaced)"]
+        return []
 
 
 def shard_samples(

@@ -17,7 +17,7 @@ from preprocess.config import BuildConfig
 from preprocess.inputs import Rejection, printable
 from preprocess.plan import Plan
 
-SHARD_FIELDS = (
+_SHARD_FIELDS = (
     "name",
     "bucket",
     "samples",
@@ -92,7 +92,7 @@ def finish_cache(
 
 
 def _shard_entry(receipt: dict[str, Any]) -> dict[str, Any]:
-    entry = {k: receipt[k] for k in SHARD_FIELDS}
+    entry = {k: receipt[k] for k in _SHARD_FIELDS}
     # The receipt of a shard written by the previous release (a killed build resumed) has no
     # xxh3_128; the loader then checks that shard's sha256.
     if "xxh3_128" in receipt:

@@ -2,8 +2,8 @@
 
 Per shard, :mod:`melcache.reader` checks size, sha256 and xxh3_128 (where recorded), member
 names and metadata types as the loader does; verify goes on past the first problem to list
-them all, and adds what only a full pass can check: every mel decoded (finite, its frame count the metadata's,
-inside its bucket), foreign members, totals against the index. Across shards: duplicate
+them all, and adds what only a full pass can check: every mel decoded (finite, its frame
+count the metadata's, inside its bucket), foreign members, totals against the index. Across shards: duplicate
 keys, shards on disk that the index does not list, totals, ``rejected.jsonl`` and
 ``stats.zarr``.
 """

@@ -1,9 +1,9 @@
 """Write one shard and its receipt (in a pool worker); read the receipts back.
 
 Each shard is written under a temporary name, renamed when complete, then acknowledged by a
-receipt in ``OUT/.build/``: its count, digests (sha256, xxh3_128), rejections, feature sums, and which plan and
-recipe (corpus and config) it belongs to. Transcripts are read again from the corpus here and
-must hash as the scan saw them.
+receipt in ``OUT/.build/``: its count, digests (sha256, xxh3_128), rejections, feature sums,
+and which plan and recipe (corpus and config) it belongs to. Transcripts are read again from
+the corpus here and must hash as the scan saw them.
 """
 
 from __future__ import annotations
