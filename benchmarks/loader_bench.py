@@ -326,7 +326,7 @@ def main() -> None:
         "--batch-frames", type=int, default=8000, help="melcache frame budget (default 8000)"
     )
     parser.add_argument(
-        "--min-seconds", type=float, default=10.0, help="measure each melcache loader this long"
+        "--min-seconds", type=float, default=20.0, help="measure each melcache loader this long"
     )
     parser.add_argument(
         "--turn-seconds", type=float, default=0.5, help="one melcache loader's turn (default 0.5)"
