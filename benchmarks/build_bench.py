@@ -38,8 +38,9 @@ from preprocess.audio import read_float32
 from preprocess.features import MelExtractor
 
 
-def timed_build(src: Path, out: Path, workers: int) -> tuple[float, float, int]:
-    """Wall seconds of a fresh ``preprocess build``, the audio seconds and shard bytes it wrote."""
+def timed_build(src: Path, out: Path, workers: int, *extra: str) -> tuple[float, float, int]:
+    """Wall seconds of a fresh ``preprocess build`` (given ``extra`` arguments), the audio
+    seconds and shard bytes it wrote."""
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
     command = [
@@ -53,6 +54,7 @@ def timed_build(src: Path, out: Path, workers: int) -> tuple[float, float, int]:
         str(out),
         "--workers",
         str(workers),
+        *extra,
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - started

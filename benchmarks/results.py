@@ -1,6 +1,7 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|gpu] [--data DIR]
+    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|storage|gpu]
+        [--data DIR]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
 against a naive librosa loop) and ``benchmarks/trainer_bench.py`` (trainer overhead and data
@@ -10,7 +11,8 @@ command and the machine; ``benchmarks.loader_bench`` (streaming loader against o
 extraction, and its shard check) fills ``<!-- loader:begin -->`` … ``<!-- loader:end -->``
 the same way, ``benchmarks.scale_bench`` (planning time and memory per utterance)
 ``<!-- scale:begin -->``, ``benchmarks.tar_bench`` (tars of mp3 against loose wav)
-``<!-- tars:begin -->``, and the rows
+``<!-- tars:begin -->``, ``benchmarks.storage_bench`` (fp16 against the compact storage, and
+Lhotse's lilcom when installed) ``<!-- storage:begin -->``, and the rows
 ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
 ``--data DIR`` keeps every benchmark's corpora and caches under ``DIR`` (a sub-folder each).
@@ -188,19 +190,54 @@ def tar_table(quick: bool, data: Path | None = None) -> str:
     """Run the tar benchmark and render its rows as one markdown table row."""
     command = [sys.executable, "-m", "benchmarks.tar_bench", "--hours", "0.1" if quick else "0.5"]
     rows = {row["row"]: row for row in run_json(command, data and data / "tars")}
-    tars, loose = rows["tars of mp3"], rows["loose wav"]
-    return "\n".join(
-        [
-            f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
-            "--only tars`.",
-            "",
-            "| what | melcache | reference | ratio | command |",
-            "|---|---|---|---|---|",
-            f"| build real-time factor from WebDataset tars of mp3 + json ({tars['workers']} workers, "
-            f"{tars['audio_hours']} h) | {tars['real_time_x']}× | the same audio as loose wav "
-            f"{loose['real_time_x']}× | {rows['ratio']['tars_over_loose']}× | `{_cmd(command)}` |",
+    loose, ratio = rows["loose wav"], rows["ratio"]
+    lines = [
+        f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
+        "--only tars`.",
+        "",
+        "| what | melcache | reference | ratio | command |",
+        "|---|---|---|---|---|",
+    ]
+    for row, what, key in (
+        ("tars of mp3", "WebDataset tars of mp3 + json", "tars_over_loose"),
+        ("parquet of mp3", "Parquet of mp3 (row groups of 100)", "parquet_over_loose"),
+    ):
+        packed = rows[row]
+        lines.append(
+            f"| build real-time factor from {what} ({packed['workers']} workers, "
+            f"{packed['audio_hours']} h) | {packed['real_time_x']}× | the same audio as loose "
+            f"wav {loose['real_time_x']}× | {ratio[key]}× | `{_cmd(command)}` |"
+        )
+    return "\n".join(lines)
+
+
+def storage_table(quick: bool, data: Path | None = None) -> str:
+    """Run the storage benchmark and render one row per storage kind (and Lhotse's)."""
+    command = [sys.executable, "-m", "benchmarks.storage_bench", "--hours", "0.1" if quick else "1"]
+    rows = run_json(command, data and data / "storage")
+    ratio = next(row for row in rows if row["row"] == "ratio")
+    lines = [
+        f"Measured {datetime.date.today()} on {machine()}, by `{_cmd(command)}` "
+        f"(loader and build side by side, {rows[0]['workers']} workers; error against the "
+        "float32 mel the build computes). Loader: compact "
+        f"{ratio['loader_compact_over_fp16']}× fp16's samples/s; build: "
+        f"{ratio['build_compact_over_fp16']}× fp16's real-time factor.",
+        "",
+        "| storage | mel MB per hour | shard MB per hour | max abs error | mean abs error "
+        "| build real-time factor | loader samples/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row["row"] == "ratio":
+            continue
+        cells = [row.get(k, "—") for k in ("mel_mb_per_hour", "shard_mb_per_hour")]
+        cells += [row["max_abs_error"], row["mean_abs_error"]]
+        cells += [
+            f"{row['build_real_time_x']}×" if "build_real_time_x" in row else "—",
+            row.get("loader_samples_per_s", "—"),
         ]
-    )
+        lines.append(f"| {row['row']} | " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.jsonl"
@@ -227,6 +264,7 @@ SECTIONS = {
     "loader": loader_table,
     "scale": scale_table,
     "tars": tar_table,
+    "storage": storage_table,
     "gpu": gpu_table,
 }
 

@@ -4,7 +4,8 @@ A cache folder holds ``index.json`` (written last: its presence means the cache 
 complete), ``rejected.jsonl``, ``stats.zarr`` and tar shards named ``bNN-NNNNNN.tar``.
 Each shard holds utterances of one length bucket, one WebDataset sample per utterance:
 
-- ``<key>.mel.npy``: float16 ``[frames, n_mels]`` natural-log mel, ``np.save`` format;
+- ``<key>.mel.npy``: float16 ``[frames, n_mels]`` natural-log mel, ``np.save`` format, or
+  ``<key>.mel.zq5`` in a cache built with the compact storage (:mod:`melcache.storage`);
 - ``<key>.json``: UTF-8 metadata (text, speaker, seconds, frames, sample_rate, source, bucket);
 - ``<key>.flac``: the resampled mono audio, only when built with ``--keep-audio``.
 
@@ -42,15 +43,16 @@ import webdataset as wds
 import xxhash
 
 from melcache.errors import ShardError
+from melcache.storage import FP16, MEL_MEMBERS
 
 FORMAT_VERSION = 1
 INDEX_NAME = "index.json"
 REJECTED_NAME = "rejected.jsonl"
 STATS_NAME = "stats.zarr"
-MEL_MEMBER = "mel.npy"
+MEL_MEMBER = MEL_MEMBERS[FP16]
 META_MEMBER = "json"
 AUDIO_MEMBER = "flac"
-KNOWN_MEMBERS = (MEL_MEMBER, META_MEMBER, AUDIO_MEMBER)
+KNOWN_MEMBERS = (*MEL_MEMBERS.values(), META_MEMBER, AUDIO_MEMBER)
 MEL_DTYPE = np.dtype("<f2")
 SHARD_PATTERN = re.compile(r"^b(\d{2})-(\d{6})\.tar$")
 # Fixed tar metadata: same input and config give byte-identical shards.
@@ -78,19 +80,29 @@ def shard_name(bucket: int, number: int) -> str:
 
 
 def encode_sample(
-    key: str, mel: np.ndarray, meta: dict[str, Any], flac: bytes | None = None
+    key: str,
+    mel: np.ndarray | bytes,
+    meta: dict[str, Any],
+    flac: bytes | None = None,
+    mel_member: str = MEL_MEMBER,
 ) -> dict[str, Any]:
-    """Serialise one utterance into the tar members of a WebDataset sample."""
-    buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(mel, dtype=MEL_DTYPE), allow_pickle=False)
+    """Serialise one utterance into the tar members of a WebDataset sample: ``mel`` is a
+    float16 array (stored as ``mel.npy``) or the bytes of ``mel_member`` already encoded."""
     sample: dict[str, Any] = {
         "__key__": key,
-        MEL_MEMBER: buffer.getvalue(),
+        mel_member: mel if isinstance(mel, bytes) else encode_npy(mel),
         META_MEMBER: json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8"),
     }
     if flac is not None:
         sample[AUDIO_MEMBER] = flac
     return sample
+
+
+def encode_npy(mel: np.ndarray) -> bytes:
+    """A mel as ``mel.npy`` bytes: ``MEL_DTYPE`` in ``np.save`` format."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(mel, dtype=MEL_DTYPE), allow_pickle=False)
+    return buffer.getvalue()
 
 
 def decode_mel(data: bytes, n_mels: int, where: str) -> np.ndarray:

@@ -29,6 +29,7 @@ from melcache.format import (
     write_atomic,
 )
 from melcache.location import is_url, member_location, read_bytes
+from melcache.storage import FP16, STORAGES
 
 # Shard entry fields: type and smallest valid value; ``bytes`` and ``sha256`` may be absent
 # in a hand-made index (the loader then needs ``data.shard_check = "off"``), ``xxh3_128`` in
@@ -46,6 +47,11 @@ _TOP_LEVEL = {
     "stats": str,
 }
 _TOTAL_COUNTS = ("discovered", "utterances", "frames", "shards", "rejected")
+
+
+def index_storage(index: dict[str, Any]) -> str:
+    """How a cache's mels are stored (``build.storage``; fp16 in caches from before it)."""
+    return index["build"].get("storage", FP16)
 
 
 def read_index(cache: str | Path) -> dict[str, Any]:
@@ -83,6 +89,11 @@ def read_index(cache: str | Path) -> dict[str, Any]:
     if missing:  # never a default in place of what the cache was built with
         raise UserError(f"{location}: index.features has no {missing[0]!r}")
     features_from_dict(index["features"], source=f"{location} [features]")
+    if index_storage(index) not in STORAGES:  # a later melcache's: never read as another kind
+        raise UserError(
+            f"{location}: build.storage = {index_storage(index)!r} is not one this melcache "
+            f"reads ({', '.join(STORAGES)}); upgrade melcache"
+        )
     for number, entry in enumerate(index["shards"]):
         _check_shard_entry(entry, f"{location}: shards[{number}]")
     for number, bucket in enumerate(index["buckets"]):

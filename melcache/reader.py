@@ -4,7 +4,7 @@ both use.
 The shard is read whole (memory-mapped when local); its size and a digest are checked
 against the index before any sample is parsed (:class:`ShardCheck`), and each sample's
 metadata is checked for type. The mel stays undecoded bytes in a :class:`RawSample`, so a
-loader that skips a sample never parses an array; :func:`melcache.format.fast_decode_mel`
+loader that skips a sample never parses an array; :func:`melcache.codec.decode_mel_into`
 decodes it.
 
 The build records two digests of each shard: ``sha256`` (cryptographic: no one can make other
@@ -26,7 +26,6 @@ import xxhash
 from melcache.errors import ShardError
 from melcache.format import (
     AUDIO_MEMBER,
-    MEL_MEMBER,
     META_MEMBER,
     decode_meta,
     group_samples,
@@ -34,14 +33,16 @@ from melcache.format import (
     tar_members,
 )
 from melcache.location import read_bytes
+from melcache.storage import STORAGE_OF_MEMBER
 
 
 @dataclasses.dataclass(frozen=True)
 class RawSample:
-    """One utterance as read from a shard: metadata parsed, mel still ``np.save`` bytes."""
+    """One utterance as read from a shard: metadata parsed, mel still its member's bytes."""
 
     key: str
     mel: bytes | memoryview
+    storage: str  # how ``mel`` is stored (melcache.storage), by its member's name
     text: str
     speaker: str | None
     frames: int
@@ -151,9 +152,12 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
     """Check one sample's members and metadata types; :class:`ShardError` names the sample."""
     key = sample["__key__"]
     where = f"{location}:{key}"
-    for member in (MEL_MEMBER, META_MEMBER):
-        if member not in sample:
-            raise ShardError(f"{where}: sample has no {member} member")
+    mels = [member for member in STORAGE_OF_MEMBER if member in sample]
+    if len(mels) != 1:
+        held = " and ".join(mels) or "no mel.npy or mel.zq5"
+        raise ShardError(f"{where}: sample has {held} member{'s' if len(mels) > 1 else ''}")
+    if META_MEMBER not in sample:
+        raise ShardError(f"{where}: sample has no {META_MEMBER} member")
     meta = decode_meta(bytes(sample[META_MEMBER]), where)
     frames, text, speaker = meta.get("frames"), meta.get("text"), meta.get("speaker")
     bucket = meta.get("bucket")
@@ -170,7 +174,8 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
             raise ShardError(f"{where}: metadata '{field}' = {value!r} is not valid Unicode")
     return RawSample(
         key=key,
-        mel=sample[MEL_MEMBER],
+        mel=sample[mels[0]],
+        storage=STORAGE_OF_MEMBER[mels[0]],
         text=text,
         speaker=speaker,
         frames=frames,

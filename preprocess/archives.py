@@ -29,11 +29,8 @@ from preprocess.inputs import (
     Corpus,
     Found,
     Rejection,
-    Slice,
-    Stamp,
     found,
     listed_samples,
-    stamp,
 )
 from preprocess.where import Where
 
@@ -41,41 +38,42 @@ TAR_AUDIO = ("flac", "wav", "mp3", "opus", "ogg")
 _BLOCK = 512
 
 
-def find_tars(src: str) -> tuple[str, tuple[str, ...]] | None:
-    """``(root, tar paths relative to it)`` when ``src`` names tars: one ``.tar``, a brace or
-    glob pattern (``'EN/EN-B{000000..000999}.tar'``), or a folder with ``.tar`` files at its top
-    level; else ``None``."""
+ARCHIVE_KINDS = {".tar": "tars", ".parquet": "parquet"}
+
+
+def find_archives(src: str) -> tuple[str, str, tuple[str, ...]] | None:
+    """``(kind, root, paths relative to root)`` when ``src`` names WebDataset tars or Parquet
+    files: one file, a brace or glob pattern (``'EN/EN-B{000000..000999}.tar'``), or a folder
+    with such files at its top level; else ``None``. One kind at a time."""
     if any(c in src for c in "{*?["):
         paths = sorted({p for pattern in braceexpand(src) for p in glob.glob(pattern)})
         if not paths:
             raise UserError(f"--src {src!r} matches no file")
-    elif src.endswith(".tar") and os.path.isfile(src):
+    elif os.path.splitext(src)[1] in ARCHIVE_KINDS and os.path.isfile(src):
         paths = [src]
     elif os.path.isdir(src):
-        paths = sorted(e.path for e in os.scandir(src) if e.name.endswith(".tar") and e.is_file())
+        paths = sorted(e.path for e in os.scandir(src) if _archive_kind(e.name) and e.is_file())
         if not paths:
             return None
     else:
         return None
+    kinds = {_archive_kind(p) for p in paths}
+    if len(kinds) != 1 or None in kinds:
+        names = ", ".join(sorted({os.path.splitext(p)[1] or os.path.basename(p) for p in paths}))
+        raise UserError(f"--src {src} must name .tar or .parquet files, one kind; it has {names}")
     paths = [os.path.abspath(p) for p in paths]
     root = os.path.commonpath([os.path.dirname(p) for p in paths])
-    return root, tuple(os.path.relpath(p, root) for p in paths)
+    return kinds.pop(), root, tuple(os.path.relpath(p, root) for p in paths)
 
 
-def tar_share(
-    corpus: Corpus, taken: Slice, sample_rate: int, stamps: list[Stamp]
-) -> Iterator[Found | Rejection]:
-    """The samples of this slice's tars (tar number ≡ part mod parts); every tar is stamped."""
-    where = Where(corpus.where) if corpus.where is not None else None
-    for number, rel in enumerate(corpus.archives):
-        stamps.append(stamp(corpus.root, rel))
-        if taken.holds(number):
-            yield from _tar_samples(corpus, number, rel, sample_rate, where)
+def _archive_kind(name: str) -> str | None:
+    return ARCHIVE_KINDS.get(os.path.splitext(name)[1])
 
 
-def _tar_samples(
+def tar_samples(
     corpus: Corpus, number: int, rel: str, sample_rate: int, where: Where | None
 ) -> Iterator[Found | Rejection]:
+    """The samples of tar ``number`` (``rel``), in tar order, read in place."""
     count, key, members = 0, "", {}
     try:
         with tarfile.open(os.path.join(corpus.root, rel), "r:") as tar:
@@ -148,7 +146,7 @@ def parse_text_member(data: bytes, json_member: bool) -> tuple[dict[str, Any], s
 def read_member(corpus: Corpus, source: str, offset: int) -> tuple[bytes, bool]:
     """The bytes of the tar member whose data starts at ``offset``, and whether it is a json
     (by its header's name); :class:`ValueError` when the tar no longer holds it."""
-    path = os.path.join(corpus.root, source.rsplit(":", 1)[0])
+    path = corpus.archive_path(source.rsplit(":", 1)[0])
     try:
         with open(path, "rb") as file:
             file.seek(offset - _BLOCK)

@@ -28,7 +28,7 @@ def probe(path: str | BinaryIO) -> tuple[int, int]:
     try:
         info = sf.info(path)
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-        raise AudioError(f"unreadable audio: {_plain(exc)}") from None
+        raise AudioError(f"unreadable audio: {_plain(exc, path)}") from None
     if info.samplerate <= 0:
         raise AudioError("unreadable audio: header gives no sample rate")
     return int(info.frames), int(info.samplerate)
@@ -52,7 +52,7 @@ def load_mono(
     try:
         audio, rate = read_float32(path)
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-        raise AudioError(f"undecodable audio: {_plain(exc)}") from None
+        raise AudioError(f"undecodable audio: {_plain(exc, path)}") from None
     if audio.shape[0] == 0:
         raise AudioError("empty audio: no samples")
     mono = audio.mean(axis=1, dtype=np.float32) if audio.shape[1] > 1 else audio[:, 0]
@@ -112,7 +112,9 @@ def _check_readable(path: str | BinaryIO) -> None:
         raise AudioError(f"unreadable audio: {exc.strerror}") from None
 
 
-def _plain(exc: Exception) -> str:
+def _plain(exc: Exception, path: str | BinaryIO) -> str:
     """libsndfile's message without the path it repeats (the rejection names the file)."""
     text = str(exc).strip()
+    if not isinstance(path, str) and "not a regular file" in text:  # what it says of bytes
+        return "bytes in no known audio format (wav, flac, ogg/opus, mp3)"  # it cannot sniff
     return text.split(": ", 1)[-1] if text.startswith("Error opening") else text

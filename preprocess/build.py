@@ -28,7 +28,7 @@ from melcache.format import (
 )
 from preprocess.config import BuildConfig
 from preprocess.finish import finish_cache
-from preprocess.inputs import Corpus
+from preprocess.inputs import RECEIPTS, Corpus
 from preprocess.owners import running_build, sweep_temps
 from preprocess.parallel import Runner, ordered_map
 from preprocess.parts import Meeting
@@ -43,7 +43,6 @@ from preprocess.plan import (
 from preprocess.scan import Scan, part_folder, scan_folder, scan_is_current, scan_meta, scan_part
 from preprocess.sources import open_corpus
 from preprocess.writer import (
-    RECEIPTS,
     build_shard_job,
     init_worker,
     recipe,
@@ -65,6 +64,7 @@ class BuildOptions:
     dry_run: bool = False
     rescan: bool = False
     where: str | None = None
+    columns: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Outcome:
 
 def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -> Outcome:
     """Build (or resume) this part of the cache; with ``dry_run``, scan and plan only."""
-    corpus = open_corpus(options.src, options.out, options.where)
+    corpus = open_corpus(options.src, options.out, options.where, options.columns)
     state = options.out / RECEIPTS
     state.mkdir(parents=True, exist_ok=True)
     meeting = Meeting(*options.part)
@@ -100,7 +100,7 @@ def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -
             todo = [i for i in range(len(plan)) if i % n == k and plan.name(i) not in receipts]
             _write_shards(run, todo, plan, scan, corpus, options, features, config, receipts)
         meeting.barrier()  # under torchrun: every rank's shards are written
-        return _finish(options, features, config, made_by, scan, plan, meeting)
+        return _finish(options, corpus, features, config, made_by, scan, plan, meeting)
     finally:
         meeting.close()
 
@@ -165,6 +165,7 @@ def _plan_inputs(scan: Scan, features: FeatureConfig, config: BuildConfig, keep_
 
 def _finish(
     options: BuildOptions,
+    corpus: Corpus,
     features: FeatureConfig,
     config: BuildConfig,
     made_by: str,
@@ -190,6 +191,8 @@ def _finish(
     # Every shard is complete: temporary files and scan folders left are of killed writers.
     sweep_temps(options.out)
     sweep_temps(scan_folder(options.out / RECEIPTS, options.part[1]))
+    if corpus.spool is not None:  # Parquet audio, copied for the writers: no longer needed
+        shutil.rmtree(corpus.spool, ignore_errors=True)
     rejections = [*scan.rejections(), *length_rejections(plan, scan, config, features.sample_rate)]
     index = finish_cache(
         options.out,

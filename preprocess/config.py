@@ -14,6 +14,7 @@ from typing import Any
 
 from melcache.config import load_toml, make_section, require
 from melcache.features import FeatureConfig
+from melcache.storage import FP16, STORAGES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,7 @@ class BuildConfig:
     shard_max_bytes: int = 128_000_000
     min_shards: int = 64
     silence_dbfs: float = -70.0
+    storage: str = FP16  # how mels are stored: melcache.storage.STORAGES
 
     def __post_init__(self) -> None:
         require(self.min_seconds > 0, "build.min_seconds", self.min_seconds, "a positive duration")
@@ -62,11 +64,19 @@ class BuildConfig:
         require(
             self.silence_dbfs < 0, "build.silence_dbfs", self.silence_dbfs, "negative, e.g. -70"
         )
+        require(
+            self.storage in STORAGES,
+            "build.storage",
+            self.storage,
+            " or ".join(map(repr, STORAGES)),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict, the form stored in the index."""
         out = dataclasses.asdict(self)
         out["bucket_edges_seconds"] = list(self.bucket_edges_seconds)
+        if self.storage == FP16:  # absent as before it existed: fp16 caches keep their digests
+            del out["storage"]
         return out
 
 

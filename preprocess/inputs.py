@@ -12,14 +12,16 @@ import re
 
 from melcache.format import is_unicode
 
+RECEIPTS = ".build"  # the build's own state inside OUT: receipts, scans, the plan, spools
 Stamp = tuple[str, int, int]  # a listing's path relative to the corpus, mtime_ns, size
 
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """Where a corpus is: its ``kind`` (folder, ljspeech, manifest, tars), the folder its
-    sources are relative to, the listing file (metadata.csv, the manifest) if it has one, the
-    archives (tars) it is packed in, and the ``--where`` selection on its metadata."""
+    """Where a corpus is: its ``kind`` (folder, ljspeech, manifest, tars, parquet), the folder
+    its sources are relative to, the listing file (metadata.csv, the manifest) if it has one,
+    the archives (tars, Parquet files) it is packed in, the ``--where`` selection on its
+    metadata, and for Parquet the audio, text and speaker columns and the spool folder."""
 
     kind: str
     root: str
@@ -27,14 +29,23 @@ class Corpus:
     exclude: str | None = None  # a folder inside not to search: the build's own OUT
     archives: tuple[str, ...] = ()
     where: str | None = None
+    columns: tuple[str, str, str] | None = None
+    spool: str | None = None  # where Parquet audio is copied as tars while the build runs
 
     def audio_path(self, source: str) -> str:
         """The audio file of an utterance."""
         return os.path.join(self.root, source)
 
+    def archive_path(self, archive: str) -> str:
+        """The tar holding an archive's audio: the tar itself, or a Parquet file's spool."""
+        if self.spool is not None:
+            return os.path.join(self.spool, archive + ".tar")
+        return os.path.join(self.root, archive)
+
     def identity(self) -> list[object]:
         """What a scan or a build is of: the corpus (by place) and the selection on it."""
-        return [self.kind, self.root, self.listing, list(self.archives), self.where]
+        place = [self.kind, self.root, self.listing, list(self.archives), self.where]
+        return [*place, list(self.columns)] if self.columns else place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +84,9 @@ class Found:
 
 
 def unit_of(kind: str, ordinal: int) -> int:
-    """What parts deal out: an input, or for tars (ordinal = tar << 32 | sample) a whole tar."""
-    return ordinal >> 32 if kind == "tars" else ordinal
+    """What parts deal out: an input, or for tars and Parquet (ordinal = file << 32 | sample)
+    a whole file."""
+    return ordinal >> 32 if kind in ("tars", "parquet") else ordinal
 
 
 FILTERED = "filtered"  # the stage of an input --where left out: counted, never listed
@@ -160,14 +172,15 @@ def printable(text: str) -> str:
 
 def listed_samples(entry: dict, sample_rate: int) -> int | str | None:
     """The length metadata gives, at ``sample_rate``: from ``num_samples`` and
-    ``sampling_rate``, else ``duration``; ``None`` when it gives none, a reason when invalid."""
-    if "num_samples" in entry or "sampling_rate" in entry:
-        count, rate = entry.get("num_samples"), entry.get("sampling_rate")
+    ``sampling_rate``, else ``duration``; ``None`` when it gives none (a null, which Parquet
+    has for a missing value, is none), a reason when invalid."""
+    count, rate = entry.get("num_samples"), entry.get("sampling_rate")
+    if count is not None or rate is not None:
         if type(count) is not int or type(rate) is not int or count < 0 or rate <= 0:
             return "manifest num_samples/sampling_rate are not a count and a positive rate"
         return (2 * count * sample_rate + rate) // (2 * rate)  # as soxr rounds
-    if "duration" in entry:
-        seconds = entry["duration"]
+    seconds = entry.get("duration")
+    if seconds is not None:
         if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:
             return "manifest duration is not a finite number of seconds ≥ 0"
         # Half up, as soxr rounds; the 1e-7 sample absorbs float error in seconds = frames/rate,

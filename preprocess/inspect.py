@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from melcache.batching import make_rng, padding_fraction, plan_batches, round_up
+from melcache.codec import decode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
-from melcache.format import fast_decode_mel
-from melcache.index import read_index
+from melcache.index import index_storage, read_index
 from melcache.reader import ShardCheck, read_shard
 from preprocess.config import BuildConfig
 from preprocess.finish import reason_kind
@@ -28,12 +28,15 @@ def summarize(cache: Path) -> str:
     index = read_index(cache)
     totals = index["totals"]
     features = index["features"]
+    megabytes = sum(s.get("bytes", 0) for s in index["shards"]) / 1e6
+    hours = max(totals["hours"], 1e-9)
     lines = [
         f"cache {cache}: format {index['format_version']}, features {index['features_digest']} "
         f"({features['sample_rate']} Hz, hop {features['hop_length']}, {features['n_mels']} mels, "
         f"{features['mel_scale']} scale)",
         f"{totals['utterances']} utterances, {totals['hours']:.3f} h, {totals['frames']} frames, "
-        f"{totals['shards']} shards, {sum(s.get('bytes', 0) for s in index['shards']) / 1e6:.1f} MB",
+        f"{totals['shards']} shards, {megabytes:.1f} MB, {megabytes / hours:.1f} MB per hour "
+        f"(mels stored as {index_storage(index)})",
         "",
         "bucket  seconds        frames       utts  shards  pad if padded to bucket max",
     ]
@@ -119,7 +122,8 @@ def _read_samples(cache: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
             meta = {"shard": shard["name"], "seconds": raw.frames * hop_seconds}
             meta.update(text=raw.text, frames=raw.frames, bucket=raw.bucket)
             if i == 0:
-                meta["mel"] = fast_decode_mel(raw.mel, n_mels, f"{location}:{raw.key}").copy()
+                mel = decode_mel(raw.mel, raw.storage, n_mels, f"{location}:{raw.key}")
+                meta["mel"] = mel.copy()
             samples.append(meta)
     return samples
 

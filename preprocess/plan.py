@@ -23,6 +23,7 @@ import numpy as np
 
 from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, shard_name, temp_path
+from melcache.storage import BYTES_PER_VALUE
 from preprocess.config import BuildConfig
 from preprocess.inputs import Rejection, key_base, key_hash
 from preprocess.scan import Scan
@@ -160,7 +161,8 @@ def make_plan(scan: Scan, features: FeatureConfig, config: BuildConfig, keep_aud
     # near-equal lengths pads little (5.6 % → 1.7 % on 4 h of speech, budget 8000).
     order = np.lexsort((ordinals, frames))
     members, frames = ordinals[order], frames[order]
-    estimate = frames * (features.n_mels * 2) + SAMPLE_OVERHEAD_BYTES
+    per_frame = features.n_mels * BYTES_PER_VALUE[config.storage]
+    estimate = (frames * per_frame).astype(np.int64) + SAMPLE_OVERHEAD_BYTES
     if keep_audio:  # 16-bit FLAC is at most raw PCM size
         estimate += 2 * samples[order]
     shards = _cut_shards(frames, estimate, buckets, config)

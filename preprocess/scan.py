@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -45,6 +46,8 @@ from preprocess.inputs import (
 )
 from preprocess.parallel import Runner
 from preprocess.sources import read_transcript_file, share, transcript_path, unchanged
+
+log = logging.getLogger(__name__)
 
 SCAN_VERSION = 1
 _COLUMNS = {
@@ -78,11 +81,17 @@ def scan_meta(folder: Path) -> dict[str, Any] | None:
 
 
 def scan_is_current(folder: Path, corpus: Corpus, sample_rate: int) -> bool:
-    """Whether a finished scan in ``folder`` is of this corpus, at this rate, and its
-    listing is unchanged since (one stat per folder or listing file)."""
+    """Whether a finished scan in ``folder`` is of this corpus, at this rate, its listing is
+    unchanged since (one stat per folder or listing file), and its Parquet spool is there."""
     meta = scan_meta(folder)
     if meta is None or meta.get("corpus") != corpus.identity():
         return False
+    if corpus.spool is not None:  # Parquet: the writers read the audio the scan spooled
+        taken = Slice(meta["part"], meta["parts"])
+        held = (rel for number, rel in enumerate(corpus.archives) if taken.holds(number))
+        if not all(os.path.isfile(corpus.archive_path(rel)) for rel in held):
+            log.info("the Parquet spool of %s is gone (deleted with a complete cache)", folder)
+            return False
     try:
         stamps = json.loads((folder / "stamps.json").read_text())
     except (OSError, ValueError):

@@ -1,6 +1,7 @@
 """The corpus: which inputs a part scans, and each utterance's transcript when it is written.
 
-Three layouts are read:
+Three layouts are read here, and two kinds of archive by their own modules (WebDataset tars,
+:mod:`preprocess.archives`; Parquet, :mod:`preprocess.parquet`):
 
 1. a folder searched recursively, audio with a transcript beside it
    (``<stem>.normalized.txt``, ``<stem>.txt`` or ``<stem>.lab``, in that order of preference);
@@ -31,10 +32,11 @@ from typing import Any
 
 from melcache.errors import UserError
 from melcache.format import is_unicode
-from preprocess.archives import find_tars, parse_text_member, read_member, tar_share
+from preprocess.archives import find_archives, parse_text_member, read_member, tar_samples
 from preprocess.audio import AUDIO_EXTENSIONS
 from preprocess.inputs import (
     FILTERED,
+    RECEIPTS,
     Corpus,
     Found,
     Rejection,
@@ -44,6 +46,7 @@ from preprocess.inputs import (
     listed_samples,
     stamp,
 )
+from preprocess.parquet import SPOOL, check_columns, parquet_rows, parse_columns
 from preprocess.where import Where
 
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
@@ -51,14 +54,27 @@ TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
 _PLAIN_PATH = re.compile(r"(?!/)(?:(?!\.\.?(?:/|$))[^/]+/)*(?!\.\.?$)[^/]+$")
 
 
-def open_corpus(src: Path, out: Path, where: str | None = None) -> Corpus:
-    """The layout of ``src``, built into ``out``, selecting by ``where`` (a manifest only);
-    :class:`UserError` when it is missing, a file but no manifest, or ``where`` is bad."""
-    tars = find_tars(str(src))
-    if tars is not None:
+def open_corpus(
+    src: Path, out: Path, where: str | None = None, columns: str | None = None
+) -> Corpus:
+    """The layout of ``src``, built into ``out``, selecting by ``where`` (a manifest, tars or
+    Parquet) and, for Parquet, reading ``columns`` (``AUDIO,TEXT[,SPEAKER]``);
+    :class:`UserError` when it is missing, a file but no manifest, or an option is bad."""
+    archives = find_archives(str(src))
+    if columns is not None and (archives is None or archives[0] != "parquet"):
+        raise UserError(f"--columns names Parquet columns; --src {src} is not Parquet")
+    if archives is not None:
+        kind, root, names = archives
         if where is not None:
-            Where(where)
-        return Corpus("tars", tars[0], archives=tars[1], where=where)
+            Where(where)  # a bad expression fails here, before any scan
+        if kind == "tars":
+            return Corpus(kind, root, archives=names, where=where)
+        audio_text_speaker = parse_columns(columns)
+        check_columns(root, names, audio_text_speaker)
+        spool = os.path.join(os.path.abspath(out), RECEIPTS, SPOOL)
+        return Corpus(
+            kind, root, archives=names, where=where, columns=audio_text_speaker, spool=spool
+        )
     if not src.exists():
         raise UserError(f"--src {src} does not exist")
     if src.is_file():
@@ -69,7 +85,8 @@ def open_corpus(src: Path, out: Path, where: str | None = None) -> Corpus:
         return Corpus("manifest", str(src.parent.resolve()), str(src.resolve()), where=where)
     if where is not None:
         raise UserError(
-            f"--where selects on metadata, which only a JSONL manifest has; --src {src} is a folder"
+            f"--where selects on metadata, which a JSONL manifest, tars or Parquet have; "
+            f"--src {src} is a folder"
         )
     root = str(src.resolve())
     if (src / "metadata.csv").is_file():
@@ -84,14 +101,27 @@ def share(
     later whether the corpus listing changed (every folder walked, or the listing)."""
     if corpus.kind == "folder":
         return _folder_share(corpus, taken, stamps)
-    if corpus.kind == "tars":
-        return tar_share(corpus, taken, sample_rate, stamps)
+    if corpus.kind in ("tars", "parquet"):
+        return _archive_share(corpus, taken, sample_rate, stamps)
     assert corpus.listing is not None  # internal invariant: open_corpus sets it
     stamps.append(stamp(corpus.root, os.path.relpath(corpus.listing, corpus.root)))
     if corpus.kind == "ljspeech":
         stamps.append(stamp(corpus.root, "wavs"))
         return _ljspeech_share(corpus, taken)
     return _manifest_share(corpus, taken, sample_rate)
+
+
+def _archive_share(
+    corpus: Corpus, taken: Slice, sample_rate: int, stamps: list[Stamp]
+) -> Iterator[Found | Rejection]:
+    """The samples of this slice's whole archives (archive number ≡ part mod parts), tars or
+    Parquet files; every archive is stamped."""
+    read = tar_samples if corpus.kind == "tars" else parquet_rows
+    where = Where(corpus.where) if corpus.where is not None else None
+    for number, rel in enumerate(corpus.archives):
+        stamps.append(stamp(corpus.root, rel))
+        if taken.holds(number):
+            yield from read(corpus, number, rel, sample_rate, where)
 
 
 def unchanged(corpus: Corpus, stamps: list[Stamp]) -> bool:
@@ -312,7 +342,7 @@ def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str | No
     if corpus.kind == "folder":
         text = read_transcript_file(transcript_path(corpus, source, locator))
         speaker = os.path.dirname(source) or None
-    elif corpus.kind == "tars":
+    elif corpus.kind in ("tars", "parquet"):  # a Parquet row's text is in its spool
         data, is_json = read_member(corpus, source, locator)
         meta, text = parse_text_member(data, is_json)
         speaker = None if meta.get("speaker") is None else str(meta["speaker"])

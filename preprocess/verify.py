@@ -10,27 +10,43 @@ keys, shards on disk that the index does not list, totals, ``rejected.jsonl`` an
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
-from melcache.format import AUDIO_MEMBER, MEL_MEMBER, REJECTED_NAME, fast_decode_mel, finite_mel
-from melcache.index import read_index, read_stats
+from melcache.format import AUDIO_MEMBER, REJECTED_NAME, finite_mel
+from melcache.index import index_storage, read_index, read_stats
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
+from melcache.storage import MEL_MEMBERS, STEP, STORAGE_OF_MEMBER
 from preprocess.parallel import ordered_map
+
+
+@dataclasses.dataclass(frozen=True)
+class MelRules:
+    """What every mel of a cache must be: ``n_mels`` channels, stored as ``storage``, no value
+    below the log floor by more than the storage's rounding."""
+
+    n_mels: int
+    storage: str
+    lowest: float
 
 
 def verify(cache: Path, workers: int = 1) -> list[str]:
     """Return every problem found in ``cache`` (empty when the cache is sound)."""
     index = read_index(cache)
     n_mels = index["features"]["n_mels"]
+    floor = math.log(index["features"]["log_floor"])
+    rules = MelRules(n_mels, index_storage(index), floor - STEP / 2)
     buckets = {b["bucket"]: b for b in index["buckets"]}
     jobs = [
-        (cache, shard, n_mels, buckets.get(shard["bucket"]), index["keep_audio"])
+        (cache, shard, rules, buckets.get(shard["bucket"]), index["keep_audio"])
         for shard in index["shards"]
     ]
     problems: list[str] = []
@@ -56,13 +72,17 @@ def verify(cache: Path, workers: int = 1) -> list[str]:
 
 
 def _check_shard_job(
-    job: tuple[Path, dict[str, Any], int, dict[str, Any] | None, bool],
+    job: tuple[Path, dict[str, Any], MelRules, dict[str, Any] | None, bool],
 ) -> tuple[list[str], list[str]]:
     return check_shard(*job)
 
 
 def check_shard(
-    cache: Path, entry: dict[str, Any], n_mels: int, bucket: dict[str, Any] | None, keep_audio: bool
+    cache: Path,
+    entry: dict[str, Any],
+    rules: MelRules,
+    bucket: dict[str, Any] | None,
+    keep_audio: bool,
 ) -> tuple[list[str], list[str]]:
     """Problems in one shard and the keys it holds."""
     name = entry["name"]  # read_index has checked it against the shard-name pattern
@@ -81,7 +101,7 @@ def check_shard(
     try:
         for sample in shard_samples(data, name, on_unknown=foreign.append):
             keys.append(str(sample["__key__"]))
-            frames.append(_check_sample(name, sample, n_mels, bucket, keep_audio, problems))
+            frames.append(_check_sample(name, sample, rules, bucket, keep_audio, problems))
     except ShardError as exc:
         problems.append(str(exc))
     problems += [f"{name}: foreign member {m!r} (never read)" for m in foreign]
@@ -99,7 +119,7 @@ def check_shard(
 def _check_sample(
     shard: str,
     sample: dict[str, Any],
-    n_mels: int,
+    rules: MelRules,
     bucket: dict[str, Any],
     keep_audio: bool,
     problems: list[str],
@@ -114,8 +134,13 @@ def _check_sample(
     except ShardError as exc:
         problems.append(str(exc))
         raw = None
+    member = MEL_MEMBERS[rules.storage]
+    if any(m in sample for m in STORAGE_OF_MEMBER if m != member):
+        problems.append(f"{where}: a mel member other than the index's {member}")
     try:  # the mel on its own, so a bad one is reported whatever the metadata says
-        mel = fast_decode_mel(sample[MEL_MEMBER], n_mels, where) if MEL_MEMBER in sample else None
+        mel = decode_mel(sample[member], rules.storage, rules.n_mels, where)
+    except KeyError:
+        mel = None  # the reader has said so
     except ShardError as exc:
         problems.append(str(exc))
         mel = None
@@ -126,6 +151,8 @@ def _check_sample(
         problems.append(f"{where}: json frames {raw.frames} != mel frames {frames}")
     if not finite_mel(mel):
         problems.append(f"{where}: mel has NaN or infinite values")
+    elif float(mel.min()) < rules.lowest:
+        problems.append(f"{where}: mel value {float(mel.min())} below the log floor {rules.lowest}")
     if not bucket["min_frames"] <= frames <= bucket["max_frames"]:
         problems.append(
             f"{where}: {frames} frames outside bucket {bucket['bucket']} "

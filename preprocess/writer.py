@@ -19,19 +19,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from melcache.codec import encode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.format import HashingStream, encode_sample, open_tar_writer, temp_path, write_atomic
+from melcache.storage import FP16, MEL_MEMBERS
 from preprocess.archives import audio_input
 from preprocess.audio import AudioError, encode_flac, load_mono
 from preprocess.config import BuildConfig
 from preprocess.features import MelExtractor
-from preprocess.inputs import Corpus, clean_text, utterance_hash
+from preprocess.inputs import RECEIPTS, Corpus, clean_text, utterance_hash
 from preprocess.plan import Plan, PlannedShard, PlannedUtterance
 from preprocess.sources import read_transcript
 
 log = logging.getLogger(__name__)
-RECEIPTS = ".build"
 
 # ---- pool ------------------------------------------------------------------------------
 _extractor: MelExtractor | None = None
@@ -151,7 +152,8 @@ def _write_utterance(
         "bucket": bucket,
     }
     flac = encode_flac(audio, features.sample_rate) if keep_audio else None
-    writer.write(encode_sample(item.key, mel16, meta, flac))
+    stored = encode_mel(mel16 if config.storage == FP16 else mel32, config.storage)
+    writer.write(encode_sample(item.key, stored, meta, flac, MEL_MEMBERS[config.storage]))
     tally.sums += sums
     tally.squares += np.square(mel32, dtype=np.float64).sum(axis=0)
     tally.frames.append(meta["frames"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -22,10 +23,19 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import soundfile as sf
 import torch
 
-from melcache.format import INDEX_NAME, REJECTED_NAME
+from melcache.format import (
+    INDEX_NAME,
+    REJECTED_NAME,
+    decode_meta,
+    fast_decode_mel,
+    group_samples,
+    iter_members,
+)
 from melcache.reader import DIGESTS
 
 # ---- the sample corpus and the build ------------------------------------------------------
@@ -97,6 +107,28 @@ def build_args(src: Path, out: Path, *extra: str) -> list[str]:
 def build_command(src: Path, out: Path, *extra: str) -> list[str]:
     """``python -m preprocess build --src SRC --out OUT EXTRA…`` as a command line."""
     return [sys.executable, "-m", "preprocess", *build_args(src, out, *extra)]
+
+
+# ---- the same audio in other layouts ----------------------------------------------------
+
+
+def encoded(path: Path, extension: str) -> bytes:
+    """The audio of ``path`` encoded as ``extension`` (mp3, flac, wav) by soundfile."""
+    audio, rate = sf.read(path, dtype="float32")
+    buffer = io.BytesIO()
+    sf.write(buffer, audio, rate, format=extension.upper())
+    return buffer.getvalue()
+
+
+def mels_by_text(cache: Path) -> dict[str, np.ndarray]:
+    """Every mel of a cache, by its utterance's text: how two layouts' caches are compared."""
+    found = {}
+    for shard in sorted(cache.glob("*.tar")):
+        with open(shard, "rb") as stream:
+            for sample in group_samples(iter_members(stream, shard.name), shard.name):
+                meta = decode_meta(sample["json"], shard.name)
+                found[meta["text"]] = fast_decode_mel(sample["mel.npy"], 100, shard.name)
+    return found
 
 
 @contextlib.contextmanager

@@ -18,13 +18,13 @@ from helpers import (
     build_args,
     build_command,
     cache_digests,
+    encoded,
+    mels_by_text,
     receipts,
     run_preprocess,
     started,
     wait_for,
 )
-
-from melcache.format import decode_meta, fast_decode_mel, group_samples, iter_members
 
 pytestmark = pytest.mark.slow  # builds in subprocesses
 
@@ -35,13 +35,6 @@ def add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(payload)
     tar.addfile(info, io.BytesIO(payload))
-
-
-def encoded(path: Path, extension: str) -> bytes:
-    audio, rate = sf.read(path, dtype="float32")
-    buffer = io.BytesIO()
-    sf.write(buffer, audio, rate, format=extension.upper())
-    return buffer.getvalue()
 
 
 def emilia(tmp_path: Path) -> tuple[Path, Path, dict[str, int]]:
@@ -75,16 +68,6 @@ def emilia(tmp_path: Path) -> tuple[Path, Path, dict[str, int]]:
             add(tar, f"EN_B{number:05d}_X00002.mp3", b"\xff\xfb" + bytes(4000))  # not mp3
             add(tar, f"EN_B{number:05d}_X00002.json", b'{"text": "broken", "duration": 1.0}')
     return tars, loose, {"written": len(audio), "bad": 6}
-
-
-def mels_by_text(cache: Path) -> dict[str, np.ndarray]:
-    found = {}
-    for shard in sorted(cache.glob("*.tar")):
-        with open(shard, "rb") as stream:
-            for sample in group_samples(iter_members(stream, shard.name), shard.name):
-                meta = decode_meta(sample["json"], shard.name)
-                found[meta["text"]] = fast_decode_mel(sample["mel.npy"], 100, shard.name)
-    return found
 
 
 def test_emilia_tars_build_like_loose_files(tmp_path: Path) -> None:

@@ -119,13 +119,26 @@ def test_scale_bench_prints_runs_growth_and_parts(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tar_bench_prints_both_builds_and_the_ratio(tmp_path: Path) -> None:
+def test_tar_bench_prints_each_layouts_build_and_the_ratios(tmp_path: Path) -> None:
     rows = {
         r["row"]: r
         for r in bench_rows("tar_bench", tmp_path / "data", "--hours", "0.01", "--rounds", "1")
     }
     assert rows["tars of mp3"]["real_time_x"] > 0 and rows["loose wav"]["real_time_x"] > 0
     assert rows["tars of mp3"]["audio_hours"] > 0 and rows["ratio"]["tars_over_loose"] > 0
+    assert rows["parquet of mp3"]["audio_hours"] == rows["tars of mp3"]["audio_hours"]
+    assert rows["ratio"]["parquet_over_loose"] > 0
     assert sorted(p.name for p in (tmp_path / "data").glob("tars-0.01h/*.tar")) == [
         "part-000000.tar"
     ]
+
+
+@pytest.mark.slow
+def test_storage_bench_prints_each_storage_and_the_ratios(tmp_path: Path) -> None:
+    args = ("--hours", "0.01", "--rounds", "1", "--min-seconds", "0.2")
+    rows = {r["row"]: r for r in bench_rows("storage_bench", tmp_path / "data", *args)}
+    fp16, compact = rows["fp16"], rows["zstd-q5"]
+    assert compact["max_abs_error"] <= 2.0**-6 and fp16["max_abs_error"] <= 2.0**-8
+    assert compact["mel_mb_per_hour"] < fp16["mel_mb_per_hour"] / 2
+    assert compact["loader_samples_per_s"] > 0 and fp16["build_real_time_x"] > 0
+    assert rows["ratio"]["loader_compact_over_fp16"] > 0

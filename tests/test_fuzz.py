@@ -62,7 +62,7 @@ def tiny_samples(bucket: int, frames: list[int], rng: np.random.Generator) -> li
     out = []
     for i, n in enumerate(frames):
         key = f"b{bucket}_utt{i}"
-        mel = rng.normal(-4, 2, size=(n, N_MELS)).astype(np.float16)
+        mel = rng.normal(-4, 2, size=(n, N_MELS)).clip(min=-11.5).astype(np.float16)  # ≥ log floor
         meta = {"text": f"utterance {i}", "speaker": "s1", "seconds": n * 256 / 24000,
                 "frames": n, "sample_rate": 24000, "source": f"{key}.wav", "bucket": bucket}  # fmt: skip
         out.append((key, mel, meta))

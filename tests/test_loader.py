@@ -270,12 +270,12 @@ def test_resume_continues_with_exactly_the_next_batches(sample_cache: Path, tmp_
 
 def test_resume_reads_only_the_partial_shard(sample_cache: Path, monkeypatch) -> None:
     reads, decodes = [], []
-    real_read, real_decode = train.stream.read_shard, train.collate.fast_decode_mel
+    real_read, real_decode = train.stream.read_shard, train.collate.decode_mel_into
     monkeypatch.setattr(
         train.stream, "read_shard", lambda *a, **k: reads.append(a[0]) or real_read(*a, **k)
     )
     monkeypatch.setattr(
-        train.collate, "fast_decode_mel", lambda *a: decodes.append(1) or real_decode(*a)
+        train.collate, "decode_mel_into", lambda *a: decodes.append(1) or real_decode(*a)
     )
     options = {"batch_frames": 1000, "max_batch_size": 1}
     for cut in (2, 25):  # early and late in the first epoch (30 one-sample batches)

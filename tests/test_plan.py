@@ -130,5 +130,5 @@ def test_where_leaves_rows_out_counted(tmp_path: Path) -> None:
     sources = [piece.source(i) for piece in scan.pieces for i in range(len(piece))]
     language = {r["audio_filepath"]: r["language"] for r in rows}
     assert {language[s] for s in sources} == {"en"}
-    with pytest.raises(UserError, match="only a JSONL manifest"):
+    with pytest.raises(UserError, match="which a JSONL manifest, tars or Parquet have"):
         open_corpus(SAMPLE_CORPUS, tmp_path / "out", where='language == "en"')

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from melcache.batching import round_up
+from melcache.codec import decode_mel_into
 from melcache.errors import ShardError
-from melcache.format import fast_decode_mel, finite_mel
+from melcache.format import finite_mel
 from melcache.reader import RawSample
 
 PAD_ID = 0
@@ -102,21 +103,17 @@ def collate(
 ) -> PackedBatch:
     """Decode the mels (never unpickling) and pad them into ``mel_out(shape)``, the rest
     into a :class:`PackedBatch`."""
-    mels = [fast_decode_mel(s.mel, n_mels, f"{where}:{s.key}") for s in samples]
-    for sample, mel in zip(samples, mels, strict=True):
-        if mel.shape[0] != sample.frames:
-            raise ShardError(
-                f"{where}:{sample.key}: mel.npy has {mel.shape[0]} frames, "
-                f"metadata says {sample.frames}"
-            )
     shape = (len(samples), round_up(max(s.frames for s in samples), pad_multiple), n_mels)
     out = mel_out(shape)
-    for row, mel in enumerate(mels):
-        out[row, : len(mel)] = mel
-        out[row, len(mel) :] = pad_value
+    for row, sample in enumerate(samples):
+        name = f"{where}:{sample.key}"
+        frames = decode_mel_into(sample.mel, sample.storage, n_mels, name, out[row])
+        if frames != sample.frames:
+            raise ShardError(f"{name}: the mel has {frames} frames, metadata says {sample.frames}")
+        out[row, frames:] = pad_value
     if not finite_mel(out):  # the build never writes one: a forged or hand-made shard
-        bad = next(s for s, mel in zip(samples, mels, strict=True) if not finite_mel(mel))
-        raise ShardError(f"{where}:{bad.key}: mel.npy holds NaN or infinite values")
+        row = next(row for row in range(len(samples)) if not finite_mel(out[row]))
+        raise ShardError(f"{where}:{samples[row].key}: the mel holds NaN or infinite values")
     tokens = [np.asarray(tokenizer(s.text), dtype=np.int64) for s in samples]
     # Text padded like the mel: text + mel then stays a multiple of pad_multiple, so SDPA's
     # efficient kernels take the [B, 1, S, S] mask as it is instead of padding a copy per layer.
