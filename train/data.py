@@ -104,7 +104,37 @@ class _WorkerDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple[PackedBatch, Cursor]]:
         info = get_worker_info()
         worker = ((0 if info is None else info.id) + self.first) % self.spec.workers_per_rank
-        return worker_stream(self.spec, worker, self.positions[worker], self.rings[worker])
+        return _StaysFailed(
+            worker_stream(self.spec, worker, self.positions[worker], self.rings[worker])
+        )
+
+
+class _StaysFailed:
+    """A worker's stream that, once it has raised, raises the same error for every later batch.
+
+    A generator that raised is finished, and DataLoader gives a finished worker's share of
+    batches to the others at once; they would then run more batches ahead than their rings
+    hold, and the consumer would stop on a ring overrun before it reached, in order, the error
+    that names the shard.
+    """
+
+    def __init__(self, stream: Iterator[tuple[PackedBatch, Cursor]]) -> None:
+        self.stream = stream
+        self.error: Exception | None = None
+
+    def __iter__(self) -> _StaysFailed:
+        return self
+
+    def __next__(self) -> tuple[PackedBatch, Cursor]:
+        if self.error is not None:
+            raise self.error
+        try:
+            return next(self.stream)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            self.error = exc
+            raise
 
 
 def _keep(item: Any) -> Any:
