@@ -34,7 +34,7 @@ from benchmarks.loader_bench import prepare
 from melcache.batching import BATCH_PLAN, make_rng, padding_fraction, plan_batches, round_up
 from melcache.index import read_index
 from melcache.location import member_location
-from melcache.reader import read_shard
+from melcache.reader import ShardCheck, read_shard
 from train.config import load_config
 from train.tune import tune
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     one_budget = min(table.values())
     shards = read_index(cache)["shards"]
     frames = [
-        [s.frames for s in read_shard(member_location(cache, e["name"]), e, check_sha256=False)]
+        [s.frames for s in read_shard(member_location(cache, e["name"]), e, ShardCheck("fast"))]
         for e in shards
     ]
     plans = {

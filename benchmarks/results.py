@@ -1,20 +1,22 @@
 """Run the benchmarks and write their results table into README.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|scale|tars|storage|budgets|gpu]
+    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|storage|budgets|gpu]
+        [--data DIR]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
-against a naive librosa loop), ``benchmarks.loader_bench`` (streaming loader against
-on-the-fly extraction) and ``benchmarks/trainer_bench.py`` (trainer overhead and data wait),
-collects the JSON lines they print, and replaces the README section between
+against a naive librosa loop) and ``benchmarks/trainer_bench.py`` (trainer overhead and data
+wait), collects the JSON lines they print, and replaces the README section between
 ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
-command and the machine; ``benchmarks.scale_bench`` (planning time and memory per
-utterance) fills ``<!-- scale:begin -->`` … ``<!-- scale:end -->`` the same way,
-``benchmarks.tar_bench`` (tars of mp3 against loose wav) ``<!-- tars:begin -->``,
-``benchmarks.storage_bench`` (fp16 against the compact storage, and Lhotse's lilcom when
-installed) ``<!-- storage:begin -->``, ``benchmarks.budget_bench`` (one global batch budget
-against ``train tune``'s per-bucket table) ``<!-- budgets:begin -->``, and the rows
-``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
+command and the machine; ``benchmarks.loader_bench`` (streaming loader against on-the-fly
+extraction, and its shard check) fills ``<!-- loader:begin -->`` … ``<!-- loader:end -->``
+the same way, ``benchmarks.scale_bench`` (planning time and memory per utterance)
+``<!-- scale:begin -->``, ``benchmarks.tar_bench`` (tars of mp3 against loose wav)
+``<!-- tars:begin -->``, ``benchmarks.storage_bench`` (fp16 against the compact storage, and
+Lhotse's lilcom when installed) ``<!-- storage:begin -->``, ``benchmarks.budget_bench`` (one
+global batch budget against ``train tune``'s per-bucket table) ``<!-- budgets:begin -->``,
+and the rows ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
+``--data DIR`` keeps every benchmark's corpora and caches under ``DIR`` (a sub-folder each).
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_json(command: list[str]) -> list[dict[str, Any]]:
-    """Run a benchmark; return every JSON object it printed on stdout (one per line or block)."""
+def run_json(command: list[str], data: Path | None = None) -> list[dict[str, Any]]:
+    """Run a benchmark (keeping its corpora and caches in ``data`` when given, else where it
+    keeps them by default); return every JSON object it printed on stdout (one per line or
+    block)."""
+    command = [*command, "--data", str(data)] if data else command
     print("$", " ".join(command), file=sys.stderr, flush=True)
     out = subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True).stdout
     decoder, objects, at = json.JSONDecoder(), [], 0
@@ -65,11 +70,10 @@ def machine() -> str:
     return f"{len(os.sched_getaffinity(0))} cores ({model}), {gpu}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def table(quick: bool) -> str:
-    """Run the three benchmarks and render their rows as markdown."""
+def table(quick: bool, data: Path | None = None) -> str:
+    """Run the build and trainer benchmarks and render their rows as markdown."""
     py = sys.executable
     build_cmd = [py, "-m", "benchmarks.build_bench", "--hours", "0.5" if quick else "3"]
-    loader_cmd = [py, "-m", "benchmarks.loader_bench", "--hours", "0.5" if quick else "4"]
     trainer_cmd = [
         py,
         "benchmarks/trainer_bench.py",
@@ -78,8 +82,7 @@ def table(quick: bool) -> str:
         "--rounds",
         "3" if quick else "10",
     ]
-    build = {row["row"]: row for row in run_json(build_cmd)}
-    loader = run_json(loader_cmd)
+    build = {row["row"]: row for row in run_json(build_cmd, data and data / "build")}
     trainer = run_json(trainer_cmd)[0]  # one indented JSON object
     overhead = trainer["overhead"]
     b, naive, comp = (
@@ -89,7 +92,6 @@ def table(quick: bool) -> str:
     )
     bound = comp[f"bound_{b['workers']}_workers_x"]
     stock_bound = comp[f"stock_bound_{b['workers']}_workers_x"]
-    base, ours, unchecked = loader
     lines = [
         f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results`.",
         "",
@@ -101,21 +103,60 @@ def table(quick: bool) -> str:
         f"| the issue's reference recipe alone (libsndfile float decode + soxr HQ + stock torchaudio mel), same run, × {b['workers']} cores | | {stock_bound}× (per core: decode {comp['decode_stock_real_time_x']}×, mel {comp['mel_stock_real_time_x']}×) | | same |",
         f"| build wall time per hour of audio | {b['wall_s_per_audio_hour']} s | | | same |",
         f"| storage per hour of audio (float16 mel) | {b['cache_mb_per_audio_hour']} MB | 172.8 MB raw 16-bit 24 kHz PCM | | same |",
-        f"| loader samples/s (warm, {ours.get('workers', 2)} workers) | {ours['samples_per_s']:.0f} | on-the-fly {base['samples_per_s']:.0f} | {ours['ratio']:.1f}× | `{_cmd(loader_cmd)}` |",
-        f"| loader samples/s with `check_sha256=False` | {unchecked['samples_per_s']:.0f} | with the check {ours['samples_per_s']:.0f} | {unchecked['samples_per_s'] / ours['samples_per_s']:.2f}× | same |",
-        f"| loader padding (padded ÷ all frames) | {ours['padding_fraction']:.1%} | on-the-fly random batches {base['padding_fraction']:.1%} | | same |",
-        f"| loader: first batch after resuming at 1 % / 90 % of an epoch | {ours['resume_first_batch_s']['1%']} s / {ours['resume_first_batch_s']['90%']} s | | | same |",
         f"| trainer overhead vs a bare loop (median, CPU time / wall) | {overhead['overhead_pct_cpu']:+.1f} % / {overhead['overhead_pct_wall']:+.1f} % | | | `{_cmd(trainer_cmd)}` |",
         f"| trainer data wait, 2-process run on the sample corpus (steady) | {trainer['data_wait']['data_wait_pct_steady']:.1f} % | | | same |",
     ]
     return "\n".join(lines)
 
 
-def scale_table(quick: bool) -> str:
+def loader_table(quick: bool, data: Path | None = None) -> str:
+    """Run the loader benchmark and render its rows as markdown."""
+    command = [sys.executable, "-m", "benchmarks.loader_bench", "--hours", "0.5" if quick else "4"]
+    rows = run_json(command, data and data / "loader")
+    base, ratios = rows[0], rows[-1]
+    run = {(r["cache"], r["shard_check"]): r for r in rows[1:-1]}
+    ours, off, sha = run["current", "fast"], run["current", "off"], run["current", "sha256"]
+    old, old_off = run["previous", "fast"], run["previous", "off"]
+    cpu = {key: line["one_process_samples_per_cpu_s"] for key, line in run.items()}
+    fast, none, sha256 = '`"fast"`', '`"off"`', '`"sha256"`'
+
+    def one_process(key: tuple[str, str], reference: tuple[str, str]) -> str:
+        """First / second pass: samples per CPU second against the reference's, and ratios."""
+        prefix = f"{key[0]}_{key[1]}_one_process"
+        return (
+            f"{cpu[key]['first_pass']:.0f} / {cpu[key]['second_pass']:.0f} | "
+            f"{cpu[reference]['first_pass']:.0f} / {cpu[reference]['second_pass']:.0f} | "
+            f"{ratios[prefix + '_first_pass']:.2f}× / {ratios[prefix + '_second_pass']:.2f}×"
+        )
+
+    return "\n".join(
+        [
+            f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
+            f"--only loader`. A checked-over-unchecked ratio is the median over {ours['turns']} "
+            f"rounds of turns (warm, {ours['workers']} workers) or "
+            f"{ours['one_process_samples_per_cpu_s']['rounds']} one-process loaders (CPU time) "
+            "of the ratio within a round.",
+            "",
+            "| what | melcache | reference | ratio | command |",
+            "|---|---|---|---|---|",
+            f"| loader samples/s (warm, {ours['workers']} workers, default shard check) | {ours['samples_per_s']:.0f} | on-the-fly {base['samples_per_s']:.0f} | {ours['ratio']:.1f}× | `{_cmd(command)}` |",
+            f"| samples/s, shard check {fast} (xxh3_128 every read) over {none}, this release's cache, warm | {ours['samples_per_s']:.0f} | {off['samples_per_s']:.0f} | {ratios['current_fast']:.2f}× | same |",
+            f"| the same, the previous release's cache (no xxh3_128 in its index: sha256 at a worker's first read of a shard, then xxh3_128) | {old['samples_per_s']:.0f} | {old_off['samples_per_s']:.0f} | {ratios['previous_fast']:.2f}× | same |",
+            f"| {sha256} (sha256 every read, the previous default) over {none}, warm | {sha['samples_per_s']:.0f} | {off['samples_per_s']:.0f} | {ratios['current_sha256']:.2f}× | same |",
+            f"| one process, samples per CPU second, first / second pass: {fast} over {none}, this release's cache | {one_process(('current', 'fast'), ('current', 'off'))} | same |",
+            f"| the same, the previous release's cache | {one_process(('previous', 'fast'), ('previous', 'off'))} | same |",
+            f"| the same, {sha256} over {none} | {one_process(('current', 'sha256'), ('current', 'off'))} | same |",
+            f"| loader padding (padded ÷ all frames) | {ours['padding_fraction']:.1%} | on-the-fly random batches {base['padding_fraction']:.1%} | | same |",
+            f"| loader: first batch after resuming at 1 % / 90 % of an epoch | {ours['resume_first_batch_s']['1%']} s / {ours['resume_first_batch_s']['90%']} s | | | same |",
+        ]
+    )
+
+
+def scale_table(quick: bool, data: Path | None = None) -> str:
     """Run the planning benchmark and render its rows as markdown."""
     sizes = ["20000", "50000", "200000"] if quick else ["100000", "250000", "1000000", "3000000"]
     command = [sys.executable, "-m", "benchmarks.scale_bench", "--sizes", *sizes]
-    rows = run_json(command)
+    rows = run_json(command, data and data / "scale")
     runs = [r for r in rows if r["row"] == "dry run"]
     growth = [r for r in rows if r["row"] == "growth"]
     parts = next(r for r in rows if r["row"] == "parts")
@@ -146,10 +187,10 @@ def scale_table(quick: bool) -> str:
     return "\n".join(lines)
 
 
-def tar_table(quick: bool) -> str:
+def tar_table(quick: bool, data: Path | None = None) -> str:
     """Run the tar benchmark and render its rows as one markdown table row."""
     command = [sys.executable, "-m", "benchmarks.tar_bench", "--hours", "0.1" if quick else "0.5"]
-    rows = {row["row"]: row for row in run_json(command)}
+    rows = {row["row"]: row for row in run_json(command, data and data / "tars")}
     loose, ratio = rows["loose wav"], rows["ratio"]
     lines = [
         f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
@@ -171,10 +212,10 @@ def tar_table(quick: bool) -> str:
     return "\n".join(lines)
 
 
-def storage_table(quick: bool) -> str:
+def storage_table(quick: bool, data: Path | None = None) -> str:
     """Run the storage benchmark and render one row per storage kind (and Lhotse's)."""
     command = [sys.executable, "-m", "benchmarks.storage_bench", "--hours", "0.1" if quick else "1"]
-    rows = run_json(command)
+    rows = run_json(command, data and data / "storage")
     ratio = next(row for row in rows if row["row"] == "ratio")
     lines = [
         f"Measured {datetime.date.today()} on {machine()}, by `{_cmd(command)}` "
@@ -200,10 +241,10 @@ def storage_table(quick: bool) -> str:
     return "\n".join(lines)
 
 
-def budget_table(quick: bool) -> str:
+def budget_table(quick: bool, data: Path | None = None) -> str:
     """Run the budget benchmark and render one global budget against the tuned table."""
     command = [sys.executable, "-m", "benchmarks.budget_bench", "--hours", "0.5" if quick else "4"]
-    rows = run_json(command)
+    rows = run_json(command, data and data / "budgets")
     total = rows[-1]
 
     def cells(row: dict[str, Any], name: str) -> str:
@@ -237,7 +278,7 @@ def budget_table(quick: bool) -> str:
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.jsonl"
 
 
-def gpu_table(quick: bool) -> str:
+def gpu_table(quick: bool, data: Path | None = None) -> str:
     """The rows ``bash benchmarks/gpu_bench.sh`` left in ``GPU_RESULTS``, as markdown; it is
     run on a GPU machine, not from here."""
     if not GPU_RESULTS.exists():
@@ -255,6 +296,7 @@ def gpu_table(quick: bool) -> str:
 
 SECTIONS = {
     "results": table,
+    "loader": loader_table,
     "scale": scale_table,
     "tars": tar_table,
     "storage": storage_table,
@@ -277,12 +319,15 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=sorted(SECTIONS), help="refresh one section of the README only"
     )
+    parser.add_argument(
+        "--data", type=Path, help="keep the benchmarks' corpora and caches here (default: theirs)"
+    )
     args = parser.parse_args()
     readme = REPO / "README.md"
     for name, render in SECTIONS.items():
         if args.only not in (None, name):
             continue
-        rendered = render(args.quick)
+        rendered = render(args.quick, args.data)
         begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
         text = readme.read_text()
         if begin not in text or end not in text:

@@ -40,6 +40,7 @@ from typing import IO, Any
 
 import numpy as np
 import webdataset as wds
+import xxhash
 
 from melcache.errors import ShardError
 from melcache.storage import FP16, MEL_MEMBERS
@@ -202,27 +203,21 @@ def group_samples(
 
 
 class HashingStream:
-    """Wraps a binary file and hashes every byte read or written, so a shard is hashed in the
-    same pass that writes or checks it, not in a second read."""
+    """Wraps a binary file and hashes every byte written, so a shard is hashed in the same pass
+    that writes it, not in a second read: ``digests`` by index field name (sha256, xxh3_128)."""
 
     def __init__(self, raw: IO[bytes]) -> None:
         self.raw = raw
-        self.sha256 = hashlib.sha256()
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.raw.read(size)
-        self.sha256.update(data)
-        return data
+        self.digests = {"sha256": hashlib.sha256(), "xxh3_128": xxhash.xxh3_128()}
 
     def write(self, data: bytes) -> int:
-        self.sha256.update(data)
+        for digest in self.digests.values():
+            digest.update(data)
         return self.raw.write(data)
 
-    def hexdigest_to_end(self) -> str:
-        """Hash whatever is left unread (tar padding, a readers' early stop), then the digest."""
-        while self.read(1 << 20):
-            pass
-        return self.sha256.hexdigest()
+    def hexdigests(self) -> dict[str, str]:
+        """The digest of everything written so far, by index field name."""
+        return {field: digest.hexdigest() for field, digest in self.digests.items()}
 
 
 def temp_path(path: Path) -> Path:

@@ -32,9 +32,10 @@ from melcache.location import is_url, member_location, read_bytes
 from melcache.storage import FP16, STORAGES
 
 # Shard entry fields: type and smallest valid value; ``bytes`` and ``sha256`` may be absent
-# in a hand-made index (the loader then needs ``check_sha256=False``).
+# in a hand-made index (the loader then needs ``data.shard_check = "off"``), ``xxh3_128`` in
+# one from before it was recorded.
 _SHARD_INTS = {"bucket": 0, "samples": 1, "frames": 1, "min_frames": 1, "max_frames": 1}
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST_DIGITS = {"sha256": 64, "xxh3_128": 32}  # lowercase hex
 _TOP_LEVEL = {
     "features": dict,
     "features_digest": str,
@@ -111,10 +112,12 @@ def _check_shard_entry(entry: Any, where: str) -> None:
         _check_count(entry.get(field), f"{where}.{field}", least)
     if "bytes" in entry:
         _check_count(entry["bytes"], f"{where}.bytes", 1)
-    if "sha256" in entry and not (
-        isinstance(entry["sha256"], str) and _SHA256.match(entry["sha256"])
-    ):
-        raise UserError(f"{where}.sha256 = {entry['sha256']!r} is not 64 lowercase hex digits")
+    for field, digits in _DIGEST_DIGITS.items():
+        value = entry.get(field)
+        if field in entry and not (
+            isinstance(value, str) and re.fullmatch(f"[0-9a-f]{{{digits}}}", value)
+        ):
+            raise UserError(f"{where}.{field} = {value!r} is not {digits} lowercase hex digits")
     if not entry["min_frames"] <= entry["max_frames"]:
         raise UserError(
             f"{where}: min_frames {entry['min_frames']} > max_frames {entry['max_frames']}"

@@ -1,10 +1,16 @@
 """One shard, read and checked against its index entry: the reader the loader and ``verify``
 both use.
 
-The shard is read whole (memory-mapped when local), its size and (optionally) sha256 are
-checked against the index before any sample is parsed, and each sample's metadata is
-checked for type. The mel stays undecoded bytes in a :class:`RawSample`, so a loader that
-skips a sample never parses an array; :func:`melcache.codec.decode_mel_into` decodes it.
+The shard is read whole (memory-mapped when local); its size and a digest are checked
+against the index before any sample is parsed (:class:`ShardCheck`), and each sample's
+metadata is checked for type. The mel stays undecoded bytes in a :class:`RawSample`, so a
+loader that skips a sample never parses an array; :func:`melcache.codec.decode_mel_into`
+decodes it.
+
+The build records two digests of each shard: ``sha256`` (cryptographic: no one can make other
+bytes that match it) and ``xxh3_128`` (xxHash, ~16× faster here but not cryptographic: any
+accidental change is caught, a collision made on purpose is not). ``verify`` checks both; the
+loader's default checks ``xxh3_128`` on every read (see :class:`ShardCheck`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import hashlib
 import mmap
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import xxhash
 
 from melcache.errors import ShardError
 from melcache.format import (
@@ -50,21 +58,86 @@ def load_shard(location: str) -> bytes | mmap.mmap:
         raise ShardError(f"{location}: cannot read shard ({exc})") from None
 
 
-def integrity_problems(
-    data: bytes | mmap.mmap, entry: dict[str, Any], location: str, *, check_sha256: bool
-) -> list[str]:
-    """How the shard's bytes differ from its index entry: size, then sha256 (empty: sound)."""
-    problems = []
-    if "bytes" in entry and len(data) != entry["bytes"]:  # free, and names the likely cause
-        problems.append(
+# The digests an index entry records, by field name; each maps a shard's bytes to its hex.
+DIGESTS: dict[str, Callable[[bytes | mmap.mmap], str]] = {
+    "sha256": lambda data: hashlib.sha256(data).hexdigest(),
+    "xxh3_128": xxhash.xxh3_128_hexdigest,
+}
+SHARD_CHECKS = ("fast", "sha256", "off")
+
+
+def size_problems(data: bytes | mmap.mmap, entry: dict[str, Any], location: str) -> list[str]:
+    """The shard's size against the index's ``bytes`` (free, and names the likely cause)."""
+    if "bytes" in entry and len(data) != entry["bytes"]:
+        return [
             f"{location}: {len(data)} bytes, the index says {entry['bytes']} (truncated or replaced?)"
-        )
-    if check_sha256:
-        if not entry.get("sha256"):
-            problems.append(f"{location}: the index gives no sha256; set check_sha256=False")
-        elif hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            problems.append(f"{location}: sha256 differs from the index (corrupt or replaced)")
+        ]
+    return []
+
+
+def digest_problems(
+    data: bytes | mmap.mmap, entry: dict[str, Any], location: str, field: str
+) -> list[str]:
+    """The shard's ``field`` digest (a :data:`DIGESTS` name) against the index's."""
+    if not entry.get(field):
+        return [f"{location}: the index gives no {field}; data.shard_check = 'off' skips it"]
+    if DIGESTS[field](data) != entry[field]:
+        return [f"{location}: {field} differs from the index (corrupt or replaced)"]
+    return []
+
+
+def integrity_problems(data: bytes | mmap.mmap, entry: dict[str, Any], location: str) -> list[str]:
+    """Everything ``verify`` checks of the bytes: size, sha256, and xxh3_128 where recorded."""
+    problems = size_problems(data, entry, location) + digest_problems(
+        data, entry, location, "sha256"
+    )
+    if "xxh3_128" in entry:  # absent in caches of the previous release
+        problems += digest_problems(data, entry, location, "xxh3_128")
     return problems
+
+
+class ShardCheck:
+    """How one reader (a loader worker) checks every shard it reads: ``mode`` is one of
+    :data:`SHARD_CHECKS`.
+
+    - ``"fast"``: size, then the index's ``xxh3_128``, on every read. An index without it
+      (built before it was recorded) gets sha256 the first time this reader meets a shard, and
+      from then on the xxh3_128 of the bytes that passed: a later change is caught the same.
+    - ``"sha256"``: size and sha256 on every read (the loader's slowest setting).
+    - ``"off"``: size only.
+    """
+
+    def __init__(self, mode: str = "fast") -> None:
+        if mode not in SHARD_CHECKS:
+            raise ValueError(f"shard check {mode!r}: expected one of {', '.join(SHARD_CHECKS)}")
+        self.mode = mode
+        self._passed: dict[str, str] = {}  # sha256 checked here -> xxh3_128 of those bytes
+
+    def problems(self, data: bytes | mmap.mmap, entry: dict[str, Any], location: str) -> list[str]:
+        """How the shard's bytes differ from its index entry (empty: sound)."""
+        problems = size_problems(data, entry, location)
+        if problems or self.mode == "off":
+            return problems
+        if self.mode == "sha256":
+            return digest_problems(data, entry, location, "sha256")
+        if "xxh3_128" in entry:
+            return digest_problems(data, entry, location, "xxh3_128")
+        return self._sha256_once(data, entry, location)
+
+    def _sha256_once(
+        self, data: bytes | mmap.mmap, entry: dict[str, Any], location: str
+    ) -> list[str]:
+        """An index without xxh3_128: sha256 at this reader's first read of the shard, then
+        the xxh3_128 of the bytes that passed."""
+        passed = self._passed.get(entry.get("sha256", ""))
+        if passed is None:
+            problems = digest_problems(data, entry, location, "sha256")
+            if not problems:
+                self._passed[entry["sha256"]] = xxhash.xxh3_128_hexdigest(data)
+            return problems
+        if xxhash.xxh3_128_hexdigest(data) != passed:
+            return [f"{location}: changed since its sha256 was checked (corrupt or replaced)"]
+        return []
 
 
 def shard_samples(
@@ -111,15 +184,15 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
     )
 
 
-def read_shard(location: str, entry: dict[str, Any], *, check_sha256: bool) -> list[RawSample]:
+def read_shard(location: str, entry: dict[str, Any], check: ShardCheck) -> list[RawSample]:
     """Every sample of one shard, in tar order, checked against its index entry.
 
     Raises :class:`ShardError` naming the shard when it is missing, unreadable, not the size
-    the index gives, fails its sha256 (unless ``check_sha256`` is off), holds another number
-    of samples than the index says, or a sample lacks a member or has bad metadata.
+    the index gives, fails its digest (as ``check`` says), holds another number of samples
+    than the index says, or a sample lacks a member or has bad metadata.
     """
     data = load_shard(location)
-    problems = integrity_problems(data, entry, location, check_sha256=check_sha256)
+    problems = check.problems(data, entry, location)
     if problems:
         raise ShardError(problems[0])
     samples = [raw_sample(sample, location) for sample in shard_samples(data, location)]

@@ -212,9 +212,9 @@ def _parser() -> argparse.ArgumentParser:
         "verify",
         parents=[pool],
         help="re-check a cache against its index",
-        description="Read every shard with the loader's own reader (size, sha256, member names, "
-        "metadata), decode every mel (dtype, shape, finite, frames, bucket), then check totals, "
-        "rejected.jsonl and stats.zarr; exit 1 listing each problem.",
+        description="Read every shard with the loader's own reader (size, sha256, xxh3_128, "
+        "member names, metadata), decode every mel (dtype, shape, finite, frames, bucket), then "
+        "check totals, rejected.jsonl and stats.zarr; exit 1 listing each problem.",
     )
     verify.add_argument("cache", type=Path, help="cache folder (OUT of build)")
     verify.set_defaults(run=_verify)

@@ -17,6 +17,17 @@ from preprocess.config import BuildConfig
 from preprocess.inputs import Rejection, printable
 from preprocess.plan import Plan
 
+_SHARD_FIELDS = (
+    "name",
+    "bucket",
+    "samples",
+    "frames",
+    "min_frames",
+    "max_frames",
+    "bytes",
+    "sha256",
+)
+
 
 def finish_cache(
     out: Path,
@@ -60,22 +71,7 @@ def finish_cache(
             }
             for b in plan.buckets
         ],
-        "shards": [
-            {
-                k: r[k]
-                for k in (
-                    "name",
-                    "bucket",
-                    "samples",
-                    "frames",
-                    "min_frames",
-                    "max_frames",
-                    "bytes",
-                    "sha256",
-                )
-            }
-            for r in written
-        ],
+        "shards": [_shard_entry(r) for r in written],
         "totals": {
             "discovered": utterances + len(rejected),
             "utterances": utterances,
@@ -93,6 +89,15 @@ def finish_cache(
     }
     write_index(out, index)
     return index
+
+
+def _shard_entry(receipt: dict[str, Any]) -> dict[str, Any]:
+    entry = {k: receipt[k] for k in _SHARD_FIELDS}
+    # The receipt of a shard written by the previous release (a killed build resumed) has no
+    # xxh3_128; the loader then checks that shard's sha256.
+    if "xxh3_128" in receipt:
+        entry["xxh3_128"] = receipt["xxh3_128"]
+    return entry
 
 
 def reason_kind(reason: str) -> str:

@@ -14,7 +14,7 @@ from melcache.codec import decode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.index import index_storage, read_index
-from melcache.reader import read_shard
+from melcache.reader import ShardCheck, read_shard
 from preprocess.config import BuildConfig
 from preprocess.finish import reason_kind
 from preprocess.plan import Plan, length_rejections
@@ -118,7 +118,7 @@ def _read_samples(cache: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         taken[shard["bucket"]] += 1
         location = str(cache / shard["name"])
-        for i, raw in enumerate(read_shard(location, shard, check_sha256=False)):
+        for i, raw in enumerate(read_shard(location, shard, ShardCheck("off"))):
             meta = {"shard": shard["name"], "seconds": raw.frames * hop_seconds}
             meta.update(text=raw.text, frames=raw.frames, bucket=raw.bucket)
             if i == 0:

@@ -1,9 +1,9 @@
 """``preprocess verify``: every shard through the loader's own reader, then checks across shards.
 
-Per shard, :mod:`melcache.reader` checks size, sha256, member names and metadata types just
-as the loader does; verify goes on past the first problem to list them all, and adds what
-only a full pass can check: every mel decoded (finite, its frame count the metadata's,
-inside its bucket), foreign members, totals against the index. Across shards: duplicate
+Per shard, :mod:`melcache.reader` checks size, sha256 and xxh3_128 (where recorded), member
+names and metadata types as the loader does; verify goes on past the first problem to list
+them all, and adds what only a full pass can check: every mel decoded (finite, its frame
+count the metadata's, inside its bucket), foreign members, totals against the index. Across shards: duplicate
 keys, shards on disk that the index does not list, totals, ``rejected.jsonl`` and
 ``stats.zarr``.
 """
@@ -94,7 +94,7 @@ def check_shard(
         data = load_shard(str(cache / name))
     except ShardError as exc:
         return [str(exc)], []
-    problems = integrity_problems(data, entry, name, check_sha256=True)
+    problems = integrity_problems(data, entry, name)
     foreign: list[str] = []
     keys: list[str] = []
     frames: list[int] = []

@@ -1,9 +1,9 @@
 """Write one shard and its receipt (in a pool worker); read the receipts back.
 
 Each shard is written under a temporary name, renamed when complete, then acknowledged by a
-receipt in ``OUT/.build/``: its count, sha256, rejections, feature sums, and which plan and
-recipe (corpus and config) it belongs to. Transcripts are read again from the corpus here and
-must hash as the scan saw them.
+receipt in ``OUT/.build/``: its count, digests (sha256, xxh3_128), rejections, feature sums,
+and which plan and recipe (corpus and config) it belongs to. Transcripts are read again from
+the corpus here and must hash as the scan saw them.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class _Tally:
     squares: np.ndarray
     frames: list[int] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
-    sha256: str = ""
+    digests: dict[str, str] = dataclasses.field(default_factory=dict)  # sha256, xxh3_128
     rejected: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
@@ -87,7 +87,7 @@ def build_shard(
                     _write_utterance(
                         writer, item, corpus, task.bucket, features, config, keep_audio, tally
                     )
-        tally.sha256 = stream.sha256.hexdigest()
+        tally.digests = stream.hexdigests()
         if tally.frames:
             os.replace(temp, final)
         else:  # every utterance was rejected: no empty tar, the receipt says so
@@ -176,7 +176,8 @@ def _receipt(
         "max_frames": max(frames, default=0),
         "seconds": tally.seconds,
         "bytes": final.stat().st_size if frames else 0,
-        "sha256": tally.sha256 if frames else None,
+        "sha256": tally.digests["sha256"] if frames else None,
+        "xxh3_128": tally.digests["xxh3_128"] if frames else None,
         "rejected": tally.rejected,
         "mel_sum": tally.sums.tolist(),
         "mel_sum_squares": tally.squares.tolist(),

@@ -36,6 +36,7 @@ from melcache.format import (
     group_samples,
     iter_members,
 )
+from melcache.reader import DIGESTS
 
 # ---- the sample corpus and the build ------------------------------------------------------
 REPO = Path(__file__).resolve().parents[1]
@@ -202,6 +203,12 @@ def cache_digests(cache: Path) -> dict[str, str]:
     """sha256 of every shard, of index.json and of rejected.jsonl."""
     paths = [*sorted(cache.glob("*.tar")), cache / INDEX_NAME, cache / REJECTED_NAME]
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+
+
+def recorded(data: bytes) -> dict[str, int | str]:
+    """What a build's index records of a shard's bytes (size and every digest): for a test
+    that rewrites a shard together with its index entry."""
+    return {"bytes": len(data), **{field: digest(data) for field, digest in DIGESTS.items()}}
 
 
 def tree(root: Path) -> list[str]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from benchmarks import results
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -49,15 +51,54 @@ def test_build_bench_prints_every_row(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_loader_bench_prints_baseline_and_both_melcache_rows(tmp_path: Path) -> None:
-    rows = bench_rows("loader_bench", tmp_path / "data", "--hours", "0.05", "--min-seconds", "1")
-    base, checked, unchecked = rows
+def test_loader_bench_prints_baseline_every_melcache_loader_and_the_ratios(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data"
+    rows = bench_rows(
+        "loader_bench",
+        data,
+        *("--hours", "0.05", "--min-seconds", "1", "--turn-seconds", "0.2"),
+        *("--cpu-rounds", "1"),
+    )
+    monkeypatch.setattr(results, "run_json", lambda command, data=None: rows)
+    table = results.loader_table(quick=True).splitlines()
+    assert len(table) == 13 and all(row.count("|") == 6 for row in table[2:]), table
+    base, *ours, ratios = rows
     assert base["loader"] == "on-the-fly baseline" and base["samples_per_s"] > 0
-    assert (checked["check_sha256"], unchecked["check_sha256"]) == (True, False)
-    for ours in (checked, unchecked):
-        assert ours["loader"] == "melcache" and ours["samples_per_s"] > 0
-        assert 0 <= ours["padding_fraction"] < base["padding_fraction"]
-        assert set(ours["resume_first_batch_s"]) == {"1%", "90%"}
+    assert [(r["cache"], r["shard_check"]) for r in ours] == [
+        ("current", "fast"),
+        ("current", "off"),
+        ("previous", "fast"),
+        ("previous", "off"),
+        ("current", "sha256"),
+    ]
+    for line in ours:
+        assert line["loader"] == "melcache" and line["samples_per_s"] > 0
+        assert line["seconds"] >= 1 and line["turns"] >= 5
+        cpu = line["one_process_samples_per_cpu_s"]
+        assert cpu["rounds"] == 1 and cpu["first_pass"] > 0 and cpu["second_pass"] > 0
+        assert 0 <= line["padding_fraction"] < base["padding_fraction"]
+        assert set(line["resume_first_batch_s"]) == {"1%", "90%"}
+    assert ratios.pop("row") == "checked over unchecked, median of the rounds"
+    assert set(ratios) == {
+        f"{cache}_{check}{part}"
+        for cache, check in (("current", "fast"), ("previous", "fast"), ("current", "sha256"))
+        for part in ("", "_one_process_first_pass", "_one_process_second_pass")
+    }
+    assert all(ratio > 0 for ratio in ratios.values())
+    # The previous release's cache: the same shard files, an index without xxh3_128.
+    current, previous = data / "cache-0.05h", data / "cache-0.05h-previous"
+    shards = {
+        cache: json.loads((cache / "index.json").read_text())["shards"]
+        for cache in (current, previous)
+    }
+    assert all("xxh3_128" in entry for entry in shards[current])
+    assert shards[previous] == [
+        {k: v for k, v in entry.items() if k != "xxh3_128"} for entry in shards[current]
+    ]
+    name = shards[current][0]["name"]
+    assert (previous / name).stat().st_ino == (current / name).stat().st_ino
 
 
 @pytest.mark.slow

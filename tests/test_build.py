@@ -24,6 +24,7 @@ from preprocess import writer
 from preprocess.config import BuildConfig
 from preprocess.inputs import Corpus
 from preprocess.plan import PlannedShard, PlannedUtterance
+from train.data import DataConfig, make_loader
 
 
 def read_samples(shard: Path) -> list[dict]:
@@ -188,6 +189,34 @@ def test_killed_build_resumes_byte_identical(
         assert not (out / INDEX_NAME).exists()
     run_preprocess(*args[3:])
     assert digests(out) == digests(sample_cache)
+
+
+@pytest.mark.slow  # builds in a subprocess
+def test_a_resumed_build_of_the_previous_release_indexes_its_shards_by_sha256(
+    tmp_path: Path, sample_cache: Path, small_shards_config: Path
+) -> None:
+    """Receipts the previous release wrote (a killed build) carry no xxh3_128: the finished
+    index gives those shards sha256 alone, verify passes and the loader checks them by sha256."""
+    out = Path(shutil.copytree(sample_cache, tmp_path / "out"))
+    (out / INDEX_NAME).unlink()
+    older = sorted((out / ".build").glob("b*.tar.json"))[:2]
+    for path in older:
+        receipt = json.loads(path.read_text())
+        del receipt["xxh3_128"]
+        path.write_text(json.dumps(receipt))
+    run_preprocess(
+        *("build", "--src", str(SAMPLE_CORPUS), "--out", str(out)),
+        *("--config", str(small_shards_config), "--workers", "1"),
+    )
+    index = json.loads((out / INDEX_NAME).read_text())
+    unfast = {entry["name"] for entry in index["shards"] if "xxh3_128" not in entry}
+    assert unfast == {path.name.removesuffix(".json") for path in older}
+    run_preprocess("verify", str(out), "--workers", "1")
+    loader = make_loader(out, DataConfig(num_workers=0, batch_frames=3000))
+    batches = iter(loader)
+    while loader.epoch < 1:
+        next(batches)
+    loader.close()
 
 
 @pytest.mark.slow  # builds in a subprocess

@@ -36,7 +36,7 @@ from melcache.format import (
     tar_members,
 )
 from melcache.index import read_index, read_stats, write_stats
-from melcache.reader import integrity_problems, read_shard
+from melcache.reader import DIGESTS, ShardCheck, integrity_problems, read_shard
 from preprocess.config import BuildConfig
 from preprocess.verify import verify
 
@@ -155,9 +155,11 @@ def test_index_top_level_is_checked(cache_copy: Path) -> None:
     for key, (value, message) in cases.items():
         with pytest.raises(UserError, match=message):
             read_index(with_index(cache_copy, {**index, key: value}))
-    index["shards"][0]["sha256"] = "0" * 63
-    with pytest.raises(UserError, match="sha256"):
-        read_index(with_index(cache_copy, index))
+    for field, digits in (("sha256", 64), ("xxh3_128", 32)):
+        bad = copy.deepcopy(index)
+        bad["shards"][0][field] = "0" * (digits - 1)
+        with pytest.raises(UserError, match=rf"{field} = '0+' is not {digits} lowercase hex"):
+            read_index(with_index(cache_copy, bad))
     (cache_copy / INDEX_NAME).write_text("[1, 2")
     with pytest.raises(UserError, match="cannot read the cache index"):
         read_index(cache_copy)
@@ -167,7 +169,7 @@ def test_reader_and_verify_agree_on_a_sound_and_a_damaged_shard(cache_copy: Path
     index = read_index(cache_copy)
     entry = max(index["shards"], key=lambda s: s["bytes"])
     location = str(cache_copy / entry["name"])
-    samples = read_shard(location, entry, check_sha256=True)
+    samples = read_shard(location, entry, ShardCheck())
     assert len(samples) == entry["samples"]
     assert sum(s.frames for s in samples) == entry["frames"]
     assert {s.bucket for s in samples} == {entry["bucket"]}
@@ -175,14 +177,44 @@ def test_reader_and_verify_agree_on_a_sound_and_a_damaged_shard(cache_copy: Path
     data = bytearray((cache_copy / entry["name"]).read_bytes())
     data[2000] ^= 0xFF  # inside the first mel: still a readable tar
     (cache_copy / entry["name"]).write_bytes(bytes(data))
-    message = f"{location}: sha256 differs from the index (corrupt or replaced)"
-    assert integrity_problems(data, entry, location, check_sha256=True) == [message]
+    messages = [
+        f"{location}: {field} differs from the index (corrupt or replaced)"
+        for field in ("sha256", "xxh3_128")
+    ]
+    assert integrity_problems(data, entry, location) == messages  # verify: every digest
+    with pytest.raises(ShardError, match="xxh3_128 differs"):  # the loader's default
+        read_shard(location, entry, ShardCheck())
     with pytest.raises(ShardError, match="sha256 differs"):
-        read_shard(location, entry, check_sha256=True)
-    assert len(read_shard(location, entry, check_sha256=False)) == entry["samples"]
-    assert f"{entry['name']}: sha256 differs from the index (corrupt or replaced)" in verify(
-        cache_copy
-    )
+        read_shard(location, entry, ShardCheck("sha256"))
+    assert len(read_shard(location, entry, ShardCheck("off"))) == entry["samples"]
+    report = verify(cache_copy)
+    assert all(m.replace(location, entry["name"]) in report for m in messages)
+
+
+def test_fast_check_of_an_index_without_xxh3_remembers_what_passed_sha256(
+    cache_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache of the previous release (no xxh3_128): sha256 once per reader and shard, then
+    the xxh3_128 of the bytes that passed, so a change after the first read is caught too."""
+    entry = max(read_index(cache_copy)["shards"], key=lambda s: s["bytes"])
+    del entry["xxh3_128"]
+    location, shard = str(cache_copy / entry["name"]), cache_copy / entry["name"]
+    hashed: list[str] = []
+    sha256 = DIGESTS["sha256"]
+    monkeypatch.setitem(DIGESTS, "sha256", lambda data: hashed.append("sha256") or sha256(data))
+    check = ShardCheck()
+    for _ in range(3):
+        assert len(read_shard(location, entry, check)) == entry["samples"]
+    assert hashed == ["sha256"]  # later reads: xxh3_128 only
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=f"{location}: changed since its sha256 was checked"):
+        read_shard(location, entry, check)
+    with pytest.raises(ShardError, match=f"{location}: sha256 differs"):  # another reader
+        read_shard(location, entry, ShardCheck())
+    with pytest.raises(ValueError, match="'fastest'"):
+        ShardCheck("fastest")
 
 
 def test_stats_round_trip_and_shape_check(tmp_path: Path) -> None:

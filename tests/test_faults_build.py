@@ -21,7 +21,6 @@ import sys
 import tarfile
 import time
 from collections import Counter
-from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,7 @@ from helpers import (
     group_gone,
     pool_workers,
     receipts,
+    recorded,
     resize_tmpfs,
     run_preprocess,
     small_tmpfs,
@@ -628,10 +628,7 @@ def test_verify_reports_hostile_members_without_writing(
         shard = cache / entry["name"]
         hostile_shard(tmp_path / "hostile.tar", shard, absolute=target)
         os.replace(tmp_path / "hostile.tar", shard)
-        entry["bytes"], entry["sha256"] = (
-            shard.stat().st_size,
-            sha256(shard.read_bytes()).hexdigest(),
-        )
+        entry.update(recorded(shard.read_bytes()))
     (cache / INDEX_NAME).write_text(json.dumps(index))
     before = tree(tmp_path)
 

@@ -9,7 +9,8 @@
 
 The restart works with torchrun's default shared rendezvous store (each attempt's keys are
 prefixed, ``train/distributed.py``). Bytes flipped inside a mel, behind intact tar and .npy
-headers, are caught by the loader's default sha256 check before the shard is used.
+headers, are caught by the loader's default shard check (xxh3_128) before the shard is used;
+the same damage met in a later epoch is tested in test_shard_check.py.
 - A checkpoint carrying a pickled payload is refused (``weights_only=True``), and the payload
   never runs, whether the file is loaded by the checkpointer or by a resuming ``python -m
   train``.
@@ -74,7 +75,7 @@ def truncate(shard: Path) -> None:
 
 def flip_mel_bytes(shard: Path) -> None:
     """Flip 16 bytes in the middle of the first mel's data: the tar and the .npy header stay
-    intact, so only the sha256 can tell."""
+    intact, so only a digest can tell."""
     with tarfile.open(shard) as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith("." + MEL_MEMBER))
     middle = member.offset_data + member.size // 2
@@ -190,7 +191,7 @@ def test_damaged_shard_is_skipped_once_and_every_rank_runs_every_step(
         pytest.param(
             "flipped",
             ("data.num_workers=0",),
-            "sha256 differs",
+            "xxh3_128 differs from the index",
             id="flipped-workers0",
         ),
     ],
@@ -223,7 +224,7 @@ def test_flipped_mel_bytes_are_caught_under_the_default_config(
     train_cache: Path, tmp_path: Path
 ) -> None:
     """Neither the trainer's config nor ``make_loader`` needs to be told to check."""
-    assert DataConfig().check_sha256
+    assert DataConfig().shard_check == "fast"
     name = damaged_copy(train_cache, tmp_path / "cache", "flipped")
     data = DataConfig(num_workers=0, batch_frames=800, on_error="skip")
     stream = make_loader(tmp_path / "cache", data, rank=1, world_size=2)

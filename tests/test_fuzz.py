@@ -14,12 +14,12 @@ import math
 import random
 import shutil
 from collections.abc import Callable
-from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import recorded
 
 from melcache.batching import make_rng, plan_batches, round_up
 from melcache.errors import ShardError, UserError
@@ -35,7 +35,7 @@ from melcache.format import (
     shard_name,
 )
 from melcache.index import read_index, write_index, write_stats
-from melcache.reader import read_shard
+from melcache.reader import ShardCheck, read_shard
 from preprocess.inspect import summarize
 from preprocess.verify import verify
 from train.collate import collate, utf8_tokens
@@ -82,7 +82,7 @@ def write_tiny_cache(folder: Path) -> Path:
         (folder / name).write_bytes(data)
         shards.append({"name": name, "bucket": bucket, "samples": len(frames),
                        "frames": sum(frames), "min_frames": min(frames), "max_frames": max(frames),
-                       "bytes": len(data), "sha256": sha256(data).hexdigest()})  # fmt: skip
+                       **recorded(data)})  # fmt: skip
         buckets.append({"bucket": bucket, "min_seconds": 0.3, "max_seconds": 30.0,
                         "min_frames": min(frames), "max_frames": max(frames)})  # fmt: skip
         all_mels += [m.astype(np.float32) for _, m, _ in samples]
@@ -165,7 +165,7 @@ def test_fuzzed_index_gives_one_line_errors_or_a_sound_read(tiny_cache: Path, tm
         # What the index let through must not trip any of its readers.
         expect_clean(case, lambda: summarize(cache))
         expect_clean(case, lambda: verify(cache))
-        data = DataConfig(num_workers=0, batch_frames=400, check_sha256=True)
+        data = DataConfig(num_workers=0, batch_frames=400)
         loader = expect_clean(case, lambda: make_loader(cache, data))  # noqa: B023
         if loader is not None:
             batch = expect_clean(case, lambda: next(iter(loader)))  # noqa: B023
@@ -226,7 +226,7 @@ def mutate_shard(data: bytes, rng: random.Random) -> tuple[bytes, str]:
 def load_and_collate(path: Path, entry: dict, case: str) -> int:
     """What a loader worker does with one shard: read, plan, decode and pad every batch;
     return how many batches came out, each checked to be finite."""
-    samples = expect_clean(case, lambda: read_shard(str(path), entry, check_sha256=True))
+    samples = expect_clean(case, lambda: read_shard(str(path), entry, ShardCheck()))
     if samples is None:
         return 0
     budget = round_up(entry["max_frames"], 8) * 2
@@ -261,7 +261,7 @@ def test_fuzzed_shards_give_one_line_errors_or_finite_batches(tiny_cache: Path, 
         path.write_bytes(data)
         entry = dict(honest_entry)
         if number % 2:  # the index was rewritten along with the shard: the parser must cope
-            entry.update(bytes=len(data), sha256=sha256(data).hexdigest())
+            entry.update(recorded(data))
         made = load_and_collate(path, entry, f"case {number}: {case}")
         batches += made
         refused += made == 0

@@ -12,13 +12,12 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, recorded
 
 import train.collate
 import train.stream
@@ -359,33 +358,35 @@ def test_missing_shards_are_counted_and_never_hang(cache_copy: Path) -> None:
         take(loader(cache_copy, on_error="skip"), 1)
 
 
-def test_sha256_is_checked_unless_switched_off(cache_copy: Path) -> None:
+def test_digest_is_checked_unless_switched_off(cache_copy: Path) -> None:
     name = biggest_shard(cache_copy)
     shard = cache_copy / name
     data = bytearray(shard.read_bytes())
     data[2000] ^= 0xFF  # inside the first mel's data: still a readable tar
     shard.write_bytes(bytes(data))
-    with pytest.raises(ShardError, match=f"{name}: sha256"):
+    with pytest.raises(ShardError, match=f"{name}: xxh3_128 differs"):
         take(loader(cache_copy), 30)
+    with pytest.raises(ShardError, match=f"{name}: sha256 differs"):
+        take(loader(cache_copy, shard_check="sha256"), 30)
     checked = loader(cache_copy, on_error="skip")
     take(checked, 30)
     assert list(checked.skipped_shards) == [name]
-    take(loader(cache_copy, check_sha256=False), 30)  # the opt-out reads it as it is
+    take(loader(cache_copy, shard_check="off"), 30)  # the opt-out reads it as it is
 
 
-def test_reader_checks_stand_without_the_index_size_and_sha256(cache_copy: Path) -> None:
-    """An index without ``bytes``/``sha256`` (hand-made): the tar reader still catches a cut."""
+def test_reader_checks_stand_without_the_index_size_and_digests(cache_copy: Path) -> None:
+    """An index without ``bytes`` or digests (hand-made): the tar reader still catches a cut."""
     name = biggest_shard(cache_copy)
     index = index_of(cache_copy)
     for entry in index["shards"]:
-        del entry["bytes"], entry["sha256"]
+        del entry["bytes"], entry["sha256"], entry["xxh3_128"]
     (cache_copy / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(ShardError, match="gives no sha256"):
         take(loader(cache_copy), 30)
     shard = cache_copy / name
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ShardError, match=f"{name}: (not a readable tar|holds)"):
-        take(loader(cache_copy, check_sha256=False), 30)
+        take(loader(cache_copy, shard_check="off"), 30)
 
 
 class _Planted:
@@ -414,10 +415,9 @@ def test_pickle_members_are_never_unpickled(cache_copy: Path) -> None:
         writer.write(sample)
     writer.close()
     (cache_copy / name).write_bytes(buffer.getvalue())
-    # The planter also rewrites the index, so size and sha256 agree and the parser must refuse.
+    # The planter also rewrites the index, so size and digests agree and the parser must refuse.
     index = index_of(cache_copy)
-    entry = next(s for s in index["shards"] if s["name"] == name)
-    entry["bytes"], entry["sha256"] = len(buffer.getvalue()), sha256(buffer.getvalue()).hexdigest()
+    next(s for s in index["shards"] if s["name"] == name).update(recorded(buffer.getvalue()))
     (cache_copy / INDEX_NAME).write_text(json.dumps(index))
 
     with pytest.raises(ShardError, match=r"mel\.npy"):

@@ -17,6 +17,7 @@ from typing import Any
 
 from melcache.config import check_tables, load_toml, make_section, require
 from melcache.errors import UserError
+from melcache.reader import SHARD_CHECKS
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
@@ -67,7 +68,7 @@ class DataConfig:
     num_workers: int = 2
     pad_multiple: int = 8
     on_error: str = "raise"
-    check_sha256: bool = True  # a quarter of the loader's peak rate (README Results); false skips
+    shard_check: str = "fast"  # "fast" (xxh3_128 every read), "sha256" or "off": README Loading
     mel_stats: bool = True  # hand the cache's per-channel mean/std (stats.zarr) to the model
 
     def __post_init__(self) -> None:
@@ -79,6 +80,12 @@ class DataConfig:
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
         require(self.pad_multiple > 0, "data.pad_multiple", self.pad_multiple, "≥ 1")
         require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
+        require(
+            self.shard_check in SHARD_CHECKS,
+            "data.shard_check",
+            self.shard_check,
+            " or ".join(SHARD_CHECKS),
+        )
 
     def budget(self, bucket: int) -> int:
         """Padded frames per micro-batch in length bucket ``bucket`` (the loader checks at start

@@ -32,10 +32,10 @@ a mel, so it costs the same at 1 % or 90 % of an epoch. A state from a different
 size, worker count, seed, cache or batch budget is refused, naming the key.
 
 Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
-``check_sha256=False``) altered shard with a :class:`ShardError` naming it; ``"skip"`` logs each such
-shard once, records it in ``loader.skipped_shards`` and goes on, and still raises if no
-shard can be read at all rather than spin. Only ``mel.npy`` and ``json`` members are read,
-never with pickle.
+``shard_check="off"``) altered shard with a :class:`ShardError` naming it, in any epoch: every
+read is checked (``melcache.reader.ShardCheck``); ``"skip"`` logs each such shard once, records
+it in ``loader.skipped_shards`` and goes on, and still raises if no shard can be read at all
+rather than spin. Only ``mel.npy`` and ``json`` members are read, never with pickle.
 
 Throughput: workers pad mels straight into shared-memory ring slots (``train/transport.py``,
 each the size of the largest batch any bucket can make)
@@ -106,7 +106,37 @@ class _WorkerDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple[PackedBatch, Cursor]]:
         info = get_worker_info()
         worker = ((0 if info is None else info.id) + self.first) % self.spec.workers_per_rank
-        return worker_stream(self.spec, worker, self.positions[worker], self.rings[worker])
+        return _StaysFailed(
+            worker_stream(self.spec, worker, self.positions[worker], self.rings[worker])
+        )
+
+
+class _StaysFailed:
+    """A worker's stream that, once it has raised, raises the same error for every later batch.
+
+    A generator that raised is finished, and DataLoader gives a finished worker's share of
+    batches to the others at once; they would then run more batches ahead than their rings
+    hold, and the consumer would stop on a ring overrun before it reached, in order, the error
+    that names the shard.
+    """
+
+    def __init__(self, stream: Iterator[tuple[PackedBatch, Cursor]]) -> None:
+        self.stream = stream
+        self.error: Exception | None = None
+
+    def __iter__(self) -> _StaysFailed:
+        return self
+
+    def __next__(self) -> tuple[PackedBatch, Cursor]:
+        if self.error is not None:
+            raise self.error
+        try:
+            return next(self.stream)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            self.error = exc
+            raise
 
 
 def _keep(item: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 from melcache.batching import BATCH_PLAN, make_rng, plan_batches, worker_shards
 from melcache.errors import ShardError
 from melcache.location import member_location
-from melcache.reader import RawSample, read_shard
+from melcache.reader import RawSample, ShardCheck, read_shard
 from train.collate import PackedBatch, Tokenizer, collate
 from train.config import DataConfig
 from train.transport import BatchRing
@@ -139,14 +139,11 @@ def load_shards(
     visits: Iterator[ShardVisit], spec: StreamSpec, skips: _SkipLog
 ) -> Iterator[tuple[ShardVisit, list[RawSample]]]:
     """Read each scheduled shard whole; a bad one goes to the ``on_error`` policy."""
+    check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
     for visit in visits:
         entry = spec.shards[visit.shard_id]
         try:
-            samples = read_shard(
-                member_location(spec.cache, entry["name"]),
-                entry,
-                check_sha256=spec.data.check_sha256,
-            )
+            samples = read_shard(member_location(spec.cache, entry["name"]), entry, check)
         except ShardError as exc:
             skips.record(visit, entry["name"], exc)
             continue

@@ -48,7 +48,7 @@ from melcache.batching import round_up
 from melcache.errors import UserError
 from melcache.index import read_index
 from melcache.location import member_location
-from melcache.reader import read_shard
+from melcache.reader import ShardCheck, read_shard
 from train.collate import Batch
 from train.config import Config
 from train.data import bucket_lengths
@@ -315,7 +315,7 @@ def _longest_text(
     entry = max(
         (s for s in index["shards"] if s["bucket"] == bucket), key=lambda s: s["max_frames"]
     )
-    samples = read_shard(member_location(shards, entry["name"]), entry, check_sha256=False)
+    samples = read_shard(member_location(shards, entry["name"]), entry, ShardCheck("fast"))
     return max(len(tokenizer(s.text)) for s in samples)
 
 
