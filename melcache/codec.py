@@ -64,6 +64,24 @@ def decode_mel_into(
         out[: len(mel)] = mel
         return len(mel)
     frames, escapes, raw = _unpack(data, n_mels, where, len(out))
+    _undo_differences(raw, frames, escapes, n_mels, where, out)
+    return frames
+
+
+def decode_mel(data: bytes | memoryview, storage: str, n_mels: int, where: str) -> np.ndarray:
+    """A mel member as a float16 ``[frames, n_mels]`` array (:func:`decode_mel_into`)."""
+    if storage == FP16:
+        return fast_decode_mel(data, n_mels, where)
+    frames, escapes, raw = _unpack(data, n_mels, where, most_frames=None)
+    out = np.empty((frames, n_mels), MEL_DTYPE)
+    _undo_differences(raw, frames, escapes, n_mels, where, out)
+    return out
+
+
+def _undo_differences(
+    raw: np.ndarray, frames: int, escapes: int, n_mels: int, where: str, out: np.ndarray
+) -> None:
+    """The float16 mel of a decompressed zstd-q5 payload, into ``out[:frames]``."""
     count = frames * n_mels
     small = raw[:count].view(np.int8).reshape(frames, n_mels)
     codes = torch.from_numpy(small).to(torch.int32).numpy()  # torch's cast: 1.5x numpy's
@@ -77,17 +95,6 @@ def decode_mel_into(
     summed = torch.from_numpy(codes).cumsum_(1)
     rows = torch.from_numpy(out[:frames])
     rows.copy_(summed.to(torch.float32).mul_(STEP))  # exact: k · 2^-5 is a float16, |k| < 2^11
-    return frames
-
-
-def decode_mel(data: bytes | memoryview, storage: str, n_mels: int, where: str) -> np.ndarray:
-    """A mel member as a float16 ``[frames, n_mels]`` array (:func:`decode_mel_into`)."""
-    if storage == FP16:
-        return fast_decode_mel(data, n_mels, where)
-    frames = _header(data, n_mels, where)[0]
-    out = np.empty((frames, n_mels), MEL_DTYPE)
-    decode_mel_into(data, storage, n_mels, where, out)
-    return out
 
 
 def _header(data: bytes | memoryview, n_mels: int, where: str) -> tuple[int, int]:
@@ -105,11 +112,12 @@ def _header(data: bytes | memoryview, n_mels: int, where: str) -> tuple[int, int
 
 
 def _unpack(
-    data: bytes | memoryview, n_mels: int, where: str, most_frames: int
+    data: bytes | memoryview, n_mels: int, where: str, most_frames: int | None
 ) -> tuple[int, int, np.ndarray]:
-    """``(frames, escapes, the decompressed bytes)``, every size checked before inflating."""
+    """``(frames, escapes, the decompressed bytes)``, every size checked before inflating;
+    more than ``most_frames`` frames (when given) is an error."""
     frames, escapes = _header(data, n_mels, where)
-    if frames > most_frames:
+    if most_frames is not None and frames > most_frames:
         raise ShardError(f"{where}: mel has {frames} frames, more than the metadata says")
     packed = memoryview(data)[_HEADER.size :]
     size = frames * n_mels + 2 * escapes
