@@ -138,9 +138,11 @@ def _check_sample(
     if any(m in sample for m in STORAGE_OF_MEMBER if m != member):
         problems.append(f"{where}: a mel member other than the index's {member}")
     try:  # the mel on its own, so a bad one is reported whatever the metadata says
-        mel = decode_mel(sample[member], rules.storage, rules.n_mels, where)
-    except KeyError:
-        mel = None  # the reader has said so
+        mel = (
+            decode_mel(sample[member], rules.storage, rules.n_mels, where)
+            if member in sample
+            else None
+        )
     except ShardError as exc:
         problems.append(str(exc))
         mel = None
@@ -151,8 +153,8 @@ def _check_sample(
         problems.append(f"{where}: json frames {raw.frames} != mel frames {frames}")
     if not finite_mel(mel):
         problems.append(f"{where}: mel has NaN or infinite values")
-    elif float(mel.min()) < rules.lowest:
-        problems.append(f"{where}: mel value {float(mel.min())} below the log floor {rules.lowest}")
+    elif (lowest := float(mel.min())) < rules.lowest:
+        problems.append(f"{where}: mel value {lowest} below the log floor {rules.lowest}")
     if not bucket["min_frames"] <= frames <= bucket["max_frames"]:
         problems.append(
             f"{where}: {frames} frames outside bucket {bucket['bucket']} "
