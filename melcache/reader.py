@@ -133,9 +133,9 @@ class ShardCheck:
         if passed is None:
             problems = digest_problems(data, entry, location, "sha256")
             if not problems:
-                self._passed[entry["sha256"]] = xxhash.xxh3_128_hexdigest(data)
+                self._passed[entry["sha256"]] = DIGESTS["xxh3_128"](data)
             return problems
-        if xxhash.xxh3_128_hexdigest(data) != passed:
+        if DIGESTS["xxh3_128"](data) != passed:
             return [f"{location}: changed since its sha256 was checked (corrupt or replaced)"]
         return []
 
