@@ -3,7 +3,7 @@
     python -m benchmarks.storage_bench [--hours 1] [--workers 2] [--rounds 2] [--data DIR]
 
 Makes (or reuses) the espeak-ng speech corpus of ``benchmarks.loader_bench``, builds it once
-per storage kind (``fp16``, ``zstd-q5``) with the real command, alternating, ``--rounds``
+per storage kind (``fp16``, ``lz4-q5``) with the real command, alternating, ``--rounds``
 times each (the best real-time factor counts), then for each cache reports:
 
 - MB per hour of audio: of the mel members alone (what a feature store holds, comparable to

@@ -1,20 +1,25 @@
 """Encoding and decoding mels in each storage of :mod:`melcache.storage`.
 
 ``fp16`` is ``np.save`` float16 (:mod:`melcache.format` reads it without ``np.load``).
-``zstd-q5`` (``mel.zq5``) holds integer codes ``round(mel / 2^-5)``. Neighbouring values of
+``lz4-q5`` (``mel.q5``) holds integer codes ``round(mel / 2^-5)``. Neighbouring values of
 a log-mel are close in time and in frequency, so what is stored is each code minus its left
 and upper neighbours plus the diagonal one (the 2-D difference, whose inverse is a prefix
-sum along each axis: vectorised, unlike a per-value predictor), one signed byte each, the
-rare ones beyond ±127 escaped to an int16 list, and those bytes compressed with Blosc's zstd
-(numcodecs, which zarr brings). About 0.7 bytes per value, a third of fp16's 2; chosen by
-measurement (``benchmarks/storage_bench.py``) over lilcom, zstd'd fp16 and 1-D time
-deltas. A 20-byte header leads: magic, frames, n_mels, escapes. Every reader decodes through
+sum along each axis), one signed byte each (the rare ones beyond a byte: 0 there, and their
+flat positions and int16 values after the bytes), all in one Blosc buffer, bit-shuffled and
+LZ4-compressed (numcodecs, which zarr brings). About 0.94 bytes per value, under half of
+fp16's 2. Chosen by measurement (``benchmarks/storage_bench.py``; numbers in the README)
+over lilcom (larger), zstd'd fp16 and 1-D deltas (larger), and the same bytes through zstd
+(24 MB per hour instead of 32, but its decode costs the loader 0.6x fp16's samples/s).
+A 20-byte header leads: magic, frames, n_mels, escapes. Every reader decodes through
 :func:`decode_mel_into`, which never unpickles and checks sizes before it inflates.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
+from collections.abc import Callable
+from functools import cache
 
 import numpy as np
 import torch
@@ -24,11 +29,13 @@ from melcache.errors import ShardError
 from melcache.format import MEL_DTYPE, encode_npy, fast_decode_mel
 from melcache.storage import FP16, STEP
 
-_MAGIC = b"\x93MELZQ5\x01"
+_MAGIC = b"\x93MEL.Q5\x01"
 _HEADER = struct.Struct("<8sIHHI")  # magic, frames, n_mels, unused (0), escapes
-_ESCAPE = -128  # a residual byte meaning "the next value of the int16 list"
+_WIDEST = 2**15 - 1  # an escaped residual is an int16
+_STEP32 = np.float32(STEP)
 _BLOSC_HEADER = 16  # its nbytes at [4:8] and cbytes at [12:16], little-endian
 blosc.use_threads = False  # loader workers are processes already
+_scratch = threading.local()  # per-thread buffers a decode reuses (see _reused)
 
 
 def encode_mel(mel: np.ndarray, storage: str) -> bytes:
@@ -42,13 +49,17 @@ def encode_mel(mel: np.ndarray, storage: str) -> bytes:
     residuals = np.empty_like(codes)
     residuals[:, 0] = across_time[:, 0]
     np.subtract(across_time[:, 1:], across_time[:, :-1], out=residuals[:, 1:])
+    if np.abs(residuals).max(initial=0) > _WIDEST:  # only values beyond ±256: not a log-mel
+        raise ValueError(f"{storage} cannot hold a mel with values ~1000 log units apart")
     small = residuals.astype(np.int8)
-    wide = (small != residuals) | (small == _ESCAPE)
-    small[wide] = _ESCAPE
-    escapes = residuals[wide].astype("<i2")  # |residual| ≤ 4 · 2^11 for any fp16-range mel
-    # zstd level 1: as small as level 3 on mels (measured) at a quarter of the time.
-    packed = blosc.compress(small.tobytes() + escapes.tobytes(), b"zstd", 1, blosc.NOSHUFFLE, 0)
-    return _HEADER.pack(_MAGIC, mel.shape[0], mel.shape[1], 0, len(escapes)) + packed
+    positions = np.flatnonzero(small != residuals).astype("<u4")
+    small.flat[positions] = 0
+    escaped = residuals.flat[positions].astype("<i2")
+    payload = small.tobytes() + positions.tobytes() + escaped.tobytes()
+    # Bit-shuffled, the high bit planes of small residuals are runs that LZ4 removes
+    # (33.6 -> 31.8 MB per hour, measured); level 9 packs as tightly as LZ4HC, decodes faster.
+    packed = blosc.compress(payload, b"lz4", 9, blosc.BITSHUFFLE, 0)
+    return _HEADER.pack(_MAGIC, mel.shape[0], mel.shape[1], 0, len(positions)) + packed
 
 
 def decode_mel_into(
@@ -81,33 +92,77 @@ def decode_mel(data: bytes | memoryview, storage: str, n_mels: int, where: str) 
 def _undo_differences(
     raw: np.ndarray, frames: int, escapes: int, n_mels: int, where: str, out: np.ndarray
 ) -> None:
-    """The float16 mel of a decompressed zstd-q5 payload, into ``out[:frames]``."""
+    """The float16 mel of a decompressed lz4-q5 payload, into ``out[:frames]``."""
     count = frames * n_mels
     small = raw[:count].view(np.int8).reshape(frames, n_mels)
-    codes = torch.from_numpy(small).to(torch.int32).numpy()  # torch's cast: 1.5x numpy's
-    marked = np.flatnonzero(small == _ESCAPE)
-    if len(marked) != escapes:
-        raise ShardError(f"{where}: mel.zq5 marks {len(marked)} escapes, its header {escapes}")
-    codes.flat[marked] = raw[count:].view("<i2")
-    # The 2-D difference undone, each prefix sum where it is vectorised (measured: numpy's
-    # along time, torch's along channels, both on int32; 1.7x faster than torch int16 both).
-    np.cumsum(codes, axis=0, out=codes)
-    summed = torch.from_numpy(codes).cumsum_(1)
-    rows = torch.from_numpy(out[:frames])
-    rows.copy_(summed.to(torch.float32).mul_(STEP))  # exact: k · 2^-5 is a float16, |k| < 2^11
+    tail = bytearray(raw[count:])  # a copy: the escape lists may be unaligned in raw
+    positions = np.frombuffer(tail, "<u4", escapes)
+    escaped = np.frombuffer(tail, "<i2", escapes, offset=4 * escapes).astype(np.float32)
+    values = _reused("values", count, np.float32).reshape(frames, n_mels)
+    if _compiled_prefix_sums()(small, positions, escaped, values) != escapes:
+        raise ShardError(f"{where}: mel.q5 escape positions are not increasing within the mel")
+    torch.from_numpy(out[:frames]).copy_(torch.from_numpy(values))
+
+
+@cache
+def _compiled_prefix_sums() -> Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]:
+    """:func:`_prefix_sums` compiled by numba (which librosa brings), imported only here: a
+    process that never decodes lz4-q5 does not pay numba's ~0.6 s import."""
+    import numba
+
+    signature = "int64(int8[:, ::1], uint32[::1], float32[::1], float32[:, ::1])"
+    return numba.njit(signature, cache=True, nogil=True)(_prefix_sums)
+
+
+# Hand-written: no library fuses the two prefix sums with the scale, and numpy's and torch's
+# one pass each are ~5x slower in all (measured on 100-mel utterances, 2026-12-01).
+def _prefix_sums(
+    small: np.ndarray, positions: np.ndarray, escaped: np.ndarray, values: np.ndarray
+) -> int:
+    """Undo the 2-D difference of ``small`` plus ``escaped`` at flat ``positions`` into
+    ``values`` times the step; return how many escapes were used, fewer than given when the
+    positions do not increase within the array. Float sums of integers are exact here."""
+    frames, n_mels = small.shape
+    across_frequency = np.zeros(n_mels, np.float32)  # running sum over time, per channel
+    used, last = 0, -1
+    for frame in range(frames):
+        for channel in range(n_mels):  # vectorised: the channels are independent
+            across_frequency[channel] += small[frame, channel]
+        row_end = (frame + 1) * n_mels
+        while used < len(positions) and positions[used] < row_end:
+            if positions[used] <= last:
+                return used
+            last = positions[used]
+            across_frequency[last - frame * n_mels] += escaped[used]
+            used += 1
+        code = np.float32(0)
+        for channel in range(n_mels):
+            code += across_frequency[channel]
+            values[frame, channel] = code * _STEP32
+    return used
+
+
+def _reused(name: str, size: int, dtype: type[np.generic]) -> np.ndarray:
+    """This thread's scratch array ``name``, its first ``size`` items: fresh arrays would cost
+    a mel ~40 µs of page faults, a third of its decode (measured)."""
+    buffer = getattr(_scratch, name, None)
+    if buffer is None or len(buffer) < size:
+        buffer = np.empty(size, dtype)
+        setattr(_scratch, name, buffer)
+    return buffer[:size]
 
 
 def _header(data: bytes | memoryview, n_mels: int, where: str) -> tuple[int, int]:
     if len(data) < _HEADER.size + _BLOSC_HEADER:
-        raise ShardError(f"{where}: mel.zq5 is {len(data)} bytes, too short to be one")
+        raise ShardError(f"{where}: mel.q5 is {len(data)} bytes, too short to be one")
     magic, frames, channels, _, escapes = _HEADER.unpack_from(data)
     if magic != _MAGIC or channels != n_mels or frames == 0:
         raise ShardError(
-            f"{where}: mel.zq5 header is not a zstd-q5 mel of {n_mels} channels "
+            f"{where}: mel.q5 header is not a lz4-q5 mel of {n_mels} channels "
             f"(magic {bytes(magic)!r}, {frames} frames × {channels})"
         )
     if escapes > frames * n_mels:
-        raise ShardError(f"{where}: mel.zq5 header gives more escapes than values")
+        raise ShardError(f"{where}: mel.q5 header gives more escapes than values")
     return frames, escapes
 
 
@@ -120,18 +175,18 @@ def _unpack(
     if most_frames is not None and frames > most_frames:
         raise ShardError(f"{where}: mel has {frames} frames, more than the metadata says")
     packed = memoryview(data)[_HEADER.size :]
-    size = frames * n_mels + 2 * escapes
+    size = frames * n_mels + 6 * escapes
     # Blosc's own header gives both sizes: checked here, so a forged one can neither make
     # the decompressor allocate nor leave bytes of the output unwritten.
     nbytes = int.from_bytes(packed[4:8], "little")
     cbytes = int.from_bytes(packed[12:16], "little")
     if nbytes != size or cbytes != len(packed):
         raise ShardError(
-            f"{where}: mel.zq5 holds {nbytes} bytes in {cbytes}, expected {size} in {len(packed)}"
+            f"{where}: mel.q5 holds {nbytes} bytes in {cbytes}, expected {size} in {len(packed)}"
         )
-    raw = np.empty(size, np.uint8)
+    raw = _reused("raw", size, np.uint8)
     try:
         blosc.decompress(packed, raw)
     except (RuntimeError, ValueError) as exc:
-        raise ShardError(f"{where}: mel.zq5 does not decompress ({exc})") from None
+        raise ShardError(f"{where}: mel.q5 does not decompress ({exc})") from None
     return frames, escapes, raw

@@ -5,7 +5,7 @@ complete), ``rejected.jsonl``, ``stats.zarr`` and tar shards named ``bNN-NNNNNN.
 Each shard holds utterances of one length bucket, one WebDataset sample per utterance:
 
 - ``<key>.mel.npy``: float16 ``[frames, n_mels]`` natural-log mel, ``np.save`` format, or
-  ``<key>.mel.zq5`` in a cache built with the compact storage (:mod:`melcache.storage`);
+  ``<key>.mel.q5`` in a cache built with the compact storage (:mod:`melcache.storage`);
 - ``<key>.json``: UTF-8 metadata (text, speaker, seconds, frames, sample_rate, source, bucket);
 - ``<key>.flac``: the resampled mono audio, only when built with ``--keep-audio``.
 

@@ -154,7 +154,7 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
     where = f"{location}:{key}"
     mels = [member for member in STORAGE_OF_MEMBER if member in sample]
     if len(mels) != 1:
-        held = " and ".join(mels) or "no mel.npy or mel.zq5"
+        held = " and ".join(mels) or "no mel.npy or mel.q5"
         raise ShardError(f"{where}: sample has {held} member{'s' if len(mels) > 1 else ''}")
     if META_MEMBER not in sample:
         raise ShardError(f"{where}: sample has no {META_MEMBER} member")

@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
         "--storage",
         choices=STORAGES,
         help="how mels are stored (default: [build] storage, else fp16): fp16, 2 bytes per "
-        "value, ~69 MB per hour of 100-mel features; zstd-q5, ~24 MB per hour, each value "
+        "value, ~69 MB per hour of 100-mel features; lz4-q5, ~32 MB per hour, each value "
         "within 2^-6 log units of the float32 mel (Lhotse's lilcom default error)",
     )
     build.add_argument(
