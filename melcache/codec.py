@@ -158,7 +158,7 @@ def _header(data: bytes | memoryview, n_mels: int, where: str) -> tuple[int, int
     magic, frames, channels, _, escapes = _HEADER.unpack_from(data)
     if magic != _MAGIC or channels != n_mels or frames == 0:
         raise ShardError(
-            f"{where}: mel.q5 header is not a lz4-q5 mel of {n_mels} channels "
+            f"{where}: mel.q5 header is not an lz4-q5 mel of {n_mels} channels "
             f"(magic {bytes(magic)!r}, {frames} frames × {channels})"
         )
     if escapes > frames * n_mels:

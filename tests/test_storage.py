@@ -199,7 +199,7 @@ def test_a_damaged_compact_cache_is_refused_by_verify_and_the_loader(caches, tmp
     shard.write_bytes(bytes(data))
     problems = verify(cache)
     assert any("sha256 differs" in p for p in problems)
-    assert any("mel.q5 header is not a lz4-q5 mel" in p for p in problems)
+    assert any("mel.q5 header is not an lz4-q5 mel" in p for p in problems)
     with pytest.raises(ShardError, match=shard.name):
         loaded(cache)
     index = json.loads((cache / "index.json").read_text())
