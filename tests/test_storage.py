@@ -84,6 +84,12 @@ def test_residuals_beyond_a_byte_are_escaped_exactly() -> None:
     edges = np.zeros((2, 4), np.float32)
     edges[0] = np.cumsum([-128, 127, 128, -127]) * 2.0**-5  # residuals at the int8 edges
     assert np.array_equal(decode_mel(encode_mel(edges, COMPACT), COMPACT, 4, "edges"), edges)
+    not_a_log_mel = np.array([[300.0, -300.0]], np.float32)  # residual 19200 codes: int16
+    assert np.array_equal(
+        decode_mel(encode_mel(not_a_log_mel, COMPACT), COMPACT, 2, "x"), [[300, -300]]
+    )
+    with pytest.raises(ValueError, match="lz4-q5 cannot hold a mel with values ~1000 log units"):
+        encode_mel(np.array([[600.0, -600.0]], np.float32), COMPACT)
 
 
 def test_escape_positions_that_do_not_increase_are_a_shard_error() -> None:
