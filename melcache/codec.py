@@ -9,7 +9,7 @@ flat positions and int16 values after the bytes), all in one Blosc buffer, bit-s
 LZ4-compressed (numcodecs, which zarr brings). About 0.94 bytes per value, under half of
 fp16's 2. Chosen by measurement (``benchmarks/storage_bench.py``; numbers in the README)
 over lilcom (larger), zstd'd fp16 and 1-D deltas (larger), and the same bytes through zstd
-(24 MB per hour instead of 32, but its decode costs the loader 0.6x fp16's samples/s).
+(24 MB per hour instead of 32, but the loader then ran at 0.63-0.70x fp16's samples/s).
 A 20-byte header leads: magic, frames, n_mels, escapes. Every reader decodes through
 :func:`decode_mel_into`, which never unpickles and checks sizes before it inflates.
 """
