@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from melcache.bounded import read_limited
 from melcache.errors import UserError
 
 
@@ -26,9 +27,11 @@ def require(ok: bool, key: str, value: Any, expected: str) -> None:
 def load_toml(path: Path, tables: Mapping[str, type]) -> dict[str, Any]:
     """Parse the TOML file ``path``; refuse a table not named in ``tables``."""
     try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        data = tomllib.loads(read_limited(path).decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"config file {path} does not exist") from None
+    except RecursionError:
+        raise UserError(f"config file {path} cannot be read: tables nested too deeply") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise UserError(f"config file {path} cannot be read: {exc}") from None
     check_tables(data, tables, str(path))
