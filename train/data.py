@@ -37,6 +37,11 @@ read is checked (``melcache.reader.ShardCheck``); ``"skip"`` logs each such shar
 it in ``loader.skipped_shards`` and goes on, and still raises if no shard can be read at all
 rather than spin. Only ``mel.npy`` and ``json`` members are read, never with pickle.
 
+Lifetime: an iterator holds its loader (the loader holds it only weakly), so an inline
+``for batch in make_loader(...)`` streams for as long as it is iterated; the workers stop when
+the last iterator is dropped or at ``close()``. The stream is endless by contract: once
+stopped, ``next()`` raises :class:`LoaderClosed` saying why, never ``StopIteration``.
+
 Throughput: workers pad mels straight into shared-memory ring slots (``train/transport.py``,
 each the size of the largest batch any bucket can make)
 and DataLoader carries only the small rest; the consumer copies each mel out, into pinned
@@ -73,7 +78,9 @@ __all__ = [
     "BYTE_VOCAB_SIZE",
     "PAD_ID",
     "Batch",
+    "BatchIterator",
     "DataConfig",
+    "LoaderClosed",
     "ShardError",
     "StreamLoader",
     "make_loader",
@@ -161,31 +168,29 @@ class StreamLoader:
         self._positions = [Position()] * spec.workers_per_rank
         self._next_worker = 0  # logical worker whose batch the consumer gets next
         self._batches = 0
-        self._active: Iterator[Batch] | None = None
+        self._active: weakref.ref[BatchIterator] | None = None
 
     @property
     def epoch(self) -> int:
         """Epochs every worker of this rank has finished (workers roll over independently)."""
         return min(p.epoch for p in self._positions)
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> BatchIterator:
         self.close()  # one live stream at a time: it owns the state
-        # The stream holds this loader only weakly: a loader dropped without close() is freed
-        # at once, and with it the stream, whose ``finally`` stops the worker processes.
-        self._active = _stream(
-            self.spec,
-            list(self._positions),
-            self._next_worker,
-            self.pin_memory,
-            weakref.WeakMethod(self._consume),
-        )
-        return self._active
+        stream = _stream(self.spec, list(self._positions), self._next_worker, self.pin_memory)
+        iterator = BatchIterator(self, stream)
+        # Held weakly: the iterator keeps this loader alive, not the other way round, so the
+        # workers stop as soon as the last iterator is dropped, whether or not the loader is.
+        self._active = weakref.ref(iterator)
+        return iterator
 
     def close(self) -> None:
-        """Stop the running stream, if any, and its worker processes."""
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+        """Stop the running stream, if any, and its worker processes; its iterator then
+        raises :class:`LoaderClosed` instead of giving more batches."""
+        iterator = self._active() if self._active is not None else None
+        self._active = None
+        if iterator is not None:
+            iterator.close("the loader was closed (close(), load_state_dict() or a new iter())")
 
     def _consume(self, cursor: Cursor) -> None:
         if cursor.worker != self._next_worker:  # DataLoader broke its round-robin promise
@@ -257,15 +262,49 @@ class StreamLoader:
         }
 
 
+class LoaderClosed(RuntimeError):
+    """The loader's endless stream stopped: it was closed, or its workers ended."""
+
+
+class BatchIterator:
+    """One pass over a :class:`StreamLoader`: endless until closed, then raises
+    :class:`LoaderClosed` (never ``StopIteration``, which would end a training loop as if
+    it had succeeded).
+
+    It holds its loader, so ``for batch in make_loader(...)`` keeps the loader alive for as
+    long as it iterates; dropping the iterator frees the stream, whose ``finally`` stops the
+    worker processes.
+    """
+
+    def __init__(self, loader: StreamLoader, stream: Iterator[tuple[Batch, Cursor]]) -> None:
+        self.loader, self._stream = loader, stream
+        self._closed: str | None = None
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._closed is not None:
+            raise LoaderClosed(f"no more batches: {self._closed}")
+        try:
+            batch, cursor = next(self._stream)
+        except StopIteration:
+            self.close("its worker processes stopped before the endless stream could end")
+            raise LoaderClosed(f"no more batches: {self._closed}") from None
+        self.loader._consume(cursor)
+        return batch
+
+    def close(self, reason: str = "the iterator was closed") -> None:
+        """Stop the stream and its worker processes; later ``next()`` calls raise."""
+        if self._closed is None:
+            self._closed = reason
+            self._stream.close()
+
+
 def _stream(
-    spec: StreamSpec,
-    positions: list[Position],
-    next_worker: int,
-    pin_memory: bool,
-    consume: weakref.WeakMethod,
-) -> Iterator[Batch]:
-    """One rank's batches from DataLoader workers, each handed to ``consume`` (the loader's
-    bookkeeping) as it is yielded."""
+    spec: StreamSpec, positions: list[Position], next_worker: int, pin_memory: bool
+) -> Iterator[tuple[Batch, Cursor]]:
+    """One rank's batches from DataLoader workers, each with the worker position after it."""
     data = spec.data
     rings = [
         BatchRing(RING_SLOTS, largest_batch(spec) * spec.n_mels)
@@ -292,12 +331,7 @@ def _stream(
     try:
         for packed, cursor in batches:
             mel = rings[cursor.worker].take(packed.seq, packed.mel_shape, pin_memory)
-            record = consume()
-            if record is None:  # the loader is gone
-                return
-            record(cursor)
-            del record
-            yield packed.unpack(mel, pin_memory)
+            yield packed.unpack(mel, pin_memory), cursor
     finally:
         shutdown = getattr(batches, "_shutdown_workers", None)
         # Only the process that started the workers stops them: a forked child (the next
