@@ -21,7 +21,15 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, STEPS, started, train_cmd, unprivileged_prefix, wait_for
+from helpers import (
+    REPO,
+    STEPS,
+    processes_naming,
+    started,
+    train_cmd,
+    unprivileged_prefix,
+    wait_for,
+)
 
 from melcache.lock import FolderLock
 
@@ -166,17 +174,3 @@ def test_a_fifo_shard_is_one_line_and_leaves_no_worker(train_cache: Path, tmp_pa
     line = refused(train(cache, out, "data.num_workers=1"), "is a FIFO")
     assert re.search(r"b\d\d-\d{6}\.tar: cannot read shard \(.* is a FIFO", line), line
     assert not processes_naming(str(out)), "a loader worker outlived its rank"
-
-
-def processes_naming(tag: str) -> list[int]:
-    """Live processes with ``tag`` among their arguments (a rank's forked workers too)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # exited while we looked
-        if tag.encode() in args and state != "Z":
-            found.append(int(entry.name))
-    return found
