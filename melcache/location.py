@@ -10,6 +10,8 @@ from pathlib import Path
 
 from webdataset import gopen
 
+from melcache.bounded import open_regular
+
 
 def is_url(cache: str | Path) -> bool:
     """True when ``cache`` names a URL prefix rather than a local folder."""
@@ -24,10 +26,11 @@ def member_location(cache: str | Path, name: str) -> str:
 
 
 def read_bytes(location: str) -> bytes | mmap.mmap:
-    """The whole content of a local file (memory-mapped: no copy, no fresh pages to fault
-    in) or URL; ``OSError`` when it cannot be read. Shards are immutable once indexed."""
+    """The whole content of a local regular file (memory-mapped: no copy, no fresh pages to
+    fault in) or URL; ``OSError`` when it cannot be read, or is a FIFO, a device or a folder
+    (never waited on). Shards are immutable once indexed."""
     if not is_url(location):
-        with open(location, "rb") as file:
+        with open_regular(location) as file:
             if os.fstat(file.fileno()).st_size == 0:
                 return b""  # mmap refuses empty files
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)

@@ -21,22 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from melcache.format import HOST_TAG, temp_owner
+from melcache.lock import process_alive
 
 log = logging.getLogger(__name__)
 MARKER_PREFIX = "running."
-
-
-def _alive(host: str, pid: int) -> bool:
-    """Whether the writer may still be running: a process here, or anything elsewhere."""
-    if host not in ("", HOST_TAG):
-        return True  # another machine's process cannot be asked; assume it runs
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 @contextlib.contextmanager
@@ -50,7 +38,7 @@ def running_build(folder: Path, part: tuple[int, int]) -> Iterator[None]:
             host, pid = other["tag"], int(other["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # half written by a build starting right now, or foreign: not ours to judge
-        if not _alive(host, pid):
+        if not process_alive(host, pid):
             marker.unlink(missing_ok=True)  # left by a killed build
             continue
         if other.get("part", [0, 1]) != list(part):
@@ -85,7 +73,7 @@ def sweep_temps(out: Path) -> None:
     kept = 0
     for temp in sorted(out.glob("*.tmp")):
         owner = temp_owner(temp.name)
-        if owner is not None and _alive(*owner):
+        if owner is not None and process_alive(*owner):
             kept += 1
             continue
         shutil.rmtree(temp, ignore_errors=True) if temp.is_dir() else temp.unlink(missing_ok=True)

@@ -360,3 +360,18 @@ def child_pids(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 children.append(int(entry.name))
     return children
+
+
+def processes_naming(tag: str) -> list[int]:
+    """Live processes with ``tag`` as one of their arguments (torchrun, its ranks, and their
+    forked loader workers all carry the run's ``--out`` path)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if tag.encode() in args and state != "Z" and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found

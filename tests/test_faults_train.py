@@ -37,7 +37,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, checkpoint, child_pids, load, metrics, run_preprocess, train_cmd, wait_for
+from helpers import (
+    REPO,
+    checkpoint,
+    child_pids,
+    load,
+    metrics,
+    processes_naming,
+    run_preprocess,
+    train_cmd,
+    wait_for,
+)
 
 from melcache.batching import worker_shards
 from melcache.errors import UserError
@@ -93,21 +103,6 @@ def damaged_copy(cache: Path, dest: Path, how: str) -> str:
     name = first_shard_of_rank_1(dest)
     DAMAGE[how](dest / name)
     return name
-
-
-def processes_naming(tag: str) -> list[int]:
-    """Live processes with ``tag`` as one of their arguments (torchrun, its ranks, and their
-    forked loader workers all carry the run's ``--out`` path)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # exited while we looked
-        if tag.encode() in args and state != "Z" and int(entry.name) != os.getpid():
-            found.append(int(entry.name))
-    return found
 
 
 def gone_within(tag: str, timeout: float) -> list[int]:

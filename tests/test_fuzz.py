@@ -266,3 +266,42 @@ def test_fuzzed_shards_give_one_line_errors_or_finite_batches(tiny_cache: Path, 
         batches += made
         refused += made == 0
     assert batches > 0 and refused > 500  # both outcomes were exercised
+
+
+# ---- checkpoints -------------------------------------------------------------------------
+
+
+def fuzzed_bytes(real: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """Random bytes, a cut, or flipped bytes of a real checkpoint file."""
+    roll = rng.random()
+    if roll < 0.3:
+        size = rng.choice([0, 1, 7, 64, 1000, len(real)])
+        return rng.randbytes(size), f"{size} random bytes"
+    if roll < 0.7:
+        cut = rng.randrange(len(real))
+        return real[:cut], f"cut at {cut}"
+    data = bytearray(real)
+    for _ in range(rng.randint(1, 8)):
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    return bytes(data), "flipped bytes"
+
+
+def test_fuzzed_checkpoint_files_give_one_line_errors_or_a_load(tmp_path: Path) -> None:
+    import torch
+
+    from train.checkpoint import MARKER, SHARED, Checkpointer, rank_file
+    from train.distributed import Env
+
+    cpu = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ckpt = Checkpointer(tmp_path, cpu, keep=2, async_save=False)
+    model = torch.nn.Linear(8, 4)
+    ckpt.save(1, {"step": 1, "model": model.state_dict(), "config": {"a": [1]}}, {"rng": {}})
+    folder = tmp_path / "step-00000001"
+    originals = {name: (folder / name).read_bytes() for name in (SHARED, rank_file(0), MARKER)}
+    rng = random.Random(24)
+    for case in range(150):
+        name = rng.choice(list(originals))
+        data, how = fuzzed_bytes(originals[name], rng)
+        (folder / name).write_bytes(data)
+        expect_clean(f"case {case}, {name}: {how}", ckpt.restore)
+        (folder / name).write_bytes(originals[name])

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import multiprocessing
+import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, recorded
+from helpers import REPO, group_gone, recorded
 
 import train.collate
 import train.stream
@@ -550,3 +555,93 @@ def test_a_budget_table_gives_each_bucket_its_own_budget(sample_cache: Path) -> 
         loader(sample_cache, batch_frames={k: v for k, v in table.items() if k != "3"})
     with pytest.raises(UserError, match=r"batch_frames\.0 = 8 is below .* bucket 0"):
         loader(sample_cache, batch_frames={**table, "0": 8})
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+    # Should a read ever block on it again, open its other end in 20 s: the test then fails
+    # on the message and the time, instead of hanging the suite.
+    release = threading.Timer(20, lambda: os.close(os.open(path, os.O_RDWR)))
+    release.daemon = True
+    release.start()
+
+
+NOT_A_FILE = {
+    "FIFO": (_fifo, "is a FIFO"),
+    "directory": (lambda p: (p.unlink(), p.mkdir()), "is a directory"),
+    "/dev/zero": (lambda p: (p.unlink(), p.symlink_to("/dev/zero")), "is a character device"),
+    "symlink loop": (lambda p: (p.unlink(), p.symlink_to(p)), "symbolic links"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_A_FILE)
+def test_a_shard_that_is_no_regular_file_is_refused_at_once(cache_copy: Path, case: str) -> None:
+    """A FIFO in a shard's place once blocked a worker in open() forever."""
+    make, reason = NOT_A_FILE[case]
+    name = biggest_shard(cache_copy)
+    make(cache_copy / name)
+    for workers in (0, 2):  # met in this process, then in a DataLoader worker
+        start = time.monotonic()
+        with pytest.raises(ShardError) as failure:
+            take(loader(cache_copy, on_error="raise", num_workers=workers), 100)
+        assert time.monotonic() - start < 10
+        # DataLoader puts the worker's traceback in the message; the CLI prints its last line.
+        message = str(failure.value).splitlines()[-1]
+        assert name in message and reason in message
+
+
+ORPHAN_PROBE = """
+import multiprocessing, pathlib, sys, time
+import melcache.reader
+from train.data import DataConfig, make_loader
+
+cache, fifo, blocked = sys.argv[1:]
+real_read, reads = melcache.reader.read_bytes, []
+
+def read_then_hang(location):
+    # the worker's second shard hangs in open(), as a read from a dead mount would
+    reads.append(location)
+    if len(reads) > 1:
+        pathlib.Path(blocked).touch()
+        open(fifo).close()
+    return real_read(location)
+
+melcache.reader.read_bytes = read_then_hang  # inherited by the forked worker
+loader = make_loader(cache, DataConfig(num_workers=1, batch_frames=3000))
+next(iter(loader))
+print(*(p.pid for p in multiprocessing.active_children()), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow  # a subprocess to kill
+def test_a_loader_worker_dies_with_its_parent_wherever_it_is_blocked(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    """A worker blocked where DataLoader's parent check never runs (in open() of a FIFO)
+    once stayed behind, orphaned, after its rank was killed."""
+    fifo, blocked = tmp_path / "fifo", tmp_path / "blocked"
+    os.mkfifo(fifo)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_PROBE, str(sample_cache), str(fifo), str(blocked)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    worker = None
+    try:
+        (worker,) = map(int, parent.stdout.readline().split())
+        deadline = time.monotonic() + 30
+        while not blocked.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert blocked.exists(), "the worker never reached its second shard"
+        parent.kill()
+        parent.wait()
+        assert group_gone(worker, timeout=10), f"loader worker {worker} outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)

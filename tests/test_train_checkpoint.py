@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import small_tmpfs
 
 from melcache.errors import UserError
 from train import checkpoint
-from train.checkpoint import MARKER, Checkpointer
+from train.checkpoint import MARKER, SHARED, Checkpointer, rank_file
 from train.distributed import Env
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -83,3 +86,73 @@ def test_loading_refuses_pickled_code(tmp_path: Path) -> None:
     ckpt.save(1, {"evil": Path("/")}, {})
     with pytest.raises(Exception, match=r"(?i)weights_only|unsupported global"):
         ckpt.load(ckpt.latest())
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def replace_with(make: Callable[[Path], None]) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        path.unlink()
+        make(path)
+
+    return damage
+
+
+# Each way a checkpoint file can be damaged: the file it hits, the damage, the reason named.
+DAMAGE = {
+    "empty shared.pt": (SHARED, lambda p: p.write_bytes(b""), "EOFError"),
+    "truncated zip": (SHARED, cut_in_half, "RuntimeError"),
+    "directory for shared.pt": (SHARED, replace_with(Path.mkdir), "is a directory"),
+    "FIFO for shared.pt": (SHARED, replace_with(os.mkfifo), "is a FIFO"),
+    "missing rank file": (rank_file(0), Path.unlink, "is missing"),
+    "a list in shared.pt": (SHARED, lambda p: torch.save([1, 2], p), "holds a list"),
+    "non-UTF-8 marker": (MARKER, lambda p: p.write_bytes(b'{"world_size": 1\xff}'), "utf-8"),
+    "non-object marker": (MARKER, lambda p: p.write_text("[1]"), "no world_size"),
+    "marker without world_size": (MARKER, lambda p: p.write_text("{}"), "no world_size"),
+    "string world_size": (MARKER, lambda p: p.write_text('{"world_size": "1"}'), "no world_size"),
+    "deep marker": (MARKER, lambda p: p.write_text("[" * 100_000), "nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_restored(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    target, damage, reason = DAMAGE[case]
+    ckpt = Checkpointer(tmp_path, CPU, keep=3, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, *state(step))
+    damage(tmp_path / "step-00000002" / target)
+
+    path, shared, _ = ckpt.restore()
+    assert path.name == "step-00000001" and shared["step"] == 1
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert str(tmp_path / "step-00000002" / target) in warning and reason in warning
+    assert warning.endswith(f"falling back to {tmp_path / 'step-00000001'}")
+    assert "\n" not in warning
+
+    damage(tmp_path / "step-00000001" / target)  # now none is left
+    with pytest.raises(UserError) as failure:
+        ckpt.restore()
+    message = str(failure.value)
+    assert str(tmp_path / "step-00000001" / target) in message and reason in message
+    assert "no earlier checkpoint is left" in message and "\n" not in message
+
+
+def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path: Path) -> None:
+    """A full disk mid-checkpoint (a real tmpfs that holds one checkpoint, not two)."""
+    big = {"w": torch.zeros(64 * 1024)}  # 256 KiB
+    with small_tmpfs(tmp_path / "disk", "400k") as disk:
+        ckpt = Checkpointer(disk / "checkpoints", CPU, keep=2, async_save=False)
+        ckpt.save(1, {"step": 1, "model": big}, {})
+        with pytest.raises(UserError) as failure:
+            ckpt.save(2, {"step": 2, "model": big}, {})
+        message = str(failure.value)
+        assert f"cannot write checkpoint step-00000002 in {disk / 'checkpoints'}" in message
+        assert message.endswith("the previous checkpoint step-00000001 was kept")
+        assert "\n" not in message
+        assert [p.name for p in (disk / "checkpoints").iterdir()] == ["step-00000001"]
+        _, shared, _ = ckpt.restore()
+        assert shared["step"] == 1

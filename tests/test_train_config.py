@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,45 @@ def test_a_budget_table_is_read_from_toml_and_later_files_win(tmp_path: Path) ->
     assert cfg.data.max_batch_size == 16  # the rest of tiny.toml's [data] is kept
     assert Config.from_dict(cfg.to_dict()) == cfg
     assert load_config([tuned], ["data.batch_frames=5000"]).data.budget(7) == 5000
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("model.args.heads=0", r"heads = 0, .*heads ≥ 1"),  # once a ZeroDivisionError
+        ("model.args.dim=100000000", r"GiB of parameters, more than the .* GiB of memory"),
+        ("model.args.x=" + "[" * 5000 + "]" * 5000, "model.args.x: its value is nested too deeply"),
+        ("model.args.x={" + "a={" * 3000 + "}" * 3001, "nested too deeply"),
+        ("model.args." + "a." * 5000 + "b=1", "more than 32 keys deep"),
+    ],
+    ids=["heads=0", "dim=1e8", "deep array", "deep table", "deep key"],
+)
+def test_values_that_escaped_validation_are_one_line_errors(override: str, named: str) -> None:
+    with pytest.raises(UserError, match=named) as failure:
+        build_model(load_config(REPO / "configs" / "tiny.toml", [override]).model)
+    assert "\n" not in str(failure.value)
+
+
+@pytest.mark.parametrize("limit", [float("nan"), 0.0, -5.0, float("inf")])
+def test_tune_refuses_a_memory_limit_that_is_no_positive_number(limit: float) -> None:
+    from train.tune import tune
+
+    # No cache at all: the limit is refused before the cache or the model is touched.
+    with pytest.raises(UserError, match=r"--memory-limit-mib .* expected a positive number"):
+        tune(load_config(None), "/nonexistent-cache", memory_limit_mib=limit)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory", "deep"])
+def test_a_config_that_is_no_small_toml_file_is_refused(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "config.toml"
+    if kind == "fifo":
+        os.mkfifo(path)  # never written: opening it must not wait for a writer
+    elif kind == "/dev/zero":
+        path = Path("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_text("x = " + "[" * 50_000)
+    with pytest.raises(UserError, match=f"config file {path} cannot be read") as failure:
+        load_config([REPO / "configs" / "tiny.toml", path])
+    assert "\n" not in str(failure.value)

@@ -109,6 +109,37 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# A metrics.jsonl edited by hand, cut by a crash or damaged: only lines 1, 6 and 8 are records.
+HOSTILE_METRICS = [
+    b'{"step": 2, "loss": 0.5, "frames_per_s": 100.0, "data_wait_pct": 1.0}',
+    b"[" * 100_000,  # deeper than the JSON parser's stack
+    b'{"step": 3, "loss": 0.4\xff}',  # not UTF-8
+    b"[1, 2]",
+    b'"a string"',
+    b'{"step": 4, "loss": "low"}',  # lacks frames_per_s, and its loss is no number
+    b'{"step": "5", "loss": 0.3}',
+    b'{"step": 6, "loss": 0.2, "frames_per_s": 120.0, "data_wait_pct": 2.0}',
+]
+
+
+def test_a_hostile_metrics_file_is_plotted_and_resumed_past(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("matplotlib")
+    from train.__main__ import main
+    from train.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"\n".join(HOSTILE_METRICS) + b"\n")
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == f"{path}: skipped 5 lines that are not step records: line 2, 3, 4, 5, 7"
+
+    MetricsLog(tmp_path, CPU, start_step=4, max_steps=10).close()  # what a resume at step 4 does
+    assert path.read_bytes() == HOSTILE_METRICS[0] + b"\n" + HOSTILE_METRICS[5] + b"\n"
+
+
 def test_cli_reports_bad_input_with_status_2(train_cache: Path, tmp_path: Path) -> None:
     from train.__main__ import main
 

@@ -116,8 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, args.shards, args.out)
         return 0
     except (UserError, ShardError) as exc:
-        log.error("%s", exc)
+        log.error("%s", _reason(exc))
         return 2
+
+
+def _reason(exc: Exception) -> str:
+    """The error's own one-line message: DataLoader re-raises a loader worker's error with the
+    worker's traceback as its message, whose last line is ``module.Class: message``."""
+    text = str(exc).strip()
+    if "\nOriginal Traceback" not in text:
+        return text
+    return text.splitlines()[-1].split(": ", 1)[-1]
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import shutil
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from melcache.bounded import loads_json, open_regular, read_limited
 from melcache.errors import UserError
 from train.distributed import Env
 
@@ -66,13 +68,6 @@ class Checkpointer:
                 shutil.rmtree(stale)
         self._barrier()  # nobody writes before the stale folders are gone
 
-    def latest(self) -> Path | None:
-        """The newest checkpoint whose marker exists, or None."""
-        done = [
-            p for p in self.folder.glob("step-*") if FINAL.match(p.name) and (p / MARKER).is_file()
-        ]
-        return max(done, key=lambda p: p.name, default=None)
-
     def save(self, step: int, shared: Mapping[str, Any], local: Mapping[str, Any]) -> None:
         """Write checkpoint ``step`` (every rank calls this, at the same step).
 
@@ -102,14 +97,51 @@ class Checkpointer:
             if self._pool is not None:
                 self._pool.shutdown()
 
-    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(shared, local)`` of checkpoint ``path`` for this rank, loaded ``weights_only``."""
-        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
-        if marker["world_size"] != self.env.world_size:
+    def complete(self) -> list[Path]:
+        """Every checkpoint whose marker exists, newest first."""
+        done = [
+            p for p in self.folder.glob("step-*") if FINAL.match(p.name) and (p / MARKER).is_file()
+        ]
+        return sorted(done, key=lambda p: p.name, reverse=True)
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint whose marker exists, or None."""
+        return next(iter(self.complete()), None)
+
+    def restore(self) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
+        """``(path, shared, local)`` of the newest checkpoint every rank can load, or None when
+        there is none. An unreadable one is named in a warning and the next older one tried
+        (all ranks agree on which); :class:`UserError` when none is left."""
+        complete, problems = self.complete(), []
+        for i, path in enumerate(complete):
+            state, mine = None, ""
+            try:
+                state = self.load(path)
+            except CorruptCheckpoint as exc:
+                mine = str(exc)
+            found = [p for p in self._gather(mine) if p]
+            if not found:
+                return path, *state
+            problems.append(found[0])
+            if self.env.is_main and i + 1 < len(complete):
+                log.warning("%s; falling back to %s", found[0], complete[i + 1])
+        if problems:
             raise UserError(
-                f"{path} was written by {marker['world_size']} ranks but this job has "
+                f"{problems[-1]}; no earlier checkpoint is left in {self.folder} "
+                f"({len(problems)} unreadable): start a new --out, or move the folder away "
+                "to train from scratch"
+            )
+        return None
+
+    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(shared, local)`` of checkpoint ``path`` for this rank, loaded ``weights_only``;
+        :class:`CorruptCheckpoint` naming the file that cannot be read."""
+        world_size = _marker_world_size(path / MARKER)
+        if world_size != self.env.world_size:
+            raise UserError(
+                f"{path} was written by {world_size} ranks but this job has "
                 f"{self.env.world_size}: each rank resumes its own loader position, so restart "
-                f"with --nproc-per-node/--nnodes giving {marker['world_size']} processes, or "
+                f"with --nproc-per-node/--nnodes giving {world_size} processes, or "
                 "start a new --out"
             )
         return _load(path / SHARED), _load(path / rank_file(self.env.rank))
@@ -117,20 +149,38 @@ class Checkpointer:
     def _write(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         name = f"step-{step:08d}"
         temp = self.folder / (TEMP_PREFIX + name)
-        temp.mkdir(parents=True, exist_ok=True)
-        for file_name, state in files.items():
-            _write(state, temp / file_name)
+        try:
+            temp.mkdir(parents=True, exist_ok=True)
+            for file_name, state in files.items():
+                _write(state, temp / file_name)
+        except (OSError, RuntimeError) as exc:  # torch reports a full disk as RuntimeError
+            shutil.rmtree(temp, ignore_errors=True)  # a half-written checkpoint must not fill it
+            raise self._write_error(name, exc) from None
         self._barrier()  # every rank's file is on disk
         if self.env.is_main:
             self._commit(step, temp, self.folder / name)
 
+    def _write_error(self, name: str, exc: BaseException) -> UserError:
+        """Why checkpoint ``name`` could not be written, and what is left to resume from."""
+        free = shutil.disk_usage(self.folder).free / 2**20
+        kept = self.latest()
+        left = f"the previous checkpoint {kept.name} was kept" if kept else "no checkpoint yet"
+        return UserError(
+            f"cannot write checkpoint {name} in {self.folder} ({free:.0f} MiB free): "
+            f"{_one_line(exc)}; {left}"
+        )
+
     def _commit(self, step: int, temp: Path, final: Path) -> None:
         names = [SHARED] + [rank_file(r) for r in range(self.env.world_size)]
         marker = {"step": step, "world_size": self.env.world_size, "files": names}
-        with open(temp / MARKER, "w", encoding="utf-8") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(temp / MARKER, "w", encoding="utf-8") as f:
+                json.dump(marker, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise self._write_error(final.name, exc) from None
         if final.exists():  # same step saved again (e.g. a re-run of a finished job)
             _remove(final)
         os.replace(temp, final)
@@ -143,6 +193,14 @@ class Checkpointer:
     def _barrier(self) -> None:
         if self._group is not None:
             dist.barrier(group=self._group)
+
+    def _gather(self, value: str) -> list[str]:
+        """Every rank's ``value``, in rank order."""
+        if self._group is None:
+            return [value]
+        values: list[str] = [""] * self.env.world_size
+        dist.all_gather_object(values, value, group=self._group)
+        return values
 
 
 def _write(state: dict[str, Any], path: Path) -> None:
@@ -178,12 +236,62 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+class CorruptCheckpoint(UserError):
+    """A checkpoint file that cannot be read; the message names it and the reason."""
+
+
+# What torch.load raises on bytes that are not a torch checkpoint (torch's zip reader and
+# the weights_only unpickler do not wrap their errors): empty (EOFError), a cut zip
+# (RuntimeError), random bytes (UnpicklingError, ValueError, ...).
+_UNREADABLE = (
+    EOFError, RuntimeError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+    UnicodeDecodeError, struct.error, OverflowError,
+)  # fmt: skip
+
+
+def _marker_world_size(marker: Path) -> int:
+    """The world size ``marker`` (COMPLETE.json) records; :class:`CorruptCheckpoint` when it
+    cannot be read or does not record one as an integer."""
+    try:
+        fields = loads_json(read_limited(marker).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpoint(f"{marker} cannot be read: {_one_line(exc)}") from None
+    world_size = fields.get("world_size") if isinstance(fields, dict) else None
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise CorruptCheckpoint(f"{marker} records no world_size as a positive integer")
+    return world_size
+
+
 def _load(file: Path) -> dict[str, Any]:
     """``torch.load(weights_only=True)``: tensors and plain data only, never pickled code."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with open_regular(file) as f:  # a FIFO or a folder in its place is refused, not waited on
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()[-1]
-        raise UserError(
-            f"{file} holds more than weights and plain data, refused (weights_only): {reason}"
+        raise CorruptCheckpoint(
+            f"{file} holds more than weights and plain data, refused (weights_only): "
+            f"{_one_line(exc)}"
         ) from None
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{file} is missing") from None
+    except OSError as exc:  # open_regular's own message names the file and what it is
+        reason = exc.strerror or str(exc).removeprefix(f"{file} ")
+        raise CorruptCheckpoint(f"{file} cannot be read: {reason}") from None
+    except _UNREADABLE as exc:
+        reason = type(exc).__name__ + (f": {_one_line(exc)}" if str(exc).strip() else "")
+        raise CorruptCheckpoint(
+            f"{file} is not a readable torch checkpoint (cut short or damaged?): {reason}"
+        ) from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpoint(f"{file} holds a {type(state).__name__}, not a checkpoint's dict")
+    return state
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's reason on one line: torch's span several, the first sentence of the
+    unpickler's own line (or the first line) says what is wrong, the rest how to get past it."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    line = next((x for x in lines if x.startswith("WeightsUnpickler error:")), lines[0])
+    return line.split(". ")[0].removeprefix("WeightsUnpickler error: ")

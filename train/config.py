@@ -244,6 +244,10 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+# Deeper dotted keys than any config has; merging and validating them recurses once per key.
+_MAX_KEY_DEPTH = 32
+
+
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """``["train.max_steps=20", "model.impl=pkg.mod:Cls"]`` → nested dict.
 
@@ -260,6 +264,10 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
+        except RecursionError:
+            raise UserError(f"override {key.strip()}: its value is nested too deeply") from None
+        if len(path) > _MAX_KEY_DEPTH:
+            raise UserError(f"override {key.strip()[:80]}...: more than {_MAX_KEY_DEPTH} keys deep")
         node = nested
         for part in path[:-1]:
             node = node.setdefault(part, {})

@@ -50,12 +50,16 @@ memory when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -465,5 +469,22 @@ def _check_shared_memory(spec: StreamSpec, folder: str = "/dev/shm") -> None:
 
 def _leave_process_group(worker_id: int) -> None:
     """torchrun signals each rank's whole process group: a worker in its own group outlives
-    the SIGTERM so the rank can take its checkpoint, and the rank still stops it after."""
+    the SIGTERM so the rank can take its checkpoint, and the rank still stops it after.
+
+    Out of the group, a worker would also outlive a rank killed outright (``kill -9``, the
+    out-of-memory killer) wherever it blocks (a hung network read) where DataLoader's own
+    check for a dead parent never runs; so on Linux the kernel kills it with its parent
+    (strictly, with the thread that started iterating the loader: keep that thread alive).
+    """
     os.setpgrp()
+    if not sys.platform.startswith("linux"):
+        return
+    # PR_SET_PDEATHSIG (1 in <linux/prctl.h>) has no Python binding: ctypes reaches prctl(2).
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning(
+            "loader worker cannot ask to die with its rank: errno %d", ctypes.get_errno()
+        )
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(0)  # the rank died before the request above: nobody is left to serve

@@ -21,11 +21,15 @@ import torch
 from tqdm import tqdm
 
 from melcache.batching import padding_fraction
+from melcache.bounded import loads_json, read_limited
+from melcache.errors import UserError
 from train.distributed import Env, all_reduce_sum
 
 log = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
+# A record is ~400 bytes: a million logged steps. A larger file is not one this trainer wrote.
+METRICS_LIMIT = 2**30
 # Host counters summed over ranks; "wait_s" is the time this rank spent blocked on the loader.
 _HOST_KEYS = ("samples", "frames", "padded_frames", "text_tokens", "wait_s")
 
@@ -141,16 +145,14 @@ class MetricsLog:
     def event(self, step: int, record: dict[str, Any]) -> None:
         """Append ``{"step": step, **record}`` (an out-of-memory error, say) to metrics.jsonl."""
         if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, **record}) + "\n")
+            self._append({"step": step, **record})
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Append ``{"step": step, **values}`` to metrics.jsonl and show the main numbers."""
         if not self.enabled:
             return
         record = {"step": step, **{k: _round(v) for k, v in values.items()}}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(record)
         if self.bar is not None and "loss" in values:
             self.bar.set_postfix(
                 loss=f"{values['loss']:.4f}",
@@ -160,6 +162,13 @@ class MetricsLog:
                 refresh=False,
             )
         log.debug("step %d %s", step, record)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a full disk, most likely: the checkpoints are what matter
+            raise UserError(f"cannot append to {self.path}: {exc.strerror or exc}") from None
 
     def close(self) -> None:
         """Close the progress bar."""
@@ -174,13 +183,34 @@ def _round(value: Any) -> Any:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (skipping a torn last line from a killed writer)."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    """The records of a metrics.jsonl: JSON objects with an integer ``step``. Any other line
+    (torn by a killed writer, edited by hand, not UTF-8, nested too deep) is skipped, and
+    the lines skipped are named in one warning."""
+    return [record for _, record in _step_records(Path(path))]
+
+
+def _step_records(path: Path) -> list[tuple[bytes, dict[str, Any]]]:
+    """Each step record of ``path`` with its line as written."""
+    try:
+        lines = read_limited(path, METRICS_LIMIT).splitlines()
+    except OSError as exc:
+        raise UserError(f"{path} cannot be read: {exc}") from None
+    records, bad = [], []
+    for number, line in enumerate(lines, start=1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            log.warning("%s: skipping a line that is not JSON (a torn write?)", path)
+            record = loads_json(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            records.append((line, record))
+        elif line.strip():
+            bad.append(number)
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+        log.warning(
+            "%s: skipped %d lines that are not step records: line %s", path, len(bad), shown
+        )
     return records
 
 
@@ -188,7 +218,7 @@ def _truncate_after(path: Path, step: int) -> None:
     """On resume, drop records past the checkpoint's step: the resumed run logs them again."""
     if not path.exists():
         return
-    keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    keep = [line for line, record in _step_records(path) if record["step"] <= step]
     temp = path.with_name(path.name + ".tmp")
-    temp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    temp.write_bytes(b"".join(line + b"\n" for line in keep))
     os.replace(temp, path)

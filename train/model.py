@@ -27,8 +27,10 @@ predicts each frame (masked L1 or L2 on normalised log-mel) and a stop logit (we
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,10 +50,48 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise UserError(f"config key model.impl = {cfg.impl!r} cannot be imported: {exc}") from None
+    _refuse_beyond_memory(cls, cfg)
     try:
         return cls(n_mels=cfg.n_mels, **cfg.args)
     except TypeError as exc:
         raise UserError(f"config table [model.args] does not fit {cfg.impl}: {exc}") from None
+    except RuntimeError as exc:  # the allocator, for parameters the estimate could not see
+        raise UserError(
+            f"{cfg.impl} with [model.args] cannot be built: {_first_line(exc)}"
+        ) from None
+
+
+def _refuse_beyond_memory(cls: type, cfg: ModelConfig) -> None:
+    """Refuse a model whose parameters alone exceed this machine's available memory, from
+    the shapes of a copy built on the meta device (no memory), before allocating them:
+    allocating would end in the out-of-memory killer, not an error."""
+    try:
+        with torch.device("meta"):
+            shapes = cls(n_mels=cfg.n_mels, **cfg.args)
+    except TypeError as exc:
+        raise UserError(f"config table [model.args] does not fit {cfg.impl}: {exc}") from None
+    except (RuntimeError, NotImplementedError):
+        return  # a model that cannot be built on meta: its own allocation errors tell
+    needed = sum(t.numel() * t.element_size() for t in (*shapes.parameters(), *shapes.buffers()))
+    available = _available_memory()
+    if available is not None and needed > available:
+        raise UserError(
+            f"{cfg.impl} with [model.args] {dict(cfg.args)} has {needed / 2**30:.1f} GiB of "
+            f"parameters, more than the {available / 2**30:.1f} GiB of memory available here"
+        )
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel says can be allocated without swapping, where it says."""
+    with contextlib.suppress(OSError, ValueError, IndexError):  # not Linux: no estimate
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def sinusoid(length: int, dim: int, device: torch.device) -> torch.Tensor:
@@ -133,6 +173,11 @@ class TextToMel(nn.Module):
         stop_pos_weight: float = 8.0,
     ) -> None:
         super().__init__()
+        if heads < 1 or dim < 2 or layers < 0:
+            raise UserError(
+                f"model.args: dim = {dim}, heads = {heads}, layers = {layers} are invalid: "
+                "expected dim ≥ 2, heads ≥ 1 and layers ≥ 0"
+            )
         if dim % heads or dim % 2:
             raise UserError(f"model.args.dim = {dim} must be even and divisible by heads ({heads})")
         if loss not in ("l1", "l2"):

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from melcache.bounded import loads_json, read_limited
 from melcache.errors import UserError
 from train.collate import Batch
 from train.distributed import Env
@@ -220,9 +221,13 @@ class Budgets:
         self.pending = sorted(self.out.glob(PENDING_GLOB))
         failures = []
         for path in self.pending:
-            fields = json.loads(path.read_text(encoding="utf-8"))
-            fields.pop("step")
-            failures.append(Failure(**fields))
+            try:
+                fields = loads_json(read_limited(path).decode("utf-8"))
+                fields.pop("step")
+                failures.append(Failure(**fields))
+            except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+                # Hand-edited or damaged: the cut it held is learnt again at the next error.
+                log.warning("ignoring %s, which holds no budget cut: %s", path, exc)
         records = self.settle(failures)
         for record in records:
             log.warning("applying the cut left by a stopped run: %s", record)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 from melcache.errors import UserError
 from train.metrics import METRICS_NAME, read_metrics
@@ -28,16 +30,16 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
         raise UserError(f"{path} has no records yet")
     steps = [r["step"] for r in records]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(steps, [r["loss"] for r in records], label="loss")
+    top.plot(steps, _values(records, "loss"), label="loss")
     for extra in ("mel_loss", "stop_loss"):
         if extra in records[0]:
-            top.plot(steps, [r.get(extra) for r in records], label=extra, alpha=0.7)
+            top.plot(steps, _values(records, extra), label=extra, alpha=0.7)
     top.set_ylabel("loss (per valid frame)")
     top.legend()
-    bottom.plot(steps, [r["frames_per_s"] for r in records], label="valid frames/s")
+    bottom.plot(steps, _values(records, "frames_per_s"), label="valid frames/s")
     bottom.set_ylabel("frames/s")
     wait = bottom.twinx()
-    wait.plot(steps, [r["data_wait_pct"] for r in records], color="tab:red", alpha=0.6)
+    wait.plot(steps, _values(records, "data_wait_pct"), color="tab:red", alpha=0.6)
     wait.set_ylabel("data wait %", color="tab:red")
     bottom.set_xlabel("step")
     fig.suptitle(Path(run).name)
@@ -46,3 +48,11 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     fig.savefig(output, dpi=100)
     plt.close(fig)
     return output
+
+
+def _values(records: list[dict[str, Any]], key: str) -> list[float]:
+    """``key`` of each record; NaN (a gap in the curve) where one lacks it or holds no number."""
+    return [
+        float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+        for v in (r.get(key) for r in records)
+    ]

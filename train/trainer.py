@@ -50,6 +50,7 @@ from train.model import build_model, describe
 from train.oom import Budgets
 from train.optim import EMA, build_optimizer, build_scheduler
 from train.prefetch import DeviceCopies
+from train.runfolder import owned_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -306,8 +307,8 @@ class Trainer:
     def _resume_or_start(self, shards: str) -> int:
         """Restore the latest complete checkpoint in ``out``, or prepare a fresh start."""
         t = self.cfg.train
-        latest = self.ckpt.latest()
-        if latest is None:
+        restored = self.ckpt.restore()
+        if restored is None:
             if self.cfg.data.mel_stats and hasattr(self.raw_model, "set_mel_stats"):
                 self.raw_model.set_mel_stats(*self._mel_stats(shards))
             if self.env.is_main:
@@ -316,9 +317,9 @@ class Trainer:
             # Dropout masks must differ between ranks: one stream per (seed, rank).
             seed_all(derive_seed(t.seed, "train", self.env.rank))
             return 0
-        shared, local = self.ckpt.load(latest)
-        _warn_config_changes(shared["config"], self.cfg.to_dict(), latest)
+        latest, shared, local = restored
         try:
+            _warn_config_changes(shared["config"], self.cfg.to_dict(), latest)
             self.raw_model.load_state_dict(shared["model"])
             self.optimizer.load_state_dict(shared["optimizer"])
             self.scheduler.load_state_dict(shared["scheduler"])
@@ -327,16 +328,17 @@ class Trainer:
                 self.ema.load_state_dict(shared["ema"])
             if "budgets" in shared:  # checkpoints from before per-bucket caps have none
                 self.budgets.load_state_dict(shared["budgets"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            self.loader.load_state_dict(local["loader"])
+            set_rng_state(local["rng"], self.env.device)
+            step = int(shared["step"])
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             detail = " ".join(str(exc).split())  # torch's messages span lines
             raise UserError(
-                f"{latest} does not fit this config (model, optimizer, schedule, precision or "
-                f"EMA): {detail}"
+                f"{latest} does not fit this config (model, optimizer, schedule, precision, "
+                f"EMA or loader): {type(exc).__name__}: {detail}"
             ) from None
-        self.loader.load_state_dict(local["loader"])
-        set_rng_state(local["rng"], self.env.device)
         log.info("resumed from %s", latest)
-        return int(shared["step"])
+        return step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,10 +404,11 @@ def run(cfg: Config, shards: str, out: Path) -> str:
     """Join the job, train, checkpoint, leave: the whole ``python -m train`` command."""
     env = setup()
     try:
-        trainer = Trainer(cfg, shards, out, env)
-        try:
-            return trainer.fit()
-        finally:
-            trainer.close()
+        with owned_run_folder(out, env):
+            trainer = Trainer(cfg, shards, out, env)
+            try:
+                return trainer.fit()
+            finally:
+                trainer.close()
     finally:
         teardown(env)

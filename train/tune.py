@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import math
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -169,6 +170,12 @@ def tune(
 ) -> tuple[list[Row], str]:
     """The budget of every bucket of cache ``shards`` (see the module docstring) and a line
     saying where it was measured. ``memory_limit_mib`` is required on CPU, ignored on CUDA."""
+    if memory_limit_mib is not None and not (
+        math.isfinite(memory_limit_mib) and memory_limit_mib > 0
+    ):
+        raise UserError(
+            f"--memory-limit-mib {memory_limit_mib:g} is invalid: expected a positive number"
+        )
     if dist.is_available() and dist.is_initialized():
         raise UserError("train tune measures one process, no DDP: run it with python, not torchrun")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
