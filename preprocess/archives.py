@@ -165,9 +165,7 @@ def _sample(
     return found(ordinal, source, text_member.offset, text, speaker, samples, audio_at)
 
 
-def parse_text_member(
-    data: bytes, json_member: bool
-) -> tuple[dict[str, Any], str, str | None]:
+def parse_text_member(data: bytes, json_member: bool) -> tuple[dict[str, Any], str, str | None]:
     """``(metadata, text, speaker)`` of a sample's ``.json`` (or ``.txt``); :class:`ValueError`
     with the reason when it has no text or a bad speaker."""
     if not json_member:
