@@ -82,7 +82,10 @@ def tar_samples(
     count, key, members, repeated = 0, "", {}, False
     try:
         with open_regular(os.path.join(corpus.root, rel)) as file, _open_tar(file) as tar:
+            size = os.fstat(file.fileno()).st_size
             for info in tar:  # headers only: tarfile seeks past each member's data
+                if info.offset_data + info.size > size:
+                    raise tarfile.ReadError(_past_the_end(info, size))
                 if not info.isfile():
                     continue
                 folder, name = os.path.split(info.name)  # the pax / GNU long name if any
@@ -100,6 +103,10 @@ def tar_samples(
                 yield _sample(tar, rel, ordinal, key, members, repeated, sample_rate, where)
     except (tarfile.TarError, OSError, EOFError, UnicodeDecodeError) as exc:
         yield Rejection(rel, f"damaged tar after {count} samples: {short(exc)}")
+
+
+def _past_the_end(info: tarfile.TarInfo, size: int) -> str:
+    return f"{info.name!r} claims {info.size} bytes, past the end of the {size}-byte tar"
 
 
 def _open_tar(file: IO[bytes]) -> tarfile.TarFile:
@@ -176,7 +183,7 @@ def parse_text_member(data: bytes, json_member: bool) -> tuple[dict[str, Any], s
     meta = parse_json(data, "sample json")
     if not isinstance(meta, dict) or not isinstance(meta.get("text"), str):
         raise ValueError("sample json has no text string")
-    return meta, meta["text"], listed_speaker(meta, "sample json")
+    return meta, meta["text"], listed_speaker(meta, "sample json speaker")
 
 
 def read_member(corpus: Corpus, source: str, offset: int) -> tuple[bytes, bool]:
@@ -193,10 +200,7 @@ def read_member(corpus: Corpus, source: str, offset: int) -> tuple[bytes, bool]:
                 if info is None or not info.isfile():
                     raise ValueError("tar member unreadable: no file member there")
                 if info.offset_data + info.size > size:
-                    raise ValueError(
-                        f"tar member unreadable: its header claims {info.size} bytes, past "
-                        f"the end of the {size}-byte tar"
-                    )
+                    raise ValueError(f"tar member unreadable: {_past_the_end(info, size)}")
                 file.seek(info.offset_data)
                 data = file.read(info.size)
     except (OSError, tarfile.TarError, EOFError, UnicodeDecodeError) as exc:

@@ -203,7 +203,7 @@ def listed_samples(entry: dict, sample_rate: int) -> int | str | None:
     return None
 
 
-def listed_speaker(entry: dict, what: str = "manifest") -> str | None:
+def listed_speaker(entry: dict, what: str = "manifest speaker") -> str | None:
     """The ``speaker`` of metadata as a string (a number is one), ``None`` when absent;
     :class:`ValueError` naming ``what`` for a list, an object or anything else."""
     speaker = entry.get("speaker")
@@ -211,7 +211,7 @@ def listed_speaker(entry: dict, what: str = "manifest") -> str | None:
         return speaker
     if type(speaker) in (int, float):  # speaker ids are often numbers; bool is not one
         return str(speaker)
-    raise ValueError(f"{what} speaker is {type(speaker).__name__}, not a string or a number")
+    raise ValueError(f"{what} is {type(speaker).__name__}, not a string or a number")
 
 
 def parse_json(data: bytes, what: str) -> Any:
