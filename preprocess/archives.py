@@ -84,9 +84,8 @@ def tar_samples(
         with open_regular(os.path.join(corpus.root, rel)) as file, _open_tar(file) as tar:
             size = os.fstat(file.fileno()).st_size
             for info in tar:  # headers only: tarfile seeks past each member's data
-                if info.offset_data + info.size > size:
-                    raise tarfile.ReadError(_past_the_end(info, size))
                 if not info.isfile():
+                    _within(info, size)
                     continue
                 folder, name = os.path.split(info.name)  # the pax / GNU long name if any
                 stem, _, extension = name.partition(".")
@@ -96,6 +95,7 @@ def tar_samples(
                     ordinal = number << 32 | count
                     yield _sample(tar, rel, ordinal, key, members, repeated, sample_rate, where)
                     count, members, repeated = count + 1, {}, same
+                _within(info, size)  # after the sample before it is out
                 key = os.path.join(folder, stem)
                 members[extension] = info
             if members:
@@ -103,6 +103,12 @@ def tar_samples(
                 yield _sample(tar, rel, ordinal, key, members, repeated, sample_rate, where)
     except (tarfile.TarError, OSError, EOFError, UnicodeDecodeError) as exc:
         yield Rejection(rel, f"damaged tar after {count} samples: {short(exc)}")
+
+
+def _within(info: tarfile.TarInfo, size: int) -> None:
+    """:class:`tarfile.ReadError` when a member's header claims bytes the tar does not have."""
+    if info.offset_data + info.size > size:
+        raise tarfile.ReadError(_past_the_end(info, size))
 
 
 def _past_the_end(info: tarfile.TarInfo, size: int) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import resource
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
+from helpers import REPO, build_command, run_preprocess
 
 from melcache.errors import UserError
 from melcache.index import read_index
@@ -266,3 +269,89 @@ def test_listings_that_are_not_regular_files_are_refused(tmp_path: Path) -> None
     )
     [item] = parquet_rows(corpus, 0, "p.parquet", RATE, None)
     assert isinstance(item, Rejection) and "FIFO" in item.reason
+
+
+# ---- whole builds, as a user runs them (subprocesses) ----------------------------------------
+def build(src: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``python -m preprocess build`` with one worker, its address space capped at 6 GiB
+    (torch maps ~4 GiB): a header that made it allocate what it claims would fail."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+
+    command = build_command(src, out, "--workers", "1", *extra)
+    return subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=cap
+    )
+
+
+def error_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_build_that_plans_no_shard_is_an_empty_cache_and_one_line(tmp_path: Path) -> None:
+    short = tmp_path / "short"
+    short.mkdir()
+    for n in range(3):
+        (short / f"a{n}.wav").write_bytes(wav(0.1))
+        (short / f"a{n}.txt").write_text("too short")
+    out = tmp_path / "out"
+    for _ in range(2):  # a rerun ends the same way
+        done = build(short, out)
+        assert done.returncode == 2
+        assert "nothing left to build" in error_line(done) and "3 too short" in error_line(done)
+    assert len((out / "rejected.jsonl").read_text().splitlines()) == 3
+    index = read_index(out)
+    assert index["shards"] == [] and index["totals"]["discovered"] == 3
+    assert run_preprocess("verify", str(out)).returncode == 0  # empty, and sound
+    summary = run_preprocess("inspect", str(out)).stdout
+    assert "0 utterances" in summary and "3  too short" in summary
+    assert build(short, out, "--dry-run").returncode == 0  # a dry run reports, it does not fail
+    # --where keeping nothing of a manifest: counted as left out, rejected.jsonl written empty.
+    rows = [{"audio_filepath": "a0.wav", "text": "t", "lang": "en"}] * 2
+    (short / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = build(short / "m.jsonl", tmp_path / "out2", "--where", 'lang == "xx"')
+    assert done.returncode == 2 and "2 left out by --where" in error_line(done)
+    assert (tmp_path / "out2" / "rejected.jsonl").read_text() == ""
+
+
+@pytest.mark.slow
+def test_hostile_tars_build_every_good_sample_and_count_the_rest(tmp_path: Path) -> None:
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    crafted = bytearray(member("c/" + LONG_KEY + ".wav", wav(1.0), pax_size=True))
+    ustar = len(crafted) - len(wav(1.0)) - (-len(wav(1.0)) % 512) - 512
+    block = bytearray(crafted[ustar : ustar + 512])
+    set_ustar_size(block, 2**62)
+    crafted[ustar : ustar + 512] = block
+    pax = member(f"{LONG_KEY}.flac", wav(1.0)) + member(f"{LONG_KEY}.json", meta("pax name"))
+    pax += bytes(crafted) + member(f"c/{LONG_KEY}.json", meta("crafted size"))
+    pax += member("d.wav", wav(1.0)) + member("d.json", meta("first d"))
+    pax += member("d.wav", wav(1.0)) + member("d.json", meta("second d"))  # rejected
+    pax += member("h.wav", wav(1.0)) + member("h.json", meta("huge", duration=1e308))
+    pax += member("n.wav", wav(1.0)) + member("n.json", b'{"text": ' + DEEP.encode() + b"}")
+    (tars / "a.tar").write_bytes(pax + bytes(1024))
+    gnu = member(f"g/{LONG_KEY}.wav", wav(1.0), tarfile.GNU_FORMAT)
+    gnu += member(f"g/{LONG_KEY}.json", meta("gnu name"), tarfile.GNU_FORMAT)
+    header = bytearray(member("z.wav", b"", tarfile.GNU_FORMAT)[:512])
+    set_ustar_size(header, 2**33)  # claims 8 GiB: the rest of this tar is one rejection
+    (tars / "b.tar").write_bytes(gnu + bytes(header) + bytes(1024))
+    config = tmp_path / "edges.toml"
+    config.write_text("[build]\nbucket_edges_seconds = [5.0, 10.0]\nmin_shards = 1\n")
+    out = tmp_path / "out"
+    done = build(tars, out, "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    index = read_index(out)
+    totals = index["totals"]
+    assert totals["utterances"] == 4  # the pax, GNU and crafted-size long names, first d
+    assert totals["rejected"] == 4  # second d, huge, nested, the 8 GiB claim
+    assert totals["discovered"] == totals["utterances"] + totals["rejected"]
+    assert len(index["buckets"]) == 3 and {s["bucket"] for s in index["shards"]} == {0}
+    assert run_preprocess("verify", str(out)).returncode == 0
+    assert (
+        "     1   5.00–10.01     469–937        0       0"
+        in run_preprocess("inspect", str(out)).stdout
+    )  # an empty bucket
