@@ -152,7 +152,9 @@ def _row(
     if isinstance(samples, str):
         return Rejection(source, samples.replace("manifest", "row"))
     try:
-        speaker = listed_speaker({"speaker": record.get(speaker_column)}, f"row column {speaker_column!r}")
+        speaker = listed_speaker(
+            {"speaker": record.get(speaker_column)}, f"row column {speaker_column!r}"
+        )
     except ValueError as exc:
         return Rejection(source, str(exc))
     meta = {"text": text} if speaker is None else {"text": text, "speaker": speaker}
