@@ -25,6 +25,7 @@ from helpers import REPO, build_command, run_preprocess
 from melcache.errors import UserError
 from melcache.index import read_index
 from preprocess.archives import TEXT_MEMBER_LIMIT, read_member, tar_samples
+from preprocess.audio import AudioError, probe
 from preprocess.inputs import Corpus, Found, Rejection, Slice
 from preprocess.parquet import parquet_rows
 from preprocess.scan import scan_meta
@@ -252,6 +253,9 @@ def test_listings_that_are_not_regular_files_are_refused(tmp_path: Path) -> None
     os.mkfifo(lj / "metadata.csv")
     with pytest.raises(UserError, match="is a FIFO"):
         open_corpus(lj, tmp_path / "out")
+    os.mkfifo(tmp_path / "a.wav")  # a manifest's audio_filepath may name one
+    with pytest.raises(AudioError, match="is a FIFO"):
+        probe(str(tmp_path / "a.wav"))
     os.mkfifo(tmp_path / "a.txt")
     with pytest.raises(ValueError, match=r"transcript unreadable: a\.txt: .* FIFO"):
         read_transcript_file(str(tmp_path / "a.txt"))
