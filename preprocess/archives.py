@@ -88,8 +88,7 @@ def tar_samples(
                     _within(info, size)
                     continue
                 folder, name = os.path.split(info.name)  # the pax / GNU long name if any
-                stem, _, extension = name.partition(".")
-                extension = extension.lower()
+                stem, extension = name.partition(".")[0], member_extension(name)
                 same = os.path.join(folder, stem) == key
                 if members and (not same or extension in members):
                     ordinal = number << 32 | count
@@ -103,6 +102,12 @@ def tar_samples(
                 yield _sample(tar, rel, ordinal, key, members, repeated, sample_rate, where)
     except (tarfile.TarError, OSError, EOFError, UnicodeDecodeError) as exc:
         yield Rejection(rel, f"damaged tar after {count} samples: {short(exc)}")
+
+
+def member_extension(name: str) -> str:
+    """What a member's name says it holds: all after the first dot of its file name, in lower
+    case (``KEY.JSON`` → ``json``, ``KEY.wav.json`` → ``wav.json``), as webdataset groups."""
+    return os.path.basename(name).partition(".")[2].lower()
 
 
 def _within(info: tarfile.TarInfo, size: int) -> None:
@@ -213,7 +218,7 @@ def read_member(corpus: Corpus, source: str, offset: int) -> tuple[bytes, bool]:
         raise ValueError(f"tar member unreadable: {short(exc)}") from None
     if len(data) != info.size:
         raise ValueError("tar member cut short")
-    return data, info.name.endswith(".json")
+    return data, member_extension(info.name) == "json"
 
 
 def audio_input(corpus: Corpus, source: str, audio_at: int) -> str | io.BytesIO:

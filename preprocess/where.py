@@ -54,7 +54,7 @@ class Where:
 def _parse(text: str) -> ast.expr:
     """The tree of ``text``; :class:`UserError` when it is not UTF-8, too long, not an
     expression, or nested deeper than :data:`MAX_DEPTH`."""
-    shown = repr(text) if len(text) <= 200 else f"{text[:80]!r}… ({len(text)} characters)"
+    shown = _shown(text)
     if not is_unicode(text):  # a byte of the command line that is not UTF-8
         raise UserError(f"--where {text[:200]!a}: not valid UTF-8")
     if len(text) > MAX_CHARACTERS:
@@ -69,6 +69,11 @@ def _parse(text: str) -> ast.expr:
         raise UserError(f"--where {shown}: nested more than {MAX_DEPTH} levels deep")
     _check_names(text)
     return tree
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for a one-line error, its middle left out when long."""
+    return repr(text) if len(text) <= 200 else f"{text[:80]!r}… ({len(text)} characters)"
 
 
 def _depth(tree: ast.AST) -> int:
@@ -91,7 +96,7 @@ def _check_names(text: str) -> None:
         folded = unicodedata.normalize("NFKC", token.string)
         if token.type == tokenize.NAME and folded != token.string:
             raise UserError(
-                f"--where {text!r}: the name {token.string!r} would be read as {folded!r} "
+                f"--where {_shown(text)}: the name {token.string!r} would be read as {folded!r} "
                 "(Python folds full-width and compatibility characters); write the field's "
                 "name exactly as the metadata has it"
             )
@@ -114,7 +119,7 @@ def _check(node: ast.expr, text: str) -> set[str]:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return _check(node.operand, text)
     raise UserError(
-        f"--where {text!r}: {ast.unparse(node)!r} is not allowed; use field names, literals, "
+        f"--where {_shown(text)}: {_shown(ast.unparse(node))} is not allowed; use field names, literals, "
         "comparisons (== != < <= > >= in, not in), and, or, not"
     )
 
