@@ -311,8 +311,9 @@ def test_a_build_that_plans_no_shard_is_an_empty_cache_and_one_line(tmp_path: Pa
     index = read_index(out)
     assert index["shards"] == [] and index["totals"]["discovered"] == 3
     assert run_preprocess("verify", str(out)).returncode == 0  # empty, and sound
-    summary = run_preprocess("inspect", str(out)).stdout
+    summary = run_preprocess("inspect", str(out), "--png", str(tmp_path / "png")).stdout
     assert "0 utterances" in summary and "3  too short" in summary
+    assert len(list((tmp_path / "png").glob("*.png"))) == 3
     assert build(short, out, "--dry-run").returncode == 0  # a dry run reports, it does not fail
     # --where keeping nothing of a manifest: counted as left out, rejected.jsonl written empty.
     rows = [{"audio_filepath": "a0.wav", "text": "t", "lang": "en"}] * 2
