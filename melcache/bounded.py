@@ -54,6 +54,12 @@ def loads_json(text: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
+def read_json(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> Any:
+    """The JSON in regular file ``path`` of at most ``limit`` bytes: ``OSError`` or
+    ``ValueError`` (not UTF-8, not JSON, too deep) otherwise."""
+    return loads_json(read_limited(path, limit))
+
+
 def _kind(mode: int) -> str:
     for test, name in (
         (stat.S_ISDIR, "a directory"),

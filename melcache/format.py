@@ -42,6 +42,7 @@ import numpy as np
 import webdataset as wds
 import xxhash
 
+from melcache.bounded import loads_json
 from melcache.errors import ShardError
 from melcache.storage import FP16, MEL_MEMBERS
 
@@ -142,8 +143,8 @@ def is_unicode(text: str) -> bool:
 def decode_meta(data: bytes, where: str) -> dict[str, Any]:
     """Parse a ``json`` member."""
     try:
-        meta = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        meta = loads_json(data.decode("utf-8"))
+    except ValueError as exc:  # also UnicodeDecodeError, and nesting too deep
         raise ShardError(f"{where}: json member is not valid UTF-8 JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise ShardError(f"{where}: json member is not an object")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from melcache.bounded import loads_json
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.format import (
@@ -63,7 +64,7 @@ def read_index(cache: str | Path) -> dict[str, Any]:
     """
     location = member_location(cache, INDEX_NAME)
     try:
-        index = json.loads(bytes(read_bytes(location)).decode("utf-8"))
+        index = loads_json(bytes(read_bytes(location)).decode("utf-8"))
     except FileNotFoundError:
         raise UserError(
             f"{location} not found: not a melcache cache, or its build has not finished"

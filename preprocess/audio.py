@@ -14,6 +14,8 @@ import numpy as np
 import soundfile as sf
 import soxr
 
+from melcache.bounded import open_regular
+
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".opus", ".mp3")
 
 
@@ -101,15 +103,16 @@ def encode_flac(audio: np.ndarray, sample_rate: int) -> bytes:
 
 
 def _check_readable(path: str | BinaryIO) -> None:
-    """Name the OS's reason (permission, missing link target): libsndfile only says "System error"."""
+    """Name the OS's reason (permission, missing link target, a FIFO that would block the
+    decoder forever): libsndfile only says "System error"."""
     if not isinstance(path, str):
         return  # bytes already read (a tar member)
     try:
-        open(path, "rb").close()
+        open_regular(path).close()
     except FileNotFoundError:
         raise AudioError("audio file not found") from None
     except OSError as exc:
-        raise AudioError(f"unreadable audio: {exc.strerror}") from None
+        raise AudioError(f"unreadable audio: {exc.strerror or exc}") from None
 
 
 def _plain(exc: Exception, path: str | BinaryIO) -> str:

@@ -61,6 +61,14 @@ def _build(args: argparse.Namespace) -> int:
     if outcome.index is None:
         return 0
     totals = outcome.index["totals"]
+    if totals["utterances"] == 0:  # a cache to inspect, but nothing to train on: not success
+        reasons = ", ".join(f"{n} {r}" for r, n in totals["rejected_by_reason"].items())
+        raise UserError(
+            f"nothing left to build in {args.out}: of {totals['discovered']} inputs "
+            f"{totals['rejected']} were rejected ({reasons or 'none'}) and "
+            f"{totals['filtered_out']} left out by --where; see {args.out}/rejected.jsonl, "
+            f"or python -m preprocess inspect {args.out}"
+        )
     wall = time.perf_counter() - started
     left_out = f"; {totals['filtered_out']} left out by --where" if args.where else ""
     print(

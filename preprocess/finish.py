@@ -50,7 +50,7 @@ def finish_cache(
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejected)
     write_atomic(out / REJECTED_NAME, lines.encode("utf-8"))
     frames = sum(r["frames"] for r in receipts)
-    _write_stats(out, receipts, frames)
+    _write_stats(out, receipts, frames, features.n_mels)
     written = [r for r in receipts if r["samples"] > 0]
     seconds = sum(r["seconds"] for r in receipts)
     utterances = sum(r["samples"] for r in receipts)
@@ -105,10 +105,13 @@ def reason_kind(reason: str) -> str:
     return reason.split(":", 1)[0]
 
 
-def _write_stats(out: Path, receipts: Sequence[dict[str, Any]], frames: int) -> None:
-    """Per-channel mean and std over every frame, from the shards' running sums."""
-    sums = np.sum([r["mel_sum"] for r in receipts], axis=0, dtype=np.float64)
-    squares = np.sum([r["mel_sum_squares"] for r in receipts], axis=0, dtype=np.float64)
+def _write_stats(out: Path, receipts: Sequence[dict[str, Any]], frames: int, n_mels: int) -> None:
+    """Per-channel mean and std over every frame, from the shards' running sums (zeros over
+    no frame: a cache every utterance of which was rejected)."""
+    sums, squares = np.zeros(n_mels), np.zeros(n_mels)
+    for receipt in receipts:
+        sums += np.asarray(receipt["mel_sum"], np.float64)
+        squares += np.asarray(receipt["mel_sum_squares"], np.float64)
     mean = sums / max(frames, 1)
     std = np.sqrt(np.maximum(squares / max(frames, 1) - mean**2, 0.0))
     write_stats(out, mean, std, frames)

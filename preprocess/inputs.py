@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import re
+from typing import Any
 
+from melcache.bounded import loads_json
 from melcache.format import is_unicode
 
 RECEIPTS = ".build"  # the build's own state inside OUT: receipts, scans, the plan, spools
@@ -170,20 +173,59 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# Longer than any recording (31 years): a length beyond it is a wrong field, not audio, and
+# its sample count would not fit the scan's 64-bit columns.
+MAX_LISTED_SECONDS = 10**9
+_MAX = f"{MAX_LISTED_SECONDS:.0e} s"
+
+
 def listed_samples(entry: dict, sample_rate: int) -> int | str | None:
     """The length metadata gives, at ``sample_rate``: from ``num_samples`` and
     ``sampling_rate``, else ``duration``; ``None`` when it gives none (a null, which Parquet
-    has for a missing value, is none), a reason when invalid."""
+    has for a missing value, is none), a reason when invalid or beyond
+    :data:`MAX_LISTED_SECONDS`."""
     count, rate = entry.get("num_samples"), entry.get("sampling_rate")
     if count is not None or rate is not None:
         if type(count) is not int or type(rate) is not int or count < 0 or rate <= 0:
             return "manifest num_samples/sampling_rate are not a count and a positive rate"
+        if count > MAX_LISTED_SECONDS * rate:  # Python ints: no overflow before this check
+            return f"manifest num_samples/sampling_rate give over {_MAX}: no recording is that long"
         return (2 * count * sample_rate + rate) // (2 * rate)  # as soxr rounds
     seconds = entry.get("duration")
     if seconds is not None:
         if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:
             return "manifest duration is not a finite number of seconds ≥ 0"
+        if seconds > MAX_LISTED_SECONDS:
+            return f"manifest duration is over {_MAX}: no recording is that long"
         # Half up, as soxr rounds; the 1e-7 sample absorbs float error in seconds = frames/rate,
         # so an exact duration plans the length the header would.
         return math.floor(seconds * sample_rate + 0.5 + 1e-7)
     return None
+
+
+def listed_speaker(entry: dict, what: str = "manifest speaker") -> str | None:
+    """The ``speaker`` of metadata as a string (a number is one), ``None`` when absent;
+    :class:`ValueError` naming ``what`` for a list, an object or anything else."""
+    speaker = entry.get("speaker")
+    if speaker is None or isinstance(speaker, str):
+        return speaker
+    if type(speaker) in (int, float):  # speaker ids are often numbers; bool is not one
+        return str(speaker)
+    raise ValueError(f"{what} is {type(speaker).__name__}, not a string or a number")
+
+
+def parse_json(data: bytes, what: str) -> Any:
+    """``data`` as UTF-8 JSON; :class:`ValueError` "WHAT is not UTF-8 JSON", with the reason
+    when the text is JSON the parser cannot hold (nested too deeply, an integer of 5,000
+    digits)."""
+    try:
+        return loads_json(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{what} is not UTF-8 JSON") from None
+    except ValueError as exc:
+        raise ValueError(f"{what} is not UTF-8 JSON: {short(exc)}") from None
+
+
+def short(exc: BaseException) -> str:
+    """An exception's message on one line, or its type's name when it has none."""
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -187,6 +187,13 @@ def _plot_mels(
 ) -> None:
     chosen = [s for s in samples if "mel" in s]
     chosen = [chosen[int(i)] for i in np.linspace(0, len(chosen) - 1, min(examples, len(chosen)))]
+    if not chosen:  # an empty cache: every utterance was rejected
+        figure, axis = plt.subplots(figsize=(10, 2.6))
+        axis.text(0.5, 0.5, "no utterance in this cache", ha="center", va="center")
+        axis.set_axis_off()
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        return
     figure, axes = plt.subplots(len(chosen), 1, figsize=(10, 2.6 * len(chosen)), squeeze=False)
     hop_seconds = index["features"]["hop_length"] / index["features"]["sample_rate"]
     for axis, sample in zip(axes[:, 0], chosen, strict=True):

@@ -23,6 +23,7 @@ import tarfile
 from collections.abc import Iterator
 from typing import Any
 
+from melcache.bounded import open_regular
 from melcache.errors import UserError
 from preprocess.archives import TAR_AUDIO
 from preprocess.inputs import (
@@ -32,6 +33,8 @@ from preprocess.inputs import (
     Rejection,
     found,
     listed_samples,
+    listed_speaker,
+    short,
 )
 from preprocess.where import Where
 
@@ -67,7 +70,8 @@ def check_columns(root: str, archives: tuple[str, ...], columns: tuple[str, str,
     for archive in archives:
         path = os.path.join(root, archive)
         try:
-            names = pyarrow_parquet().read_schema(path).names
+            with open_regular(path) as file:
+                names = pyarrow_parquet().read_schema(file).names
         except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
             continue
         missing = [name for name in columns[:2] if name not in names]
@@ -92,25 +96,25 @@ def parquet_rows(
         os.unlink(spool)
     row = 0
     try:
-        table_file = pyarrow_parquet().ParquetFile(os.path.join(corpus.root, rel))
-        names = table_file.schema_arrow.names
-        missing = [name for name in (audio_column, text_column) if name not in names]
-        if missing:
-            yield Rejection(rel, f"no column {', '.join(map(repr, missing))} in this file")
-            return
-        with open(spool, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
-            for group in range(table_file.num_row_groups):
-                rows = table_file.read_row_group(group).to_pylist()
-                items = [
-                    _row(corpus, tar, number, rel, row + i, record, sample_rate, where)
-                    for i, record in enumerate(rows)
-                ]
-                out.flush()  # the scan probes these rows' audio in the spool next
-                row += len(rows)
-                yield from items
+        with open_regular(os.path.join(corpus.root, rel)) as source:
+            table_file = pyarrow_parquet().ParquetFile(source)
+            names = table_file.schema_arrow.names
+            missing = [name for name in (audio_column, text_column) if name not in names]
+            if missing:
+                yield Rejection(rel, f"no column {', '.join(map(repr, missing))} in this file")
+                return
+            with open(spool, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
+                for group in range(table_file.num_row_groups):
+                    rows = table_file.read_row_group(group).to_pylist()
+                    items = [
+                        _row(corpus, tar, number, rel, row + i, record, sample_rate, where)
+                        for i, record in enumerate(rows)
+                    ]
+                    out.flush()  # the scan probes these rows' audio in the spool next
+                    row += len(rows)
+                    yield from items
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        yield Rejection(rel, f"damaged Parquet file after {row} rows: {reason}")
+        yield Rejection(rel, f"damaged Parquet file after {row} rows: {short(exc)}")
 
 
 def _row(
@@ -130,11 +134,15 @@ def _row(
     data, name = (
         (audio.get("bytes"), audio.get("path")) if isinstance(audio, dict) else (audio, None)
     )
-    extension = os.path.splitext(name or "")[1][1:].lower()
-    extension = extension if extension in TAR_AUDIO else "audio"  # a name only: decoding sniffs
+    name = name if isinstance(name, str) else ""  # a name only: decoding sniffs the format
+    extension = os.path.splitext(name)[1][1:].lower()
+    extension = extension if extension in TAR_AUDIO else "audio"
     source = f"{rel}:{row}.{extension}"
     if not isinstance(data, bytes) or not data:
         return Rejection(source, f"row has no audio bytes in column {audio_column!r}")
+    if isinstance(audio, dict) and audio.get("path") is not None and not name:
+        kind = type(audio["path"]).__name__
+        return Rejection(source, f"row's audio path in column {audio_column!r} is {kind}")
     text = record.get(text_column)
     if not isinstance(text, str):
         return Rejection(source, f"row has no text string in column {text_column!r}")
@@ -143,8 +151,12 @@ def _row(
     samples = listed_samples(record, sample_rate)
     if isinstance(samples, str):
         return Rejection(source, samples.replace("manifest", "row"))
-    speaker = record.get(speaker_column)
-    speaker = None if speaker is None else str(speaker)
+    try:
+        speaker = listed_speaker(
+            {"speaker": record.get(speaker_column)}, f"row column {speaker_column!r}"
+        )
+    except ValueError as exc:
+        return Rejection(source, str(exc))
     meta = {"text": text} if speaker is None else {"text": text, "speaker": speaker}
     audio_at = _append(tar, f"{row}.{extension}", data)
     text_at = _append(tar, f"{row}.json", json.dumps(meta).encode())
@@ -152,9 +164,9 @@ def _row(
 
 
 def _append(tar: tarfile.TarFile, name: str, payload: bytes) -> int:
-    """Add a member to the spool; return where its bytes start."""
+    """Add a member to the spool; return where its header starts (as a tar's locators)."""
     info = tarfile.TarInfo(name)
     info.size = len(payload)
+    at = tar.offset
     tar.addfile(info, io.BytesIO(payload))
-    blocks = -(-len(payload) // tarfile.BLOCKSIZE)  # the data is padded to whole blocks
-    return tar.offset - blocks * tarfile.BLOCKSIZE
+    return at

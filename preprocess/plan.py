@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from melcache.bounded import read_json
 from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, shard_name, temp_path
 from melcache.storage import BYTES_PER_VALUE
@@ -316,7 +317,7 @@ def save_plan(plan: Plan, folder: Path, inputs: str) -> None:
 def load_plan(folder: Path, inputs: str) -> Plan | None:
     """The plan saved in ``folder`` if it was made from ``inputs``, else ``None``."""
     try:
-        meta: dict[str, Any] = json.loads((folder / "meta.json").read_text())
+        meta: dict[str, Any] = read_json(folder / "meta.json")
         if meta.get("inputs") != inputs:
             return None
         arrays = {

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from melcache.bounded import read_json
 from melcache.errors import UserError
 from melcache.format import temp_path
 from preprocess.archives import audio_input
@@ -49,7 +50,7 @@ from preprocess.sources import read_transcript_file, share, transcript_path, unc
 
 log = logging.getLogger(__name__)
 
-SCAN_VERSION = 1
+SCAN_VERSION = 2  # 2: a tar locator is its member's first header, not its data
 _COLUMNS = {
     "ordinal": "q",
     "samples": "q",
@@ -58,6 +59,8 @@ _COLUMNS = {
     "key": "Q",
     "audio_at": "q",  # -1 but in tars: not read by the plan
 }
+# A scan's stamps and rejections grow with the corpus (a stamp per folder); far below this.
+LISTING_LIMIT = 2**30
 _BATCH = 4096  # inputs handed to the workers at once: keeps them busy, bounds what waits
 
 
@@ -74,7 +77,7 @@ def part_folder(build_folder: Path, part: int, parts: int) -> Path:
 def scan_meta(folder: Path) -> dict[str, Any] | None:
     """The description of a finished scan in ``folder``, or ``None``."""
     try:
-        meta = json.loads((folder / "meta.json").read_text())
+        meta = read_json(folder / "meta.json")
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) and meta.get("version") == SCAN_VERSION else None
@@ -93,7 +96,7 @@ def scan_is_current(folder: Path, corpus: Corpus, sample_rate: int) -> bool:
             log.info("the Parquet spool of %s is gone (deleted with a complete cache)", folder)
             return False
     try:
-        stamps = json.loads((folder / "stamps.json").read_text())
+        stamps = read_json(folder / "stamps.json", LISTING_LIMIT)
     except (OSError, ValueError):
         return False
     return meta.get("sample_rate") == sample_rate and unchanged(corpus, [tuple(s) for s in stamps])
@@ -279,5 +282,10 @@ class Scan:
     def rejections(self) -> Iterator[Rejection]:
         """What every piece rejected while scanning."""
         for piece in self.pieces:
-            for source, reason in json.loads((piece.folder / "rejections.json").read_text()):
+            path = piece.folder / "rejections.json"
+            try:
+                listed = read_json(path, LISTING_LIMIT)
+            except (OSError, ValueError) as exc:
+                raise UserError(f"{path}: unreadable ({exc}); rerun with --rescan") from None
+            for source, reason in listed:
                 yield Rejection(source, reason)

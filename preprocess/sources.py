@@ -23,13 +23,13 @@ UTF-8 (a BOM is allowed); anything else is rejected rather than guessed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from melcache.bounded import SMALL_FILE_LIMIT, open_regular
 from melcache.errors import UserError
 from melcache.format import is_unicode
 from preprocess.archives import find_archives, parse_text_member, read_member, tar_samples
@@ -44,6 +44,8 @@ from preprocess.inputs import (
     Stamp,
     found,
     listed_samples,
+    listed_speaker,
+    parse_json,
     stamp,
 )
 from preprocess.parquet import SPOOL, check_columns, parquet_rows, parse_columns
@@ -77,11 +79,12 @@ def open_corpus(
         )
     if not src.exists():
         raise UserError(f"--src {src} does not exist")
-    if src.is_file():
+    if not src.is_dir():
         if src.suffix != ".jsonl":
             raise UserError(f"--src {src} is a file but not a .jsonl manifest")
         if where is not None:
             Where(where)  # a bad expression fails here, before any scan
+        _check_listing(src)
         return Corpus("manifest", str(src.parent.resolve()), str(src.resolve()), where=where)
     if where is not None:
         raise UserError(
@@ -89,9 +92,18 @@ def open_corpus(
             f"--src {src} is a folder"
         )
     root = str(src.resolve())
-    if (src / "metadata.csv").is_file():
+    if (src / "metadata.csv").exists():
+        _check_listing(src / "metadata.csv")
         return Corpus("ljspeech", root, os.path.join(root, "metadata.csv"))
     return Corpus("folder", root, exclude=os.path.realpath(out))
+
+
+def _check_listing(path: Path) -> None:
+    """:class:`UserError` unless ``path`` opens as a regular file: a FIFO would block the scan."""
+    try:
+        open_regular(path).close()
+    except OSError as exc:
+        raise UserError(f"cannot read --src listing {path}: {exc.strerror or exc}") from None
 
 
 def share(
@@ -206,12 +218,12 @@ def read_transcript_file(path: str) -> str:
     """A transcript file's text; :class:`ValueError` with the reason when it cannot be used."""
     name = os.path.basename(path)
     try:
-        with open(path, "rb") as file:
+        with open_regular(path) as file:
             return file.read().decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ValueError(f"transcript not UTF-8: {name}") from None
     except OSError as exc:
-        raise ValueError(f"transcript unreadable: {name}: {exc.strerror}") from None
+        raise ValueError(f"transcript unreadable: {name}: {exc.strerror or exc}") from None
 
 
 def transcript_path(corpus: Corpus, source: str, suffix: int) -> str:
@@ -224,13 +236,13 @@ def _lines(path: str, taken: Slice) -> Iterator[tuple[int, int, bytes]]:
     """``(line number, byte offset, bytes)`` of the lines in a slice."""
     offset = 0
     try:
-        with open(path, "rb") as file:
+        with open_regular(path) as file:
             for number, raw in enumerate(file, start=1):
                 if taken.holds(number):
                     yield number, offset, raw
                 offset += len(raw)
     except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _ljspeech_share(corpus: Corpus, taken: Slice) -> Iterator[Found | Rejection]:
@@ -309,10 +321,7 @@ def parse_manifest_line(
     ``(audio_filepath, reason)`` when its audio path or length is unusable; ``text`` is
     ``None`` when missing or not a string.
     """
-    try:
-        entry = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError("manifest line is not UTF-8 JSON") from None
+    entry = parse_json(raw, "manifest line")
     if not isinstance(entry, dict) or not isinstance(entry.get("audio_filepath"), str):
         raise ValueError("manifest line has no audio_filepath string")
     listed = entry["audio_filepath"]
@@ -326,14 +335,12 @@ def parse_manifest_line(
     samples = listed_samples(entry, sample_rate)
     if isinstance(samples, str):
         raise LookupError(listed, samples)
-    text, speaker = entry.get("text"), entry.get("speaker")
-    return (
-        source,
-        text if isinstance(text, str) else None,
-        None if speaker is None else str(speaker),
-        samples,
-        entry,
-    )
+    try:
+        speaker = listed_speaker(entry)
+    except ValueError as exc:
+        raise LookupError(listed, str(exc)) from None
+    text = entry.get("text")
+    return source, text if isinstance(text, str) else None, speaker, samples, entry
 
 
 def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str | None, str | None]:
@@ -344,13 +351,15 @@ def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str | No
         speaker = os.path.dirname(source) or None
     elif corpus.kind in ("tars", "parquet"):  # a Parquet row's text is in its spool
         data, is_json = read_member(corpus, source, locator)
-        meta, text = parse_text_member(data, is_json)
-        speaker = None if meta.get("speaker") is None else str(meta["speaker"])
+        _, text, speaker = parse_text_member(data, is_json)
     else:
         assert corpus.listing is not None
-        with open(corpus.listing, "rb") as file:
-            file.seek(locator)
-            raw = file.readline()
+        try:
+            with open_regular(corpus.listing) as file:
+                file.seek(locator)
+                raw = file.readline(SMALL_FILE_LIMIT)
+        except OSError as exc:
+            raise ValueError(f"listing unreadable: {exc.strerror or exc}") from None
         if corpus.kind == "ljspeech":
             text, speaker = parse_metadata_row(raw, 1 if locator == 0 else 2)[1], None
         else:

@@ -11,7 +11,6 @@ keys, shards on disk that the index does not list, totals, ``rejected.jsonl`` an
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from melcache.bounded import loads_json, open_regular
 from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
 from melcache.format import AUDIO_MEMBER, REJECTED_NAME, finite_mel
@@ -175,16 +175,27 @@ def _check_totals(cache: Path, index: dict[str, Any], n_mels: int) -> list[str]:
         )
     if totals["utterances"] + totals["rejected"] != totals["discovered"]:
         problems.append("index.json: utterances + rejected != discovered")
-    try:
-        lines = (cache / REJECTED_NAME).read_text(encoding="utf-8").splitlines()
-        if len(lines) != totals["rejected"] or not all(json.loads(x).get("reason") for x in lines):
-            problems.append(
-                f"{REJECTED_NAME}: {len(lines)} records, index says {totals['rejected']}"
-            )
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        problems.append(f"{REJECTED_NAME}: unreadable ({exc})")
+    counted = _rejection_records(cache / REJECTED_NAME)
+    if isinstance(counted, str):
+        problems.append(f"{REJECTED_NAME}: unreadable ({counted})")
+    elif counted != totals["rejected"]:
+        problems.append(f"{REJECTED_NAME}: {counted} records, index says {totals['rejected']}")
     try:
         read_stats(cache, n_mels)
     except UserError as exc:
         problems.append(str(exc))
     return problems
+
+
+def _rejection_records(path: Path) -> int | str:
+    """How many records ``rejected.jsonl`` holds, or why it cannot be read: a line that is
+    not a JSON object with a reason counts as none."""
+    records = 0
+    try:
+        with open_regular(path) as file:
+            for line in file:
+                record = loads_json(line)
+                records += isinstance(record, dict) and bool(record.get("reason"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        return str(exc)
+    return records

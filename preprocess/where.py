@@ -10,11 +10,15 @@ between values that cannot be ordered (a string and a number), is false.
 from __future__ import annotations
 
 import ast
+import io
 import operator
+import tokenize
+import unicodedata
 from collections.abc import Callable
 from typing import Any
 
 from melcache.errors import UserError
+from melcache.format import is_unicode
 
 _COMPARE: dict[type, Callable[[Any, Any], bool]] = {
     ast.Eq: operator.eq,
@@ -28,23 +32,74 @@ _COMPARE: dict[type, Callable[[Any, Any], bool]] = {
 }
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 _MISSING = object()
+# Far beyond any expression typed or generated on purpose (a list of thousands of speakers
+# fits); the parser and the walks below are then cheap and never recurse deeply.
+MAX_CHARACTERS = 100_000
+MAX_DEPTH = 100
 
 
 class Where:
     """A parsed ``--where`` expression; call it with a metadata dict."""
 
     def __init__(self, text: str) -> None:
-        try:
-            tree = ast.parse(text, mode="eval").body
-        except SyntaxError as exc:
-            raise UserError(f"--where {text!r}: not an expression ({exc.msg})") from None
         self.text = text
-        self.tree = tree
-        self.fields = sorted(_check(tree, text))
+        self.tree = _parse(text)
+        self.fields = sorted(_check(self.tree, text))
 
     def __call__(self, meta: dict[str, Any]) -> bool:
         """Whether ``meta`` is selected."""
         return _truth(_evaluate(self.tree, meta))
+
+
+def _parse(text: str) -> ast.expr:
+    """The tree of ``text``; :class:`UserError` when it is not UTF-8, too long, not an
+    expression, or nested deeper than :data:`MAX_DEPTH`."""
+    shown = _shown(text)
+    if not is_unicode(text):  # a byte of the command line that is not UTF-8
+        raise UserError(f"--where {text[:200]!a}: not valid UTF-8")
+    if len(text) > MAX_CHARACTERS:
+        raise UserError(f"--where {shown}: longer than {MAX_CHARACTERS} characters")
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError as exc:
+        raise UserError(f"--where {shown}: not an expression ({exc.msg})") from None
+    except (RecursionError, MemoryError, ValueError):  # the parser's stack, a NUL byte
+        raise UserError(f"--where {shown}: nested too deeply for the parser") from None
+    if _depth(tree) > MAX_DEPTH:
+        raise UserError(f"--where {shown}: nested more than {MAX_DEPTH} levels deep")
+    _check_names(text)
+    return tree
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for a one-line error, its middle left out when long."""
+    return repr(text) if len(text) <= 200 else f"{text[:80]!r}… ({len(text)} characters)"
+
+
+def _depth(tree: ast.AST) -> int:
+    """How deep ``tree`` is, counted without recursion."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth <= MAX_DEPTH:  # deeper than that is refused anyway
+            stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+def _check_names(text: str) -> None:
+    """:class:`UserError` for a name written in characters Python folds into others (NFKC):
+    ``ｌａｎｇ`` (full width) would otherwise silently select on the field ``lang``."""
+    if text.isascii():
+        return
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        folded = unicodedata.normalize("NFKC", token.string)
+        if token.type == tokenize.NAME and folded != token.string:
+            raise UserError(
+                f"--where {_shown(text)}: the name {token.string!r} would be read as {folded!r} "
+                "(Python folds full-width and compatibility characters); write the field's "
+                "name exactly as the metadata has it"
+            )
 
 
 def _check(node: ast.expr, text: str) -> set[str]:
@@ -64,7 +119,7 @@ def _check(node: ast.expr, text: str) -> set[str]:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return _check(node.operand, text)
     raise UserError(
-        f"--where {text!r}: {ast.unparse(node)!r} is not allowed; use field names, literals, "
+        f"--where {_shown(text)}: {_shown(ast.unparse(node))} is not allowed; use field names, literals, "
         "comparisons (== != < <= > >= in, not in), and, or, not"
     )
 

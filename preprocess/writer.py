@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from melcache.bounded import read_json
 from melcache.codec import encode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
@@ -204,8 +205,8 @@ def valid_receipts(out: Path, plan: Plan, made_by: str) -> dict[str, dict[str, A
     stale = 0
     for path in sorted((out / RECEIPTS).glob("*.json")):
         try:
-            receipt = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+            receipt = read_json(path)
+        except (OSError, ValueError):
             continue  # a receipt is written atomically; unreadable means foreign: rebuild
         if receipt.get("plan") != plan.digest and receipt.get("recipe") == made_by:
             stale += 1
