@@ -124,7 +124,7 @@ class ShardVisit:
         return Position(self.epoch + 1, 0, 0)
 
 
-class _SkipLog:
+class SkipLog:
     """The ``on_error`` policy of one worker: re-raise, or note the shard and go on.
 
     Skipping must not hang: when every shard of the mix has failed (or three times as many
@@ -158,7 +158,7 @@ class _SkipLog:
 
 
 def _read(
-    spec: StreamSpec, source: int, shard_id: int, check: ShardCheck, skips: _SkipLog
+    spec: StreamSpec, source: int, shard_id: int, check: ShardCheck, skips: SkipLog
 ) -> list[RawSample] | None:
     """One shard's samples, or ``None`` when it is bad and the policy is to skip it."""
     where, entry = spec.sources[source], spec.sources[source].shards[shard_id]
@@ -170,7 +170,7 @@ def _read(
 
 
 def whole_cache_batches(
-    spec: StreamSpec, sub: SubStream, slot: int, start: Position, check: ShardCheck, skips: _SkipLog
+    spec: StreamSpec, sub: SubStream, slot: int, start: Position, check: ShardCheck, skips: SkipLog
 ) -> Iterator[Planned]:
     """A whole cache as earlier releases streamed it: this slot's shards of every epoch
     (dealt by ``worker_shards``), each cut greedily (a pure function of seed, epoch and
@@ -205,7 +205,7 @@ def whole_cache_batches(
 
 
 def bucket_batches(
-    spec: StreamSpec, sub: SubStream, slot: int, taken: int, check: ShardCheck, skips: _SkipLog
+    spec: StreamSpec, sub: SubStream, slot: int, taken: int, check: ShardCheck, skips: SkipLog
 ) -> Iterator[Planned]:
     """This slot's batches of one bucket sub-stream, from its ``taken``-th on: each located
     in O(1) from the index, its shard read once for a run of its batches (slots that share a
@@ -231,21 +231,33 @@ def bucket_batches(
             yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entry
 
 
+def open_readers(
+    spec: StreamSpec,
+    slot: int,
+    positions: list[tuple[int, ...]],
+    check: ShardCheck,
+    skips: SkipLog,
+) -> list[Iterator[Planned]]:
+    """Slot ``slot``'s reader of each sub-stream, from ``positions``: planned batches, no mel
+    decoded (also what benchmarks and tests plan whole jobs with)."""
+    return [
+        bucket_batches(spec, sub, slot, position[0], check, skips)
+        if sub.bucket >= 0
+        else whole_cache_batches(spec, sub, slot, Position(*position), check, skips)
+        for sub, position in zip(spec.subs, positions, strict=True)
+    ]
+
+
 def worker_stream(
     spec: StreamSpec, worker: int, step: int, positions: list[tuple[int, ...]], ring: BatchRing
 ) -> Iterator[tuple[PackedBatch, Cursor]]:
     """The endless stream of logical worker ``worker`` of this rank, resumed at its batch
     ``step`` with ``positions`` in its sub-streams: each batch from the sub-stream the
     schedule picks; a shard with a bad mel loses its remaining batches in that sub-stream."""
-    skips = _SkipLog(spec.data.on_error, sum(len(s.shards) for s in spec.sources))
+    skips = SkipLog(spec.data.on_error, sum(len(s.shards) for s in spec.sources))
     check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
     slot = spec.rank * spec.workers_per_rank + worker
-    readers = [
-        bucket_batches(spec, sub, slot, position[0], check, skips)
-        if sub.bucket >= 0
-        else whole_cache_batches(spec, sub, slot, Position(*position), check, skips)
-        for sub, position in zip(spec.subs, positions, strict=True)
-    ]
+    readers = open_readers(spec, slot, positions, check, skips)
     failed: list[Hashable] = [None] * len(readers)
     seq = 0
     while True:
@@ -263,7 +275,7 @@ def _collate_next(
     reader: Iterator[Planned],
     failed: list[Hashable],
     stream: int,
-    skips: _SkipLog,
+    skips: SkipLog,
     ring: BatchRing,
     seq: int,
 ) -> tuple[PackedBatch, tuple[int, ...]]:
