@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, metrics, run_ok, train_cmd
 
 from melcache.batching import (
     even_batch_count,
@@ -229,3 +229,17 @@ def test_a_state_of_the_previous_release_resumes_with_sync_off(
         assert [b.keys for b in take(resumed, 12)] == json.loads(done.stdout)
         with pytest.raises(UserError, match="sync_buckets = false"):
             make(sample_cache, seed=7, **data).load_state_dict(saved)
+
+
+@pytest.mark.slow  # torchrun, 2 processes
+def test_the_trainer_trains_on_a_weighted_mix(
+    train_cache: Path, sample_cache: Path, tmp_path: Path
+) -> None:
+    """--shards twice, [data.mix] keyed by location; metrics.jsonl logs each cache's epochs."""
+    out = tmp_path / "run"
+    mix = f'data.mix={{"{train_cache}" = 0.7, "{sample_cache}" = 0.3}}'
+    entry = ("-m", "train", "--shards", str(sample_cache))  # options before the overrides
+    run_ok(train_cmd(train_cache, out, mix, "data.batch_frames=3000", entry=entry))
+    logged = [m for m in metrics(out) if "loss" in m]
+    assert logged and all(m[f"epochs {train_cache}"] >= 0 for m in logged)
+    assert logged[-1][f"epochs {sample_cache}"] > 0 and logged[-1][f"epochs {train_cache}"] > 0
