@@ -17,19 +17,17 @@ padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, `
 one shard, hence one length bucket ``b``; ``B × T <= batch_frames`` (one number, or the table's
 entry for ``b``) and ``B <= max_batch_size``.
 
-Splitting: every epoch the shard list is permuted from ``(seed, epoch)`` and dealt to the
-``world_size × max(1, num_workers)`` workers of the job, so each shard is read exactly once
-per epoch. A worker cuts each of its shards into frame-budget batches (near-equal lengths,
-membership reshuffled every epoch) and rolls on into its next epoch by itself, so the
-stream never ends and no rank can run dry (no DDP hang on uneven data). "Epoch" is per
-worker: a fast worker may start epoch 2 while another finishes epoch 1.
+Splitting: the schedule (``train/schedule.py``) picks each batch's sub-stream (one length
+bucket of one cache; with ``sync_buckets = false`` one whole cache, the stream of earlier
+releases) from ``(seed, step, rank, worker)``: bucket-synchronous across ranks, caches at
+their weights. Each sub-stream reads every shard once per epoch across the job's
+``world_size × max(1, num_workers)`` workers and never runs dry (no DDP hang).
 
 Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
-worker's position after it (epoch, shard in the worker's list, batches taken from it); the
-loader records it as the batch is handed to the caller. A restore skips whole shards unread
-and re-reads at most one shard per worker, skipping its consumed batches without decoding
-a mel, so it costs the same at 1 % or 90 % of an epoch. A state from a different world
-size, worker count, seed, cache or batch budget is refused, naming the key.
+worker's position after it in its sub-stream (``train/stream.py``); the loader records it as
+the batch is handed to the caller. A restore re-reads at most one shard per worker and
+sub-stream, skipping its consumed batches without decoding a mel. A state from a different
+world size, worker count, seed, cache, mix or batch budget is refused, naming the key.
 
 Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
 ``shard_check="off"``) altered shard with a :class:`ShardError` naming it, in any epoch: every
@@ -66,7 +64,7 @@ from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
 from train.collate import BYTE_VOCAB_SIZE, PAD_ID, Batch, PackedBatch, utf8_tokens
 from train.config import DataConfig
-from train.schedule import global_batch, make_schedule, substreams
+from train.schedule import make_schedule, substreams
 from train.sources import (
     CacheArg,
     OpenedMix,
@@ -76,7 +74,7 @@ from train.sources import (
     open_mix,
     shards_digest,
 )
-from train.stream import Cursor, StreamSpec, worker_stream
+from train.stream import Cursor, StreamSpec, progress, worker_stream
 from train.transport import BatchRing
 
 __all__ = [
@@ -207,21 +205,7 @@ class StreamLoader:
 
     def progress(self) -> list[list[float]]:
         """Per worker and sub-stream: epochs of it behind the worker's next batch."""
-        spec = self.spec
-        out = []
-        for worker, positions in enumerate(self._positions):
-            slot = spec.rank * spec.workers_per_rank + worker
-            row = []
-            for sub, position in zip(spec.subs, positions, strict=True):
-                if sub.bucket < 0:  # (epoch, shard, batch) of a whole-cache stream
-                    row.append(position[0] + position[1] * spec.num_slots / len(sub.shards))
-                else:
-                    number = global_batch(
-                        sub, slot=slot, num_slots=spec.num_slots, taken=position[0]
-                    )
-                    row.append(number / sub.per_epoch)
-            out.append(row)
-        return out
+        return progress(self.spec, self._positions)
 
     def __iter__(self) -> BatchIterator:
         self.close()  # one live stream at a time: it owns the state

@@ -231,6 +231,20 @@ def bucket_batches(
             yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entry
 
 
+def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:
+    """Per worker of this rank and sub-stream: epochs of it behind the worker's next batch."""
+    out = []
+    for worker, row in enumerate(positions):
+        slot = spec.rank * spec.workers_per_rank + worker
+        out.append([
+            p[0] + p[1] * spec.num_slots / len(sub.shards)  # (epoch, shard, batch)
+            if sub.bucket < 0
+            else global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=p[0]) / sub.per_epoch
+            for sub, p in zip(spec.subs, row, strict=True)
+        ])  # fmt: skip
+    return out
+
+
 def open_readers(
     spec: StreamSpec,
     slot: int,
