@@ -15,6 +15,8 @@ import numpy as np
 # Purpose tags keep the random streams of different decisions independent.
 SHARD_ORDER = 1
 BATCH_PLAN = 2
+SUBSTREAM_ORDER = 3  # shard order of one length bucket of one cache (train/schedule.py)
+EVEN_PLAN = 4  # even cut of one shard into a count of batches known from the index
 # Length jitter of the sort inside a shard, as a fraction of the length (at least one frame,
 # which only breaks ties): neighbours stay within about 1 % of each other (little padding)
 # while batch membership changes every epoch (static batches give a cyclic loss).
@@ -32,17 +34,19 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def worker_shards(
-    num_shards: int, *, seed: int, epoch: int, slot: int, num_slots: int
+    num_shards: int, *, seed: int, epoch: int, slot: int, num_slots: int, stream: int = 0
 ) -> list[int]:
     """Shard ids (indices into the index's shard list) that worker ``slot`` reads in ``epoch``.
 
     The shard list is permuted from ``(seed, epoch)`` and dealt round-robin to the
     ``num_slots = world_size × workers`` slots, so the slots' lists are disjoint and together
-    cover every shard exactly once per epoch.
+    cover every shard exactly once per epoch. ``stream`` tells the caches of a mix apart (0, the
+    first, keys its order exactly as a one-cache loader always has).
     """
     if not 0 <= slot < num_slots <= num_shards:
         raise ValueError(f"slot {slot} of {num_slots} needs 0 <= slot < num_slots <= {num_shards}")
-    order = make_rng(seed, SHARD_ORDER, epoch).permutation(num_shards)
+    parts = (epoch,) if stream == 0 else (epoch, stream)
+    order = make_rng(seed, SHARD_ORDER, *parts).permutation(num_shards)
     return order[slot::num_slots].tolist()
 
 
@@ -83,6 +87,37 @@ def plan_batches(
     if current:
         batches.append(current)
     return [batches[j] for j in rng.permutation(len(batches)).tolist()]
+
+
+def even_batch_count(
+    samples: int, max_frames: int, *, batch_frames: int, max_batch_size: int, pad_multiple: int
+) -> int:
+    """How many batches :func:`plan_even_batches` cuts a shard into, from its index entry alone
+    (``samples``, ``max_frames``): enough that each holds no more utterances of the shard's
+    longest length than fit ``batch_frames``, nor more than ``max_batch_size``."""
+    fit = min(max_batch_size, batch_frames // round_up(max_frames, pad_multiple))
+    if fit < 1:
+        raise ValueError(
+            f"a sample of {max_frames} frames does not fit batch_frames = {batch_frames}"
+        )
+    return -(-samples // fit)
+
+
+def plan_even_batches(
+    frames: Sequence[int], *, rng: np.random.Generator, count: int
+) -> list[list[int]]:
+    """Cut one shard's samples into ``count`` batches of near-equal size (sizes differ by at most
+    one), neighbours in length (sorted with :data:`SORT_JITTER`), in shuffled order.
+
+    With ``count`` from :func:`even_batch_count` every batch keeps the budget, no batch is a
+    small remainder, and the count is known before the shard is read, which is what lets
+    workers share a shard and a schedule locate any batch of an epoch in O(1).
+    """
+    lengths = np.asarray(frames, dtype=np.float64)
+    jitter = rng.random(len(lengths)) * np.maximum(1.0, lengths * SORT_JITTER)
+    order = np.argsort(-(lengths + jitter), kind="stable")
+    batches = [part.tolist() for part in np.array_split(order, count)]
+    return [batches[j] for j in rng.permutation(count).tolist()]
 
 
 def padding_fraction(real_frames: float, padded_frames: float) -> float:

@@ -41,6 +41,7 @@ from melcache.format import (
     tar_members,
 )
 from train.data import Batch, DataConfig, StreamLoader, make_loader
+from train.schedule import global_batch
 from train.transport import BatchRing
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
@@ -63,20 +64,33 @@ def assert_same(got: list[Batch], want: list[Batch]) -> None:
 
 
 def epoch_keys(loader: StreamLoader, epoch: int) -> list[str]:
-    """Keys of the batches of ``epoch`` (per worker) from a fresh loader.
+    """Keys of the batches of ``epoch`` (of their worker's sub-stream) from a fresh loader.
 
-    A worker's saved position before a batch names the epoch that batch comes from.
+    The position a batch moves (worker, sub-stream) names where it comes from; the epoch is
+    the loader's progress before it in a whole-cache stream, and in a bucket sub-stream the
+    epoch of the batch number it took (a skipped shard may move a worker past an epoch's end).
     """
     keys: list[str] = []
     stream = iter(loader)
     for _ in range(10_000):  # a bound, so that a bug fails instead of hanging
-        state = loader.state_dict()
-        if min(p[0] for p in state["positions"]) > epoch:
+        if loader.epoch > epoch:
             loader.close()
             return keys
-        producer_epoch = state["positions"][state["next_worker"]][0]
+        worker, before = loader.state_dict()["next_worker"], loader.progress()
+        positions = loader.state_dict()["positions"][worker]
         batch = next(stream)
-        if producer_epoch == epoch:
+        (moved,) = [
+            u for u, p in enumerate(loader.state_dict()["positions"][worker]) if p != positions[u]
+        ]
+        sub, spec = loader.spec.subs[moved], loader.spec
+        if sub.bucket < 0:
+            batch_epoch = int(before[worker][moved])
+        else:
+            taken = loader.state_dict()["positions"][worker][moved][0] - 1
+            slot = spec.rank * spec.workers_per_rank + worker
+            number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
+            batch_epoch = number // sub.per_epoch
+        if batch_epoch == epoch:
             keys.extend(batch.keys)
     raise AssertionError(f"epoch {epoch} did not end within 10,000 batches")
 
@@ -102,8 +116,14 @@ def cache_copy(sample_cache: Path, tmp_path: Path) -> Path:
 
 
 def loader(cache: Path | str, **kwargs) -> StreamLoader:
-    """``make_loader`` with small test defaults; ``[data]`` keys go into its DataConfig."""
-    options = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0, "seed": 1, **kwargs}
+    """``make_loader`` with small test defaults; ``[data]`` keys go into its DataConfig.
+
+    The whole-cache stream (``sync_buckets = false``) by default: the tests here pin the
+    stream of earlier releases, which it must keep giving; those of bucket sub-streams pass
+    ``sync_buckets=True`` (and tests/test_schedule.py).
+    """
+    options = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0, "seed": 1,
+               "sync_buckets": False, **kwargs}  # fmt: skip
     data_keys = {f.name for f in dataclasses.fields(DataConfig)}
     data = DataConfig(**{k: v for k, v in options.items() if k in data_keys})
     return make_loader(cache, data, **{k: v for k, v in options.items() if k not in data_keys})
@@ -157,14 +177,17 @@ def test_worker_shards_split_each_epoch_disjointly() -> None:
 # --- the stream -------------------------------------------------------------------------------
 
 
-def test_every_utterance_once_per_epoch_two_ranks_two_workers(sample_cache: Path) -> None:
+@pytest.mark.parametrize("sync", [False, True])
+def test_every_utterance_once_per_epoch_two_ranks_two_workers(
+    sample_cache: Path, sync: bool
+) -> None:
+    """Synced, the 4 slots share each bucket's 2 shards."""
     utterances = set(all_keys(sample_cache))
     for epoch in (0, 1):
         seen = Counter()
         for rank in range(2):
-            seen.update(
-                epoch_keys(loader(sample_cache, rank=rank, world_size=2, num_workers=2), epoch)
-            )
+            stream = loader(sample_cache, rank=rank, world_size=2, num_workers=2, sync_buckets=sync)
+            seen.update(epoch_keys(stream, epoch))
         assert set(seen) == utterances
         assert set(seen.values()) == {1}
 
@@ -251,19 +274,23 @@ def test_ring_hands_over_copies_and_catches_an_overrun() -> None:
 # --- resume -----------------------------------------------------------------------------------
 
 
-def test_resume_continues_with_exactly_the_next_batches(sample_cache: Path, tmp_path: Path) -> None:
-    options = {"num_workers": 2, "batch_frames": 1500, "max_batch_size": 2, "seed": 7}
+@pytest.mark.parametrize("sync", [False, True])
+def test_resume_continues_with_exactly_the_next_batches(
+    sample_cache: Path, tmp_path: Path, sync: bool
+) -> None:
+    options = {"num_workers": 2, "batch_frames": 1500, "max_batch_size": 2, "seed": 7,
+               "sync_buckets": sync}  # fmt: skip
     reference = loader(sample_cache, **options)
     stream = iter(reference)
     batches, states, epochs = [], [], []
     for _ in range(44):  # about three epochs of this cache per worker
         state = reference.state_dict()
         states.append(state)
-        epochs.append([p[0] for p in state["positions"]])
+        epochs.append([int(e) for worker in reference.progress() for e in worker])
         batches.append(next(stream))
     reference.close()
     rollover = next(i for i, e in enumerate(epochs) if max(e) > 0)  # a worker's epoch ends
-    assert 2 < rollover < 40
+    assert 0 < rollover < 40
     for cut in sorted({0, 1, 5, rollover - 1, rollover, rollover + 1, 39}):
         path = tmp_path / f"state{cut}.pt"
         torch.save(states[cut], path)
@@ -273,7 +300,8 @@ def test_resume_continues_with_exactly_the_next_batches(sample_cache: Path, tmp_
         resumed.close()
 
 
-def test_resume_reads_only_the_partial_shard(sample_cache: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("sync", [False, True])
+def test_resume_reads_only_the_partial_shard(sample_cache: Path, monkeypatch, sync: bool) -> None:
     reads, decodes = [], []
     real_read, real_decode = train.stream.read_shard, train.collate.decode_mel_into
     monkeypatch.setattr(
@@ -282,7 +310,7 @@ def test_resume_reads_only_the_partial_shard(sample_cache: Path, monkeypatch) ->
     monkeypatch.setattr(
         train.collate, "decode_mel_into", lambda *a: decodes.append(1) or real_decode(*a)
     )
-    options = {"batch_frames": 1000, "max_batch_size": 1}
+    options = {"batch_frames": 1000, "max_batch_size": 1, "sync_buckets": sync}
     for cut in (2, 25):  # early and late in the first epoch (30 one-sample batches)
         first = loader(sample_cache, **options)
         stream = iter(first)
@@ -327,20 +355,21 @@ def keys_of_shard(cache: Path, name: str) -> set[str]:
         return {s["__key__"] for s in group_samples(iter_members(stream, name), name)}
 
 
-def test_truncated_shard_is_skipped_or_raises(cache_copy: Path) -> None:
+@pytest.mark.parametrize("sync", [False, True])
+def test_truncated_shard_is_skipped_or_raises(cache_copy: Path, sync: bool) -> None:
     name = biggest_shard(cache_copy)
     lost = keys_of_shard(cache_copy, name)
     shard = cache_copy / name
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
 
-    skipping = loader(cache_copy, on_error="skip", num_workers=2)
+    skipping = loader(cache_copy, on_error="skip", num_workers=2, sync_buckets=sync)
     seen = Counter(epoch_keys(skipping, 0))
     assert set(seen) == set(all_keys_except(cache_copy, name)) and set(seen.values()) == {1}
     assert not lost & set(seen)
     assert list(skipping.skipped_shards) == [name]
 
     with pytest.raises(ShardError, match=name):
-        take(loader(cache_copy, on_error="raise", num_workers=2), 30)
+        take(loader(cache_copy, on_error="raise", num_workers=2, sync_buckets=sync), 30)
 
 
 def all_keys_except(cache: Path, broken: str) -> list[str]:

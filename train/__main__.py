@@ -31,7 +31,13 @@ def _train_parser() -> argparse.ArgumentParser:
         "FILE` finds per-bucket batch budgets for this device. Bad input is one line on stderr "
         "and exit 2.",
     )
-    p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
+    p.add_argument(
+        "--shards",
+        required=True,
+        action="append",
+        help="cache folder (or URL prefix) with index.json; repeat it for a mix, weighted by "
+        "[data.mix] (keyed by these locations) or by hours",
+    )
     p.add_argument(
         "--config",
         type=Path,

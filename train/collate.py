@@ -48,6 +48,7 @@ class Batch:
     keys: list[str]
     speaker: list[str | None]
     bucket: int  # the length bucket of the shard it comes from (-1: not from a cache)
+    source: str = ""  # the cache (location, as given to make_loader) it comes from
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -83,13 +84,17 @@ class PackedBatch:
     keys: list[str]
     speaker: list[str | None]
     bucket: int
+    source: str
 
     def unpack(self, mel: torch.Tensor, pin_memory: bool) -> Batch:
         """The :class:`Batch`, given the mel copied out of the ring."""
         small = [torch.from_numpy(a) for a in (self.mel_lengths, self.text, self.text_lengths)]
         if pin_memory:
             small = [t.pin_memory() for t in small]
-        return Batch(mel, *small, keys=self.keys, speaker=self.speaker, bucket=self.bucket)
+        return Batch(
+            mel, *small, keys=self.keys, speaker=self.speaker, bucket=self.bucket,
+            source=self.source,
+        )  # fmt: skip
 
 
 def collate(
@@ -103,6 +108,7 @@ def collate(
     tokenizer: Tokenizer,
     where: str,
     bucket: int,
+    source: str = "",
 ) -> PackedBatch:
     """Decode the mels (never unpickling) and pad them into ``mel_out(shape)``, the rest
     into a :class:`PackedBatch`."""
@@ -133,4 +139,5 @@ def collate(
         keys=[s.key for s in samples],
         speaker=[s.speaker for s in samples],
         bucket=bucket,
+        source=source,
     )

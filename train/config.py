@@ -70,6 +70,13 @@ class DataConfig:
     on_error: str = "raise"
     shard_check: str = "fast"  # "fast" (xxh3_128 every read), "sha256" or "off": README Loading
     mel_stats: bool = True  # hand the cache's per-channel mean/std (stats.zarr) to the model
+    # Every rank's batches of a step from one length bucket (README "Streaming loader");
+    # false: the stream of earlier releases (one cache: the same batches, old states resume).
+    sync_buckets: bool = True
+    # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
+    # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
+    mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    mix_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_frames, Mapping):
@@ -85,6 +92,25 @@ class DataConfig:
             "data.shard_check",
             self.shard_check,
             " or ".join(SHARD_CHECKS),
+        )
+        require(
+            isinstance(self.sync_buckets, bool),
+            "data.sync_buckets",
+            self.sync_buckets,
+            "true or false",
+        )
+        require(
+            isinstance(self.mix, Mapping), "data.mix", self.mix, "a table of locations to weights"
+        )
+        for where, weight in self.mix.items():
+            require(
+                isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+                f"data.mix.{where}",
+                weight,
+                "a positive weight",
+            )
+        require(
+            self.mix_temperature >= 0, "data.mix_temperature", self.mix_temperature, "0 or more"
         )
 
     def budget(self, bucket: int) -> int:

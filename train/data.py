@@ -17,19 +17,17 @@ padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, `
 one shard, hence one length bucket ``b``; ``B × T <= batch_frames`` (one number, or the table's
 entry for ``b``) and ``B <= max_batch_size``.
 
-Splitting: every epoch the shard list is permuted from ``(seed, epoch)`` and dealt to the
-``world_size × max(1, num_workers)`` workers of the job, so each shard is read exactly once
-per epoch. A worker cuts each of its shards into frame-budget batches (near-equal lengths,
-membership reshuffled every epoch) and rolls on into its next epoch by itself, so the
-stream never ends and no rank can run dry (no DDP hang on uneven data). "Epoch" is per
-worker: a fast worker may start epoch 2 while another finishes epoch 1.
+Splitting: the schedule (``train/schedule.py``) picks each batch's sub-stream (one length
+bucket of one cache; with ``sync_buckets = false`` one whole cache, the stream of earlier
+releases) from ``(seed, step, rank, worker)``: bucket-synchronous across ranks, caches at
+their weights. Each sub-stream reads every shard once per epoch across the job's
+``world_size × max(1, num_workers)`` workers and never runs dry (no DDP hang).
 
 Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
-worker's position after it (epoch, shard in the worker's list, batches taken from it); the
-loader records it as the batch is handed to the caller. A restore skips whole shards unread
-and re-reads at most one shard per worker, skipping its consumed batches without decoding
-a mel, so it costs the same at 1 % or 90 % of an epoch. A state from a different world
-size, worker count, seed, cache or batch budget is refused, naming the key.
+worker's position after it in its sub-stream (``train/stream.py``); the loader records it as
+the batch is handed to the caller. A restore re-reads at most one shard per worker and
+sub-stream, skipping its consumed batches without decoding a mel. A state from a different
+world size, worker count, seed, cache, mix or batch budget is refused, naming the key.
 
 Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
 ``shard_check="off"``) altered shard with a :class:`ShardError` naming it, in any epoch: every
@@ -51,8 +49,6 @@ memory when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import logging
 import math
 import multiprocessing
@@ -62,20 +58,27 @@ import signal
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from melcache.batching import round_up
 from melcache.config import require
 from melcache.errors import ShardError, UserError
-from melcache.features import FeatureConfig, check_features, features_from_dict
-from melcache.index import read_index
+from melcache.features import FeatureConfig
 from train.collate import BYTE_VOCAB_SIZE, PAD_ID, Batch, PackedBatch, utf8_tokens
 from train.config import DataConfig
-from train.stream import Cursor, Position, StreamSpec, worker_stream
+from train.schedule import make_schedule, substreams
+from train.sources import (
+    CacheArg,
+    OpenedMix,
+    bucket_lengths,
+    check_layout,
+    largest_batch,
+    open_mix,
+    shards_digest,
+)
+from train.stream import Cursor, StreamSpec, progress, worker_stream
 from train.transport import BatchRing
 
 __all__ = [
@@ -87,13 +90,17 @@ __all__ = [
     "LoaderClosed",
     "ShardError",
     "StreamLoader",
+    "bucket_lengths",
     "make_loader",
     "utf8_tokens",
 ]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+# Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
+# stream of data.sync_buckets = false over one cache, which continues it exactly.
+WHOLE_CACHE_VERSION = 1
 # Batches each worker keeps ready: a batch is ~1 MB-10 MB and costs one shard read at most,
 # 4 hides a shard boundary without holding much memory.
 PREFETCH_FACTOR = 4
@@ -110,16 +117,21 @@ class _WorkerDataset(IterableDataset):
     """
 
     def __init__(
-        self, spec: StreamSpec, positions: list[Position], first: int, rings: list[BatchRing]
+        self,
+        spec: StreamSpec,
+        positions: list[list[tuple[int, ...]]],
+        batches: int,
+        rings: list[BatchRing],
     ) -> None:
-        self.spec, self.positions, self.first, self.rings = spec, positions, first, rings
+        self.spec, self.positions, self.batches, self.rings = spec, positions, batches, rings
 
     def __iter__(self) -> Iterator[tuple[PackedBatch, Cursor]]:
-        info = get_worker_info()
-        worker = ((0 if info is None else info.id) + self.first) % self.spec.workers_per_rank
-        return _StaysFailed(
-            worker_stream(self.spec, worker, self.positions[worker], self.rings[worker])
-        )
+        info, count = get_worker_info(), self.spec.workers_per_rank
+        first = self.batches % count  # whose turn it is: DataLoader asks its worker 0 first
+        worker = ((0 if info is None else info.id) + first) % count
+        step = self.batches // count + (1 if worker < first else 0)  # its batches so far
+        stream = worker_stream(self.spec, worker, step, self.positions[worker], self.rings[worker])
+        return _StaysFailed(stream)
 
 
 class _StaysFailed:
@@ -159,29 +171,50 @@ class StreamLoader:
     """Endless iterable of :class:`Batch` for one rank, with exact save/restore.
 
     Build it with :func:`make_loader`. Attributes: ``spec`` (everything the workers are
-    given, the :class:`DataConfig` included), ``features`` (the cache's
-    :class:`FeatureConfig`), ``index`` (the parsed ``index.json``), ``skipped_shards``
-    (shard name → reason, each logged once, under ``on_error="skip"``).
+    given, the :class:`DataConfig` included), ``features`` (the caches' one
+    :class:`FeatureConfig`), ``index`` (the first cache's parsed ``index.json``; ``indexes``:
+    all), ``weights`` (each cache's share of the frames), ``skipped_shards`` (shard name →
+    reason, each logged once, under ``on_error="skip"``).
     """
 
-    def __init__(
-        self, spec: StreamSpec, index: dict[str, Any], features: FeatureConfig, pin_memory: bool
-    ) -> None:
-        self.spec, self.index, self.features, self.pin_memory = spec, index, features, pin_memory
+    def __init__(self, spec: StreamSpec, mix: OpenedMix, pin_memory: bool) -> None:
+        self.spec, self.pin_memory = spec, pin_memory
+        self.features, self.indexes, self.weights = mix.features, mix.indexes, mix.weights
+        self.index = mix.indexes[0]
         self.skipped_shards: dict[str, str] = {}
-        self._positions = [Position()] * spec.workers_per_rank
+        start = [spec.start(sub) for sub in spec.subs]
+        self._positions = [list(start) for _ in range(spec.workers_per_rank)]
         self._next_worker = 0  # logical worker whose batch the consumer gets next
         self._batches = 0
         self._active: weakref.ref[BatchIterator] | None = None
 
     @property
     def epoch(self) -> int:
-        """Epochs every worker of this rank has finished (workers roll over independently)."""
-        return min(p.epoch for p in self._positions)
+        """Epochs every worker of this rank has finished in every sub-stream (each runs
+        through its epochs by itself)."""
+        return min(int(e) for worker in self.progress() for e in worker)
+
+    def epochs(self) -> dict[str, float]:
+        """Epochs consumed so far of each cache, by its location: the frame-weighted mean over
+        its buckets of where this rank's workers stand in them (the job's other ranks keep
+        pace, the schedule being the same)."""
+        progress = self.progress()
+        out: dict[str, list[float]] = {}
+        for u, sub in enumerate(self.spec.subs):
+            mean = sum(worker[u] for worker in progress) / len(progress)
+            share = out.setdefault(self.spec.sources[sub.source].location, [0.0, 0.0])
+            share[0] += mean * sub.frames
+            share[1] += sub.frames
+        return {where: round(total / frames, 4) for where, (total, frames) in out.items()}
+
+    def progress(self) -> list[list[float]]:
+        """Per worker and sub-stream: epochs of it behind the worker's next batch."""
+        return progress(self.spec, self._positions)
 
     def __iter__(self) -> BatchIterator:
         self.close()  # one live stream at a time: it owns the state
-        stream = _stream(self.spec, list(self._positions), self._next_worker, self.pin_memory)
+        positions = [list(p) for p in self._positions]
+        stream = _stream(self.spec, positions, self._batches, self.pin_memory)
         iterator = BatchIterator(self, stream)
         # Held weakly: the iterator keeps this loader alive, not the other way round, so the
         # workers stop as soon as the last iterator is dropped, whether or not the loader is.
@@ -201,7 +234,7 @@ class StreamLoader:
             raise RuntimeError(
                 f"batch from worker {cursor.worker}, expected worker {self._next_worker}"
             )
-        self._positions[cursor.worker] = cursor.after
+        self._positions[cursor.worker][cursor.stream] = cursor.after
         self._next_worker = (cursor.worker + 1) % self.spec.workers_per_rank
         self._batches += 1
         for name, reason in cursor.skipped:
@@ -211,13 +244,14 @@ class StreamLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has taken so far; plain ints/strs/lists/dicts, so it loads
-        with ``torch.load(weights_only=True)``."""
+        with ``torch.load(weights_only=True)``: per worker and sub-stream a position of one
+        integer (a bucket) or three (a whole cache)."""
         return {
             "version": STATE_VERSION,
             **self._identity(),
             "next_worker": self._next_worker,
             "batches": self._batches,
-            "positions": [[p.epoch, p.shard, p.batch] for p in self._positions],
+            "positions": [[list(p) for p in worker] for worker in self._positions],
             "skipped_shards": dict(self.skipped_shards),
         }
 
@@ -225,35 +259,51 @@ class StreamLoader:
         """Continue exactly after the last batch the saved loader handed out.
 
         Call before iterating (a running iterator stops). Raises :class:`UserError` naming
-        the key when the state belongs to a different job layout, seed, cache or budget.
+        the key when the state belongs to a different job layout, seed, cache, mix or budget.
+        A state of the previous release (version 1) continues a one-cache loader with
+        ``data.sync_buckets = false``.
         """
         self.close()
-        if state.get("version") != STATE_VERSION:
-            raise UserError(
-                f"loader state version {state.get('version')!r}, expected {STATE_VERSION}"
-            )
-        for key, value in self._identity().items():
+        version = state.get("version")
+        identity = self._identity()
+        if version == WHOLE_CACHE_VERSION:
+            if len(self.spec.subs) != 1 or self.spec.subs[0].bucket >= 0:
+                raise UserError(
+                    "loader state was saved by the previous release's loader (version 1), "
+                    "whose stream is one cache with data.sync_buckets = false; resume with "
+                    "that setting (or start the data stream afresh without load_state_dict)"
+                )
+            identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
+            positions = [[list(p)] for p in state["positions"]]
+        elif version == STATE_VERSION:
+            positions = state["positions"]
+        else:
+            raise UserError(f"loader state version {version!r}, expected {STATE_VERSION}")
+        for key, value in identity.items():
             if state.get(key) != value:
                 raise UserError(
                     f"loader state was saved with {key} = {state.get(key)!r} but this loader "
                     f"has {key} = {value!r}; resume with the same value (or start the data "
                     "stream afresh without load_state_dict)"
                 )
-        positions = [Position(*map(int, p)) for p in state["positions"]]
-        next_worker = int(state["next_worker"])
-        if len(positions) != len(self._positions) or not 0 <= next_worker < len(positions):
+        shape = [[len(self.spec.start(sub)) for sub in self.spec.subs]] * len(self._positions)
+        restored = [[tuple(map(int, p)) for p in worker] for worker in positions]
+        next_worker, batches = int(state["next_worker"]), int(state["batches"])
+        if [[len(p) for p in worker] for worker in restored] != shape or (
+            next_worker != batches % len(self._positions)
+        ):
             raise UserError(
-                f"loader state has {len(positions)} worker positions and next_worker = "
-                f"{next_worker}; expected {len(self._positions)} positions"
+                f"loader state has positions of shape {[[len(p) for p in w] for w in restored]} "
+                f"and next_worker = {next_worker} after {batches} batches; expected {shape}"
             )
-        self._positions = positions
-        self._next_worker = next_worker
-        self._batches = int(state["batches"])
+        self._positions = [list(worker) for worker in restored]
+        self._next_worker, self._batches = next_worker, batches
         self.skipped_shards = dict(state.get("skipped_shards", {}))
 
     def _identity(self) -> dict[str, Any]:
-        """What a state is only valid for: job layout, seed, cache content and budget."""
+        """What a state is only valid for: job layout, seed, caches and mix, and budget."""
         spec, data = self.spec, self.spec.data
+        digests = [shards_digest(source.shards) for source in spec.sources]
         return {
             "rank": spec.rank,
             "world_size": spec.world_size,
@@ -262,7 +312,9 @@ class StreamLoader:
             "batch_frames": data.batch_frames,
             "max_batch_size": data.max_batch_size,
             "pad_multiple": data.pad_multiple,
-            "cache_digest": _shards_digest(spec.shards),
+            "cache_digest": digests[0] if len(digests) == 1 else digests,
+            "sync_buckets": data.sync_buckets,
+            "mix": [round(w, 9) for w in self.weights],
         }
 
 
@@ -306,15 +358,15 @@ class BatchIterator:
 
 
 def _stream(
-    spec: StreamSpec, positions: list[Position], next_worker: int, pin_memory: bool
+    spec: StreamSpec, positions: list[list[tuple[int, ...]]], batches: int, pin_memory: bool
 ) -> Iterator[tuple[Batch, Cursor]]:
     """One rank's batches from DataLoader workers, each with the worker position after it."""
     data = spec.data
     rings = [
-        BatchRing(RING_SLOTS, largest_batch(spec) * spec.n_mels)
+        BatchRing(RING_SLOTS, largest_batch(spec.sources, data) * spec.n_mels)
         for _ in range(spec.workers_per_rank)
     ]
-    dataset = _WorkerDataset(spec, positions, next_worker, rings)
+    dataset = _WorkerDataset(spec, positions, batches, rings)
     loader = DataLoader(
         dataset,
         batch_size=None,  # the dataset yields whole batches
@@ -344,13 +396,8 @@ def _stream(
             shutdown()
 
 
-def _shards_digest(shards: tuple[dict[str, Any], ...]) -> str:
-    blob = json.dumps([[s["name"], s["samples"], s.get("sha256")] for s in shards]).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
 def make_loader(
-    cache: str | Path,
+    cache: CacheArg,
     data: DataConfig,
     *,
     rank: int = 0,
@@ -360,36 +407,39 @@ def make_loader(
     tokenizer: Callable[[str], list[int]] | None = None,
     pin_memory: bool | None = None,
 ) -> StreamLoader:
-    """Open the cache at ``cache`` (folder or URL prefix) as rank ``rank``'s endless stream.
+    """Open ``cache`` as rank ``rank``'s endless stream: one location (folder or URL prefix),
+    a list of them (a mix weighted by ``data.mix``, else by hours) or a mapping of locations
+    to weights (``{"en/": 0.7, "zh/": 0.3}``: shares of the frames), ``^ data.mix_temperature``.
 
     ``data`` is the trainer's ``[data]`` table (:class:`DataConfig`), passed on whole to the
     workers: ``batch_frames`` bounds ``B × T`` with ``T`` the padded length (a multiple of
-    ``pad_multiple``), ``max_batch_size`` bounds ``B``. ``tokenizer`` maps text to ids with
-    0 kept free for padding (default: UTF-8 bytes + 1, vocabulary 257). ``pin_memory``
-    defaults to whether CUDA is available. Raises :class:`UserError` for a bad argument,
-    an unfinished cache, a feature mismatch, a budget below the longest utterance, or fewer
-    shards than ``world_size × max(1, num_workers)``.
+    ``pad_multiple``), ``max_batch_size`` bounds ``B``, ``sync_buckets`` keeps the ranks of a
+    step in one bucket. ``tokenizer`` maps text to ids with 0 kept free for padding
+    (default: UTF-8 bytes + 1, vocabulary 257). ``pin_memory`` defaults to whether CUDA is
+    available. Raises :class:`UserError` for a bad argument, an unfinished cache, a feature
+    mismatch (with the model or between caches), a budget below the longest utterance, or,
+    with ``sync_buckets = false``, fewer shards than ``world_size × max(1, num_workers)``.
     """
     require(world_size >= 1, "loader world_size", world_size, "at least 1")
     require(0 <= rank < world_size, "loader rank", rank, f"in 0..{world_size - 1}")
     require(seed >= 0, "loader seed", seed, "a non-negative integer")
-    index = read_index(cache)
-    features = features_from_dict(index["features"], source=f"{cache} index")
-    check_features(features, expect_features, str(cache))
+    mix = open_mix(cache, data, expect_features)
+    check_layout(mix.sources, data, world_size * max(1, data.num_workers))
+    subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
     spec = StreamSpec(
-        cache=str(cache),
-        shards=tuple(index["shards"]),
+        sources=mix.sources,
+        subs=subs,
+        schedule=make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),
         data=data,
         rank=rank,
         world_size=world_size,
         seed=seed,
-        n_mels=features.n_mels,
-        pad_value=math.log(features.log_floor),
+        n_mels=mix.features.n_mels,
+        pad_value=math.log(mix.features.log_floor),
         tokenizer=tokenizer or utf8_tokens,
     )
-    _check_layout(spec)
     _check_shared_memory(spec)
-    return StreamLoader(spec, index, features, _resolve_pin_memory(pin_memory))
+    return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
 
 
 def _resolve_pin_memory(requested: bool | None) -> bool:
@@ -400,56 +450,16 @@ def _resolve_pin_memory(requested: bool | None) -> bool:
     return torch.cuda.is_available() if requested is None else requested
 
 
-def _check_layout(spec: StreamSpec) -> None:
-    cache, data = spec.cache, spec.data
-    if len(spec.shards) < spec.num_slots:
-        raise UserError(
-            f"cache {cache} has {len(spec.shards)} shards, fewer than world_size × workers = "
-            f"{spec.world_size} × {spec.workers_per_rank} = {spec.num_slots}, so a worker "
-            "would get none; use fewer workers or rebuild with [build] min_shards >= "
-            f"{spec.num_slots} (ideally several times more)"
-        )
-    longest = bucket_lengths(spec.shards)
-    if isinstance(data.batch_frames, dict):
-        named, present = {int(b) for b in data.batch_frames}, set(longest)
-        if named != present:
-            raise UserError(
-                f"data.batch_frames names buckets {sorted(named)} but cache {cache} has buckets "
-                f"{sorted(present)}: give one budget per bucket of this cache (python -m train "
-                "tune writes such a table), or one number for all"
-            )
-    for bucket, frames in longest.items():
-        budget, padded = data.budget(bucket), round_up(frames, data.pad_multiple)
-        if padded > budget:
-            key = "batch_frames" if isinstance(data.batch_frames, int) else f"batch_frames.{bucket}"
-            raise UserError(
-                f"loader {key} = {budget} is below the longest utterance of bucket {bucket} of "
-                f"cache {cache} ({frames} frames, {padded} padded); raise {key}"
-            )
-
-
-def bucket_lengths(shards: tuple[dict[str, Any], ...]) -> dict[int, int]:
-    """The longest utterance (frames) of each length bucket, from the index's shard entries."""
-    longest: dict[int, int] = {}
-    for shard in shards:
-        longest[shard["bucket"]] = max(longest.get(shard["bucket"], 0), shard["max_frames"])
-    return dict(sorted(longest.items()))
-
-
-def largest_batch(spec: StreamSpec) -> int:
-    """Padded frames of the largest batch the loader can make: per bucket its budget, or
-    ``max_batch_size`` of its longest utterances when fewer frames than that."""
-    data = spec.data
-    return max(
-        min(data.budget(bucket), data.max_batch_size * round_up(frames, data.pad_multiple))
-        for bucket, frames in bucket_lengths(spec.shards).items()
-    )
-
-
 def ring_bytes(spec: StreamSpec) -> int:
     """Shared memory one rank's batch rings take: a ring of float16 slots per worker, each
     the size of the largest batch."""
-    return spec.workers_per_rank * RING_SLOTS * largest_batch(spec) * spec.n_mels * 2
+    return (
+        spec.workers_per_rank
+        * RING_SLOTS
+        * largest_batch(spec.sources, spec.data)
+        * spec.n_mels
+        * 2
+    )
 
 
 def _check_shared_memory(spec: StreamSpec, folder: str = "/dev/shm") -> None:

@@ -1,33 +1,53 @@
 """One loader worker's endless batch stream, as plain generator stages.
 
-``worker_stream`` composes: schedule shards (epoch after epoch) → read each shard →
-plan its batches → decode and pad. Each stage takes the upstream iterator first. A batch
-travels with a :class:`Cursor`, the worker's :class:`Position` *after* that batch, which is
-all the loader needs to resume: positions are (epoch, shard index in the worker's list for
-that epoch, batches already taken from that shard), and batching is a pure function of
-``(seed, epoch, shard)``, so a restored worker skips whole shards unread and re-plans at most
-one shard, whose consumed batches it skips without decoding their mels.
+``worker_stream`` asks the schedule (``train/schedule.py``) which sub-stream each of its
+batches comes from, and pulls that batch from the sub-stream's reader: a lazy generator that
+reads each shard it needs (the last one kept), cuts it into batches and hands them out. A
+batch travels with a :class:`Cursor`: the sub-stream it came from and the worker's position
+in that sub-stream *after* it, which is all the loader needs to resume.
+
+Two readers. A bucket sub-stream (``data.sync_buckets``, the default) is one endless sequence
+of batches whose counts come from the index; its position is one integer, the batches this
+worker's slot has taken, and any batch is located without reading (``schedule.locate``). A
+whole-cache sub-stream (``sync_buckets = false``) is the stream of earlier releases: each
+epoch the cache's shards are dealt to the slots and cut greedily; its position is (epoch,
+shard in the slot's list, batches taken from it), the batching a pure function of
+``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard per
+sub-stream and skips its consumed batches without decoding their mels.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
-from melcache.batching import BATCH_PLAN, make_rng, plan_batches, worker_shards
+from melcache.batching import (
+    BATCH_PLAN,
+    EVEN_PLAN,
+    make_rng,
+    plan_batches,
+    plan_even_batches,
+    worker_shards,
+)
 from melcache.errors import ShardError
 from melcache.location import member_location
 from melcache.reader import RawSample, ShardCheck, read_shard
 from train.collate import PackedBatch, Tokenizer, collate
 from train.config import DataConfig
+from train.schedule import Schedule, SubStream, global_batch, locate
 from train.transport import BatchRing
+
+# A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
+# the reader's position after it, its samples, and the shard's source and index entry.
+Planned = tuple[Hashable, tuple[int, ...], list[RawSample], int, dict[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-    """Where a worker continues: ``batch`` batches into shard ``shard`` of its ``epoch`` list."""
+    """Where a whole-cache reader continues: ``batch`` batches into shard ``shard`` of its
+    ``epoch`` list."""
 
     epoch: int = 0
     shard: int = 0
@@ -36,20 +56,31 @@ class Position:
 
 @dataclasses.dataclass(frozen=True)
 class Cursor:
-    """Travels with each batch: who made it, where that worker stands after it, and the
-    shards it skipped since its previous batch (``(name, reason)`` pairs)."""
+    """Travels with each batch: who made it, from which sub-stream, where that worker stands
+    in it after the batch, and the shards it skipped since its previous batch (``(name,
+    reason)`` pairs)."""
 
     worker: int
-    after: Position
+    stream: int
+    after: tuple[int, ...]
     skipped: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One cache of the mix: its location (folder or URL prefix) and its index's shards."""
+
+    location: str
+    shards: tuple[dict[str, Any], ...]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamSpec:
     """Everything a worker process needs to produce its stream (picklable)."""
 
-    cache: str
-    shards: tuple[dict[str, Any], ...]  # the index's shard entries
+    sources: tuple[Source, ...]
+    subs: tuple[SubStream, ...]
+    schedule: Schedule
     data: DataConfig  # the [data] table, whole
     rank: int
     world_size: int
@@ -65,8 +96,12 @@ class StreamSpec:
 
     @property
     def num_slots(self) -> int:
-        """Workers in the whole job: each reads a disjoint share of every epoch's shards."""
+        """Workers in the whole job: each reads a disjoint share of every sub-stream."""
         return self.world_size * self.workers_per_rank
+
+    def start(self, sub: SubStream) -> tuple[int, ...]:
+        """A reader's position before its first batch."""
+        return (0,) if sub.bucket >= 0 else (0, 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +111,7 @@ class ShardVisit:
     epoch: int
     pos: int  # index in this worker's shard list for the epoch
     count: int  # length of that list
-    shard_id: int  # index into StreamSpec.shards
+    shard_id: int  # index into the source's shards
     skip_batches: int  # batches consumed before a restore (first visit only)
 
     def after(self, batch: int, num_batches: int) -> Position:
@@ -89,25 +124,25 @@ class ShardVisit:
         return Position(self.epoch + 1, 0, 0)
 
 
-class _SkipLog:
+class SkipLog:
     """The ``on_error`` policy of one worker: re-raise, or note the shard and go on.
 
-    Skipping must not hang: when every shard of the cache has failed (or three times as
-    many shards as the cache holds) with no batch in between, it raises after all.
+    Skipping must not hang: when every shard of the mix has failed (or three times as many
+    shards as the mix holds) with no batch in between, it raises after all.
     """
 
     def __init__(self, on_error: str, num_shards: int) -> None:
         self.on_error = on_error
         self.num_shards = num_shards
         self.pending: list[tuple[str, str]] = []
-        self.failed: set[int] = set()  # distinct shard ids failed since the last batch
+        self.failed: set[tuple[int, str]] = set()  # distinct (source, shard) failed lately
         self.streak = 0  # shards failed since the last batch
 
-    def record(self, visit: ShardVisit, name: str, exc: ShardError) -> None:
+    def record(self, shard: tuple[int, str], name: str, exc: ShardError) -> None:
         if self.on_error == "raise":
             raise exc
         self.pending.append((name, str(exc)))
-        self.failed.add(visit.shard_id)
+        self.failed.add(shard)
         self.streak += 1
         if len(self.failed) == self.num_shards or self.streak >= 3 * self.num_shards:
             raise ShardError(
@@ -122,68 +157,148 @@ class _SkipLog:
         return pending
 
 
-def schedule(spec: StreamSpec, slot: int, start: Position) -> Iterator[ShardVisit]:
-    """This worker's shards, epoch after epoch, forever, from ``start`` on."""
+def _read(
+    spec: StreamSpec, source: int, shard_id: int, check: ShardCheck, skips: SkipLog
+) -> list[RawSample] | None:
+    """One shard's samples, or ``None`` when it is bad and the policy is to skip it."""
+    where, entry = spec.sources[source], spec.sources[source].shards[shard_id]
+    try:
+        return read_shard(member_location(where.location, entry["name"]), entry, check)
+    except ShardError as exc:
+        skips.record((source, entry["name"]), entry["name"], exc)
+        return None
+
+
+def whole_cache_batches(
+    spec: StreamSpec, sub: SubStream, slot: int, start: Position, check: ShardCheck, skips: SkipLog
+) -> Iterator[Planned]:
+    """A whole cache as earlier releases streamed it: this slot's shards of every epoch
+    (dealt by ``worker_shards``), each cut greedily (a pure function of seed, epoch and
+    shard), the batches a restore already consumed dropped before any mel is decoded."""
+    shards, source = spec.sources[sub.source].shards, sub.source
     epoch, first, skip = start.epoch, start.shard, start.batch
     while True:
         ids = worker_shards(
-            len(spec.shards), seed=spec.seed, epoch=epoch, slot=slot, num_slots=spec.num_slots
-        )
+            len(shards), seed=spec.seed, epoch=epoch, slot=slot, num_slots=spec.num_slots,
+            stream=source,
+        )  # fmt: skip
         for pos in range(first, len(ids)):
-            yield ShardVisit(epoch, pos, len(ids), ids[pos], skip)
-            skip = 0
+            visit = ShardVisit(epoch, pos, len(ids), ids[pos], skip)
+            skip, samples = 0, _read(spec, source, visit.shard_id, check, skips)
+            if samples is None:
+                continue
+            entry = shards[visit.shard_id]
+            batches = plan_batches(
+                [s.frames for s in samples],
+                rng=make_rng(
+                    spec.seed, BATCH_PLAN, epoch, visit.shard_id, *((source,) if source else ())
+                ),
+                batch_frames=spec.data.budget(entry["bucket"]),
+                max_batch_size=spec.data.max_batch_size,
+                pad_multiple=spec.data.pad_multiple,
+            )
+            for number in range(visit.skip_batches, len(batches)):
+                after = visit.after(number + 1, len(batches))
+                picked = [samples[i] for i in batches[number]]
+                yield visit, (after.epoch, after.shard, after.batch), picked, source, entry
         epoch, first = epoch + 1, 0
 
 
-def load_shards(
-    visits: Iterator[ShardVisit], spec: StreamSpec, skips: _SkipLog
-) -> Iterator[tuple[ShardVisit, list[RawSample]]]:
-    """Read each scheduled shard whole; a bad one goes to the ``on_error`` policy."""
-    check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
-    for visit in visits:
-        entry = spec.shards[visit.shard_id]
-        try:
-            samples = read_shard(member_location(spec.cache, entry["name"]), entry, check)
-        except ShardError as exc:
-            skips.record(visit, entry["name"], exc)
-            continue
-        yield visit, samples
+def bucket_batches(
+    spec: StreamSpec, sub: SubStream, slot: int, taken: int, check: ShardCheck, skips: SkipLog
+) -> Iterator[Planned]:
+    """This slot's batches of one bucket sub-stream, from its ``taken``-th on: each located
+    in O(1) from the index, its shard read once for a run of its batches (slots that share a
+    shard each read it and decode only their own batches)."""
+    visit: tuple[int, int] | None = None
+    samples: list[RawSample] | None = None
+    plan: list[list[int]] = []
+    while True:
+        number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
+        epoch, place, batch = locate(sub, seed=spec.seed, number=number)
+        taken += 1
+        shard_id = sub.shards[place]
+        if visit != (epoch, shard_id):
+            visit = (epoch, shard_id)
+            samples = _read(spec, sub.source, shard_id, check, skips)
+            if samples is not None:
+                rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, shard_id)
+                plan = plan_even_batches(
+                    [s.frames for s in samples], rng=rng, count=sub.batches[place]
+                )
+        if samples is not None:
+            entry = spec.sources[sub.source].shards[shard_id]
+            yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entry
 
 
-def plan_shards(
-    loaded: Iterator[tuple[ShardVisit, list[RawSample]]], spec: StreamSpec
-) -> Iterator[tuple[ShardVisit, Position, list[RawSample]]]:
-    """Cut each shard into batches (a pure function of seed, epoch and shard) and drop the
-    ones a restored state already consumed, before any mel is decoded."""
-    for visit, samples in loaded:
-        batches = plan_batches(
-            [s.frames for s in samples],
-            rng=make_rng(spec.seed, BATCH_PLAN, visit.epoch, visit.shard_id),
-            batch_frames=spec.data.budget(spec.shards[visit.shard_id]["bucket"]),
-            max_batch_size=spec.data.max_batch_size,
-            pad_multiple=spec.data.pad_multiple,
-        )
-        for number in range(visit.skip_batches, len(batches)):
-            picked = [samples[i] for i in batches[number]]
-            yield visit, visit.after(number + 1, len(batches)), picked
+def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:
+    """Per worker of this rank and sub-stream: epochs of it behind the worker's next batch."""
+    out = []
+    for worker, row in enumerate(positions):
+        slot = spec.rank * spec.workers_per_rank + worker
+        out.append([
+            p[0] + p[1] * spec.num_slots / len(sub.shards)  # (epoch, shard, batch)
+            if sub.bucket < 0
+            else global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=p[0]) / sub.per_epoch
+            for sub, p in zip(spec.subs, row, strict=True)
+        ])  # fmt: skip
+    return out
 
 
-def collate_batches(
-    planned: Iterator[tuple[ShardVisit, Position, list[RawSample]]],
+def open_readers(
     spec: StreamSpec,
-    skips: _SkipLog,
-    worker: int,
-    ring: BatchRing,
+    slot: int,
+    positions: list[tuple[int, ...]],
+    check: ShardCheck,
+    skips: SkipLog,
+) -> list[Iterator[Planned]]:
+    """Slot ``slot``'s reader of each sub-stream, from ``positions``: planned batches, no mel
+    decoded (also what benchmarks and tests plan whole jobs with)."""
+    return [
+        bucket_batches(spec, sub, slot, position[0], check, skips)
+        if sub.bucket >= 0
+        else whole_cache_batches(spec, sub, slot, Position(*position), check, skips)
+        for sub, position in zip(spec.subs, positions, strict=True)
+    ]
+
+
+def worker_stream(
+    spec: StreamSpec, worker: int, step: int, positions: list[tuple[int, ...]], ring: BatchRing
 ) -> Iterator[tuple[PackedBatch, Cursor]]:
-    """Decode and pad each planned batch into the next ring slot; a shard with a bad mel
-    loses its remaining batches."""
-    failed: ShardVisit | None = None
+    """The endless stream of logical worker ``worker`` of this rank, resumed at its batch
+    ``step`` with ``positions`` in its sub-streams: each batch from the sub-stream the
+    schedule picks; a shard with a bad mel loses its remaining batches in that sub-stream."""
+    skips = SkipLog(spec.data.on_error, sum(len(s.shards) for s in spec.sources))
+    check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
+    slot = spec.rank * spec.workers_per_rank + worker
+    readers = open_readers(spec, slot, positions, check, skips)
+    failed: list[Hashable] = [None] * len(readers)
     seq = 0
-    for visit, after, samples in planned:
-        if visit == failed:
+    while True:
+        rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
+        stream = spec.schedule.pick(rank_step, spec.rank, spec.world_size)
+        packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
+        ring.publish(seq)
+        seq += 1
+        step += 1
+        yield packed, Cursor(worker, stream, after, skips.take())
+
+
+def _collate_next(
+    spec: StreamSpec,
+    reader: Iterator[Planned],
+    failed: list[Hashable],
+    stream: int,
+    skips: SkipLog,
+    ring: BatchRing,
+    seq: int,
+) -> tuple[PackedBatch, tuple[int, ...]]:
+    """Decode and pad the reader's next batch into ring slot ``seq``; a batch with a bad mel
+    goes to the ``on_error`` policy and its shard visit loses its remaining batches."""
+    for visit, after, samples, source, entry in reader:
+        if visit == failed[stream]:
             continue
-        entry = spec.shards[visit.shard_id]
-        name = entry["name"]
+        location = spec.sources[source].location
         try:
             packed = collate(
                 samples,
@@ -193,24 +308,13 @@ def collate_batches(
                 pad_multiple=spec.data.pad_multiple,
                 pad_value=spec.pad_value,
                 tokenizer=spec.tokenizer,
-                where=member_location(spec.cache, name),
+                where=member_location(location, entry["name"]),
                 bucket=entry["bucket"],
+                source=location,
             )
         except ShardError as exc:
-            failed = visit
-            skips.record(visit, name, exc)
+            failed[stream] = visit
+            skips.record((source, entry["name"]), entry["name"], exc)
             continue
-        ring.publish(seq)
-        seq += 1
-        yield packed, Cursor(worker, after, skips.take())
-
-
-def worker_stream(
-    spec: StreamSpec, worker: int, start: Position, ring: BatchRing
-) -> Iterator[tuple[PackedBatch, Cursor]]:
-    """The endless stream of logical worker ``worker`` of this rank, resumed at ``start``."""
-    skips = _SkipLog(spec.data.on_error, len(spec.shards))
-    visits = schedule(spec, spec.rank * spec.workers_per_rank + worker, start)
-    loaded = load_shards(visits, spec, skips)
-    planned = plan_shards(loaded, spec)
-    return collate_batches(planned, spec, skips, worker, ring)
+        return packed, after
+    raise AssertionError("a sub-stream reader is endless")

@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from melcache.errors import UserError
@@ -68,7 +69,7 @@ _RESUMABLE_CHANGES = {
 class Trainer:
     """Model, loader, optimizer, checkpoints and metrics of one run in ``out``."""
 
-    def __init__(self, cfg: Config, shards: str, out: Path, env: Env) -> None:
+    def __init__(self, cfg: Config, shards: str | list[str], out: Path, env: Env) -> None:
         self.cfg, self.env, self.out = cfg, env, Path(out)
         t, device = cfg.train, env.device
         self.precision = resolve_precision(t.precision, device)
@@ -77,8 +78,9 @@ class Trainer:
         if t.deterministic:
             use_deterministic_algorithms()
         seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
+        shards = [shards] if isinstance(shards, str) else list(shards)
         self.loader = make_loader(
-            shards,
+            shards[0] if len(shards) == 1 else shards,
             cfg.data,
             rank=env.rank,
             world_size=env.world_size,
@@ -282,15 +284,19 @@ class Trainer:
     def _summary(self) -> dict[str, float]:
         values = self.meter.summary()  # all ranks: one all-reduce, one host read
         values["lr"] = self._lr
+        for where, epochs in self.loader.epochs().items():  # per cache of the mix
+            values[f"epochs {where}"] = epochs
         # A window whose every step was skipped (out of memory) has no loss.
         if not math.isfinite(values.get("loss", 0.0)) and self.precision != "fp16":
             raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
         return values
 
-    def _mel_stats(self, shards: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel mean and std of the cache (float32 ``[n_mels]``) on the device."""
+    def _mel_stats(self, shards: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel mean and std of the cache (float32 ``[n_mels]``) on the device; of a
+        mix, those of its caches pooled at their frame shares (what the model is fed)."""
         try:
-            stats = read_stats(shards, self.loader.features.n_mels)
+            parts = [read_stats(where, self.loader.features.n_mels) for where in shards]
+            stats = parts[0] if len(parts) == 1 else _pooled(parts, self.loader.weights)
         except UserError as exc:
             raise UserError(
                 f"{exc}; data.mel_stats = true needs them: set data.mel_stats=false to train "
@@ -304,7 +310,7 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.env.device.type, dtype=dtype)
 
-    def _resume_or_start(self, shards: str) -> int:
+    def _resume_or_start(self, shards: list[str]) -> int:
         """Restore the latest complete checkpoint in ``out``, or prepare a fresh start."""
         t = self.cfg.train
         restored = self.ckpt.restore()
@@ -400,7 +406,16 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def run(cfg: Config, shards: str, out: Path) -> str:
+def _pooled(
+    parts: list[tuple[np.ndarray, np.ndarray]], weights: tuple[float, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and std of a mixture of caches with these (mean, std) at these frame shares."""
+    mean = sum(w * m for w, (m, _) in zip(weights, parts, strict=True))
+    square = sum(w * (s**2 + m**2) for w, (m, s) in zip(weights, parts, strict=True))
+    return mean.astype(np.float32), np.sqrt(np.maximum(square - mean**2, 0.0)).astype(np.float32)
+
+
+def run(cfg: Config, shards: str | list[str], out: Path) -> str:
     """Join the job, train, checkpoint, leave: the whole ``python -m train`` command."""
     env = setup()
     try:

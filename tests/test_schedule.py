@@ -1,0 +1,245 @@
+"""The schedule (#25): ranks in one bucket per step, any job size, even cuts, weighted mixes.
+
+Whole jobs (64 or 512 ranks) are planned with the loader's own readers over the real caches
+(shards read, batches planned, no mel decoded); the rest runs real loaders.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import REPO, metrics, run_ok, train_cmd
+
+from melcache.batching import (
+    even_batch_count,
+    make_rng,
+    plan_batches,
+    plan_even_batches,
+    round_up,
+)
+from melcache.errors import UserError
+from melcache.format import INDEX_NAME
+from melcache.reader import ShardCheck
+from train.data import DataConfig, StreamLoader, make_loader
+from train.schedule import global_batch, locate
+from train.stream import SkipLog, open_readers
+
+DATA = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0}
+
+
+def make(cache, rank: int = 0, world_size: int = 1, seed: int = 1, **data) -> StreamLoader:
+    return make_loader(
+        cache, DataConfig(**{**DATA, **data}), rank=rank, world_size=world_size, seed=seed
+    )
+
+
+def take(loader: StreamLoader, count: int) -> list:
+    return [b for _, b in zip(range(count), loader, strict=False)]
+
+
+def plan(loader: StreamLoader, worker: int, steps: int) -> list[tuple[str, int, list]]:
+    """(source, bucket, samples) of a worker's first ``steps`` batches, from its readers."""
+    spec = loader.spec
+    slot = spec.rank * spec.workers_per_rank + worker
+    starts = [spec.start(sub) for sub in spec.subs]
+    readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1))
+    out = []
+    for step in range(steps):
+        pick = spec.schedule.pick(step * spec.workers_per_rank + worker, spec.rank, spec.world_size)
+        _, _, samples, source, entry = next(readers[pick])
+        out.append((spec.sources[source].location, entry["bucket"], samples))
+    return out
+
+
+def test_every_rank_of_a_step_is_in_one_bucket_unless_switched_off(sample_cache: Path) -> None:
+    for sync in (True, False):
+        streams = [iter(make(sample_cache, r, 4, sync_buckets=sync)) for r in range(4)]
+        steps = [[next(s).bucket for s in streams] for _ in range(40)]
+        for s in streams:
+            s.close()
+        together = sum(len(set(step)) == 1 for step in steps)
+        assert together == 40 if sync else together < 20, steps
+        assert len({step[0] for step in steps}) == 4  # every bucket comes up
+
+
+@pytest.mark.parametrize("ranks, workers", [(64, 2), (512, 4)])
+def test_any_job_size_reads_every_utterance_once_per_epoch(
+    sample_cache: Path, ranks: int, workers: int
+) -> None:
+    """8 shards over 4 buckets, 128 or 2,048 slots: slots share shards, none runs dry."""
+    loaders = [make(sample_cache, r, ranks, num_workers=workers) for r in (0, ranks - 1)]
+    spec = loaders[0].spec
+    for sub in spec.subs:
+        for epoch in (0, 1):
+            keys = Counter()
+            for slot in range(spec.num_slots):
+                for taken in range(10**6):
+                    number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
+                    if number >= (epoch + 1) * sub.per_epoch:
+                        break
+                    e, place, batch = locate(sub, seed=spec.seed, number=number)
+                    if e == epoch:
+                        keys[(sub.shards[place], batch)] += 1
+            assert set(keys.values()) == {1}  # each batch of the epoch by exactly one slot
+            assert len(keys) == sub.per_epoch
+    # The readers of real slots (first and last rank) give batches of their bucket's lengths.
+    bounds = {
+        b["bucket"]: b for b in json.loads((sample_cache / INDEX_NAME).read_text())["buckets"]
+    }
+    for loader in loaders:
+        for worker in range(workers):
+            for _, bucket, samples in plan(loader, worker, 6):
+                low, high = bounds[bucket]["min_frames"], bounds[bucket]["max_frames"]
+                assert samples and all(low <= s.frames <= high for s in samples)
+
+
+def test_even_cut_keeps_the_budget_with_no_small_remainder() -> None:
+    frames = np.random.default_rng(0).integers(500, 513, size=36).tolist()  # one shard
+    count = even_batch_count(36, max(frames), batch_frames=4000, max_batch_size=64, pad_multiple=8)
+    batches = plan_even_batches(frames, rng=make_rng(0, 4), count=count)
+    greedy = plan_batches(frames, rng=make_rng(0, 2), batch_frames=4000, max_batch_size=64,
+                          pad_multiple=8)  # fmt: skip
+    assert sorted(len(b) for b in greedy) == [1, 7, 7, 7, 7, 7]  # the remainder batch
+    assert count == 6 and sorted(i for b in batches for i in b) == list(range(36))
+    assert sorted(len(b) for b in batches) == [6] * 6
+    for b in batches:
+        assert len(b) * round_up(max(frames[i] for i in b), 8) <= 4000
+
+
+def frame_share(batches: list[tuple[str, int, list]], source: str) -> float:
+    frames = Counter()
+    for where, _, samples in batches:
+        frames[where] += sum(s.frames for s in samples)
+    return frames[source] / sum(frames.values())
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_mix_gives_each_cache_its_frame_share_at_every_scale(
+    sample_cache: Path, train_cache: Path, sync: bool
+) -> None:
+    a, b = str(sample_cache), str(train_cache)
+    mix = make({a: 0.7, b: 0.3}, 1, 4, sync_buckets=sync, max_batch_size=64)
+    batches = plan(mix, 0, 2000)
+    assert abs(frame_share(batches, a) - 0.7) < 0.02
+    windows = [frame_share(batches[i : i + 200], a) for i in range(0, 2000, 200)]
+    # Batch counts follow the weights within a few over any window; frames per batch vary
+    # (these caches' shards are a batch or two each), which moves a 200-batch window's frame
+    # share by up to ~2.7 % here: a frame-deficit choice would be tighter (not done yet).
+    assert max(abs(w - 0.7) for w in windows) < 0.03, windows
+    assert {where for where, _, _ in batches[:20]} == {a, b}
+
+
+def test_mix_weights_default_to_hours_and_temperature_evens_them(
+    sample_cache: Path, train_cache: Path
+) -> None:
+    a, b = str(sample_cache), str(train_cache)
+    hours = [sum(s["frames"] for s in json.loads((c / INDEX_NAME).read_text())["shards"])
+             for c in (sample_cache, train_cache)]  # fmt: skip
+    assert make([a, b]).weights == pytest.approx([h / sum(hours) for h in hours])
+    assert make([a, b], mix_temperature=0.0).weights == pytest.approx([0.5, 0.5])
+    assert make([a, b], mix={a: 3, b: 1}).weights == pytest.approx([0.75, 0.25])
+    with pytest.raises(UserError, match=r"data\.mix names"):
+        make([a, b], mix={a: 3})
+
+
+def test_a_mix_resumes_exactly_at_any_point(
+    sample_cache: Path, train_cache: Path, tmp_path: Path
+) -> None:
+    caches = {str(sample_cache): 0.6, str(train_cache): 0.4}
+    reference = make(caches, 1, 2, num_workers=2, seed=3)
+    stream = iter(reference)
+    states, batches = [], []
+    for _ in range(70):
+        states.append(reference.state_dict())
+        batches.append(next(stream))
+    reference.close()
+    assert {b.source for b in batches} == set(caches)
+    for cut in random.Random(0).sample(range(65), 20):
+        resumed = make(caches, 1, 2, num_workers=2, seed=3)
+        torch.save(states[cut], tmp_path / "state.pt")
+        resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+        got = take(resumed, 5)
+        for x, y in zip(got, batches[cut : cut + 5], strict=True):
+            assert x.keys == y.keys and x.source == y.source and torch.equal(x.mel, y.mel)
+    changed = make({str(sample_cache): 0.5, str(train_cache): 0.5}, 1, 2, num_workers=2, seed=3)
+    with pytest.raises(UserError, match="mix"):
+        changed.load_state_dict(states[10])
+    with pytest.raises(UserError, match="world_size"):
+        make(caches, 1, 3, num_workers=2, seed=3).load_state_dict(states[10])
+    with pytest.raises(UserError, match="sync_buckets"):
+        make(caches, 1, 2, num_workers=2, seed=3, sync_buckets=False).load_state_dict(states[10])
+
+
+def test_caches_of_a_mix_need_one_feature_config(sample_cache: Path, tmp_path: Path) -> None:
+    other = Path(shutil.copytree(sample_cache, tmp_path / "other"))
+    index = json.loads((other / INDEX_NAME).read_text())
+    index["features"]["f_max"] = 8000.0
+    (other / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(UserError, match=rf"{other} was built with features\.f_max = 8000\.0"):
+        make([str(sample_cache), str(other)])
+
+
+PREVIOUS = """
+import json, sys, torch
+from train.data import DataConfig, make_loader
+loader = make_loader(sys.argv[1], DataConfig(batch_frames=1500, max_batch_size=2, num_workers=2),
+                     seed=7)
+stream = iter(loader)
+for _ in range(int(sys.argv[3])):
+    next(stream)
+torch.save(loader.state_dict(), sys.argv[2])
+print(json.dumps([next(stream).keys for _ in range(12)]))
+loader.close()
+"""
+
+
+@pytest.mark.slow  # the previous release's loader, run from its commit in a subprocess
+def test_a_state_of_the_previous_release_resumes_with_sync_off(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    old = tmp_path / "previous"
+    old.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "fe02391", "melcache", "train"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    for cut in (5, 23):
+        state = tmp_path / f"state{cut}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", PREVIOUS, str(sample_cache), str(state), str(cut)],
+            cwd=old, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        data = {"batch_frames": 1500, "max_batch_size": 2, "num_workers": 2}
+        resumed = make(sample_cache, seed=7, sync_buckets=False, **data)
+        saved = torch.load(state, weights_only=True)
+        assert saved["version"] == 1
+        resumed.load_state_dict(saved)
+        assert [b.keys for b in take(resumed, 12)] == json.loads(done.stdout)
+        with pytest.raises(UserError, match="sync_buckets = false"):
+            make(sample_cache, seed=7, **data).load_state_dict(saved)
+
+
+@pytest.mark.slow  # torchrun, 2 processes
+def test_the_trainer_trains_on_a_weighted_mix(
+    train_cache: Path, sample_cache: Path, tmp_path: Path
+) -> None:
+    """--shards twice, [data.mix] keyed by location; metrics.jsonl logs each cache's epochs."""
+    out = tmp_path / "run"
+    mix = f'data.mix={{"{train_cache}" = 0.7, "{sample_cache}" = 0.3}}'
+    entry = ("-m", "train", "--shards", str(sample_cache))  # options before the overrides
+    run_ok(train_cmd(train_cache, out, mix, "data.batch_frames=3000", entry=entry))
+    logged = [m for m in metrics(out) if "loss" in m]
+    assert logged and all(m[f"epochs {train_cache}"] >= 0 for m in logged)
+    assert logged[-1][f"epochs {sample_cache}"] > 0 and logged[-1][f"epochs {train_cache}"] > 0
