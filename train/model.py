@@ -1,20 +1,23 @@
 """The reference text→mel model, and the contract any model plugged into the trainer honours.
 
-Model contract (``[model] impl = "package.module:Class"``):
+Model contract (``[model] impl = "package.module:Class"``); what a model may declare instead
+(the whole batch, a mean loss and its weight, float32 mels, no padding past the longest, the
+features it needs) is in ``train/contract.py``:
 
-- **Construction**: ``Class(n_mels=<int>, **args)`` with ``args`` from ``[model.args]``.
+- **Construction**: ``Class(n_mels=<int>, **args)`` with ``args`` from ``[model.args]``, and
+  ``vocab_size`` when the constructor takes it (``train/tokenizers.py``).
 - **forward(mel, mel_lengths, text, text_lengths) -> dict[str, Tensor]**, in training mode:
   ``mel`` float16 ``[B, T, n_mels]`` log-mel, padded past ``mel_lengths`` (int64 ``[B]``)
-  with unspecified values; ``text`` int64 ``[B, L]`` token ids with 0 as padding (UTF-8
-  byte ``b`` is ``b + 1``, vocabulary 257) and ``text_lengths`` int64 ``[B]``. It returns
+  with unspecified values; ``text`` int64 ``[B, L]`` token ids with 0 as padding (the
+  default tokenizer: UTF-8 byte ``b`` is ``b + 1``, vocabulary 257) and ``text_lengths``. It returns
   ``"loss_sum"``: a float32 scalar, the **sum** of the per-frame loss over valid frames
   (``t < mel_lengths[b]``). The trainer divides by the global number of valid frames of the
   optimizer step, so every frame weighs the same whatever the batching. Other ``"<name>_sum"``
   scalars, summed the same way, are logged as ``<name>``.
-- Every parameter gets a gradient from ``loss_sum`` on every batch (DDP runs with
-  ``find_unused_parameters=False``), and valid frames never depend on padding.
+- Every parameter gets a gradient from ``loss_sum`` on every batch (checked at the first
+  step; ``train.find_unused_parameters = true`` otherwise), valid frames never depend on padding.
 - Buffers are broadcast from rank 0 once, when DDP wraps the model, not before every forward
-  (no collective inside a forward, see ``train/oom.py``): buffers a model changes in training,
+  (no collective inside a forward: refused at the first step, ``train/guards.py``): buffers a model changes in training,
   such as BatchNorm's running statistics, stay per rank, and rank 0's are checkpointed.
 - Optional ``set_mel_stats(mean, std)`` (float32 ``[n_mels]``), called once on a fresh start
   with the cache's per-channel statistics; optional ``set_activation_checkpointing(bool)``.
@@ -39,19 +42,18 @@ from torch.utils.checkpoint import checkpoint
 from melcache.errors import UserError
 from train.collate import BYTE_VOCAB_SIZE  # UTF-8 bytes + 1; id 0 is padding
 from train.config import ModelConfig
+from train.contract import construct
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """Import ``cfg.impl`` and construct it; errors name the config key."""
+def build_model(cfg: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> nn.Module:
+    """Import ``cfg.impl`` and construct it (``vocab_size`` too, if it takes one); errors name
+    the config key."""
     module_name, _, class_name = cfg.impl.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise UserError(f"config key model.impl = {cfg.impl!r} cannot be imported: {exc}") from None
-    try:
-        return cls(n_mels=cfg.n_mels, **cfg.args)
-    except TypeError as exc:
-        raise UserError(f"config table [model.args] does not fit {cfg.impl}: {exc}") from None
+    return construct(cls, cfg.impl, {"n_mels": cfg.n_mels, **cfg.args}, vocab_size)
 
 
 def sinusoid(length: int, dim: int, device: torch.device) -> torch.Tensor:
@@ -122,6 +124,7 @@ class TextToMel(nn.Module):
         self,
         *,
         n_mels: int,
+        vocab_size: int = BYTE_VOCAB_SIZE,
         dim: int = 256,
         layers: int = 6,
         heads: int = 4,
@@ -140,7 +143,7 @@ class TextToMel(nn.Module):
         self.n_mels, self.dim, self.loss = n_mels, dim, loss
         self.prenet_dropout, self.stop_weight = prenet_dropout, stop_weight
         self.checkpointing = False
-        self.text_embed = nn.Embedding(BYTE_VOCAB_SIZE, dim)
+        self.text_embed = nn.Embedding(vocab_size, dim)
         self.segment = nn.Parameter(torch.randn(2, dim) * 0.02)  # text / mel
         # Tacotron's prenet: a bottleneck with dropout kept on, so the decoder must
         # use the text instead of copying the previous frame.

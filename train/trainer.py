@@ -29,6 +29,15 @@ from melcache.errors import UserError
 from melcache.index import read_stats
 from train.checkpoint import Checkpointer
 from train.config import Config
+from train.contract import (
+    declared,
+    expected_features,
+    inverse_count,
+    loader_data,
+    model_inputs,
+    normalise,
+    rescale_gradients,
+)
 from train.data import Batch, make_loader
 from train.distributed import (
     Env,
@@ -45,11 +54,13 @@ from train.distributed import (
     use_deterministic_algorithms,
     wrap_model,
 )
+from train.guards import FirstStep, translate_ddp_error
 from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
 from train.oom import Budgets
 from train.optim import EMA, build_optimizer, build_scheduler
 from train.prefetch import DeviceCopies
+from train.tokenizers import build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +87,18 @@ class Trainer:
         if t.deterministic:
             use_deterministic_algorithms()
         seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
+        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab)
+        self.raw_model = build_model(cfg.model, tokenizer.vocab_size).to(device).train()
+        self.spec = declared(type(self.raw_model), cfg.model.impl)  # train/contract.py
         self.loader = make_loader(
             shards,
-            cfg.data,
+            loader_data(cfg.data, self.spec),
             rank=env.rank,
             world_size=env.world_size,
             seed=t.seed,
-            expect_features=cfg.model.expected_features(),
+            expect_features=expected_features(cfg.model, self.spec),
+            tokenizer=tokenizer,
         )
-        self.raw_model = build_model(cfg.model).to(device)
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
@@ -95,7 +109,15 @@ class Trainer:
             self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
         )
         self.vote = HostVote(env)
-        self.budgets = Budgets(env, cfg.data.pad_multiple, self.out)
+        self.budgets = Budgets(
+            env, self.loader.spec.data.pad_multiple, self.out, t.allow_forward_collectives
+        )
+        self.first = FirstStep(
+            self.raw_model,
+            cfg.model.impl,
+            allow_collectives=t.allow_forward_collectives,
+            unused=t.find_unused_parameters,
+        )
         self.copies = DeviceCopies(device)
         self.step = self._resume_or_start(shards)
         self._pending_records = self.budgets.apply_pending()  # cuts a stopped run left
@@ -162,12 +184,17 @@ class Trainer:
         stop, lost = self.vote.sum([self.stop.local, float(self.budgets.lost)])
         if lost:
             return Verdict(stop=stop > 0, skipped=True, records=self._skip_step())
+        self.first.gradients()  # the first step: every parameter got one
         for batch in micro:
             self.meter.add_batch(batch.mel_lengths, batch.mel.shape, batch.text_lengths)
+        inv_count = inverse_count(loss_sums, inv_frames, self.env)  # a model's own count
         for sums in loss_sums:
             for name, value in sums.items():
-                self.meter.add_device(name.removesuffix("_sum"), value * inv_frames)
+                if name.endswith("_sum"):
+                    self.meter.add_device(name.removesuffix("_sum"), value * inv_count)
         self.scaler.unscale_(self.optimizer)
+        if inv_count is not inv_frames:
+            rescale_gradients(self.raw_model, inv_count / inv_frames)
         clip = self.cfg.optim.grad_clip or math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip, foreach=True)
         self.meter.add_device("grad_norm", norm, replicated=True)
@@ -210,7 +237,7 @@ class Trainer:
                     self._backward(out, loss_scale)
             if self.budgets.lost:
                 break
-            sums.append({k: v.detach() for k, v in out.items() if k.endswith("_sum")})
+            sums.append({k: v.detach() for k, v in out.items() if k.endswith(("_sum", "_count"))})
         if self.budgets.lost and not self.env.distributed:
             return sums  # no DDP to keep in step with
         with self.budgets.fatal(passes[-1], self.step + 1, self.ckpt.latest):
@@ -221,8 +248,13 @@ class Trainer:
         return sums
 
     def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        with self._autocast():
-            return self.model(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
+        try:
+            with self._autocast(), self.first.forward():  # collectives refused at the first
+                out = normalise(self.model(*model_inputs(batch, self.spec)))
+        except RuntimeError as exc:  # DDP's unused-parameter error, in names
+            raise translate_ddp_error(exc, self.raw_model) from None
+        self.first.outputs(out)
+        return out
 
     def _backward(self, out: dict[str, torch.Tensor], loss_scale: torch.Tensor) -> None:
         self.scaler.scale(out["loss_sum"] * loss_scale).backward()
