@@ -113,11 +113,17 @@ def construct(cls: type, impl: str, args: dict[str, Any], vocab_size: int) -> to
         raise UserError(f"config table [model.args] does not fit {impl}: {exc}") from None
 
 
+def cast_mel(batch: Batch, spec: ModelSpec) -> Batch:
+    """``batch`` with its mel in the model's declared dtype."""
+    dtype = _DTYPES[spec.mel_dtype]
+    return (
+        batch if batch.mel.dtype == dtype else dataclasses.replace(batch, mel=batch.mel.to(dtype))
+    )
+
+
 def model_inputs(batch: Batch, spec: ModelSpec) -> tuple[Any, ...]:
     """The positional arguments of the model's forward for ``batch`` (on the device)."""
-    dtype = _DTYPES[spec.mel_dtype]
-    if batch.mel.dtype != dtype:
-        batch = dataclasses.replace(batch, mel=batch.mel.to(dtype))
+    batch = cast_mel(batch, spec)
     if spec.inputs == "batch":
         return (batch,)
     return batch.mel, batch.mel_lengths, batch.text, batch.text_lengths

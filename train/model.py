@@ -203,11 +203,7 @@ class TextToMel(nn.Module):
         """Teacher-forced losses summed over valid frames (see the module docstring)."""
         T = mel.shape[1]
         valid = torch.arange(T, device=mel.device)[None, :] < mel_lengths[:, None]  # [B, T]
-        # Padding holds unspecified values: zero it so that NaN or inf there cannot leak
-        # through a 0-weight attention product.
-        target = torch.where(valid[..., None], (mel.float() - self.mel_mean) / self.mel_std, 0.0)
-        mel_in = F.pad(target[:, :-1], (0, 0, 1, 0))  # frame t is predicted from frames < t
-        h = self._decode(mel_in, text, text_lengths, mel_lengths)
+        target, h = self._teacher_forced(mel, mel_lengths, text, text_lengths, valid)
         pred = self.mel_head(h).float()
         err = (pred - target).abs() if self.loss == "l1" else (pred - target).square()
         mel_sum = torch.where(valid, err.mean(-1), 0.0).sum()
@@ -224,6 +220,29 @@ class TextToMel(nn.Module):
             "mel_loss_sum": mel_sum.detach(),
             "stop_loss_sum": stop_sum.detach(),
         }
+
+    def _teacher_forced(
+        self,
+        mel: torch.Tensor,
+        mel_lengths: torch.Tensor,
+        text: torch.Tensor,
+        text_lengths: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalised target ``[B, T, n_mels]`` and the hidden states predicting it."""
+        # Padding holds unspecified values: zero it so that NaN or inf there cannot leak
+        # through a 0-weight attention product.
+        target = torch.where(valid[..., None], (mel.float() - self.mel_mean) / self.mel_std, 0.0)
+        mel_in = F.pad(target[:, :-1], (0, 0, 1, 0))  # frame t is predicted from frames < t
+        return target, self._decode(mel_in, text, text_lengths, mel_lengths)
+
+    def predict_mel(self, batch: Any) -> torch.Tensor:
+        """Teacher-forced log-mel predictions ``[B, T, n_mels]`` (the validation picture)."""
+        T = batch.mel.shape[1]
+        valid = torch.arange(T, device=batch.mel.device)[None, :] < batch.mel_lengths[:, None]
+        args = (batch.mel, batch.mel_lengths, batch.text, batch.text_lengths, valid)
+        _, h = self._teacher_forced(*args)
+        return self.mel_head(h).float() * self.mel_std + self.mel_mean
 
     @torch.no_grad()
     def generate(

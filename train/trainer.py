@@ -61,6 +61,7 @@ from train.oom import Budgets
 from train.optim import EMA, build_optimizer, build_scheduler
 from train.prefetch import DeviceCopies
 from train.tokenizers import build_tokenizer
+from train.validation import build_validator
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,10 @@ class Trainer:
             expect_features=expected_features(cfg.model, self.spec),
             tokenizer=tokenizer,
         )
+        self.validator = build_validator(  # None unless train.val_every (train/validation.py)
+            cfg, self.spec, env, self.out, expect_features=expected_features(cfg.model, self.spec),
+            tokenizer=tokenizer,
+        )  # fmt: skip
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
@@ -163,6 +168,8 @@ class Trainer:
                         raise UserError(self.budgets.exhausted)
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
                         metrics.log(self.step, self._summary())
+                    if self.validator is not None and self.step % t.val_every == 0:
+                        metrics.log(self.step, self.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
                         self.save()
                     if verdict.stop:
@@ -246,6 +253,9 @@ class Trainer:
                 out, loss_scale = self._forward(stand_in), torch.zeros_like(loss_scale)
             self._backward(out, loss_scale)  # DDP's gradient all-reduce runs in here
         return sums
+
+    def _val_args(self) -> tuple[Any, ...]:
+        return self.raw_model, self.ema, self.step, self._autocast
 
     def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         try:

@@ -12,8 +12,10 @@ What the adapter bridges (``train/contract.py`` for the keys):
   pad_multiple`` ≥ 2, 8 by default).
 - ChatTTS divides the log-mel by a per-channel ``coef`` learnt with the released weights; from
   random init the adapter sets it to the cache's per-channel std (``set_mel_stats``).
-- With ``quantize_dropout = true`` vector_quantize_pytorch all-reduces a seed in every
-  training forward: the trainer refuses that at start, naming the module (``train/guards.py``).
+- vector_quantize_pytorch's ``GroupedResidualFSQ.forward`` all-reduces a quantize-dropout seed
+  in every training forward (and reads it on the host), even with that dropout off: the trainer
+  refuses it at start, naming ``dvae.vq_layer.quantizer`` (``train/guards.py``). The adapter
+  calls its residual FSQ groups itself, with the (unused) seed given, so no collective runs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ class DVAE(nn.Module):
         layers: int = 12,
         bn_dim: int = 128,
         vq_dim: int = 1024,
-        quantize_dropout: bool = False,
     ) -> None:
         super().__init__()
         self.dvae = ChatTTSDVAE(
@@ -52,8 +53,6 @@ class DVAE(nn.Module):
             vq_config={"dim": vq_dim, "levels": (5, 5, 5, 5), "G": 2, "R": 2},
             dim=dim,
         )  # fmt: skip
-        for rfsq in self.dvae.vq_layer.quantizer.rvqs:
-            rfsq.quantize_dropout = quantize_dropout
         with torch.no_grad():
             self.dvae.coef.fill_(1.0)
 
@@ -64,14 +63,33 @@ class DVAE(nn.Module):
     def forward(self, mel, mel_lengths, text, text_lengths) -> dict[str, torch.Tensor]:
         """L1 reconstruction of the log-mel, summed over valid frames (mean over channels)."""
         x = mel.transpose(1, 2)  # [B, n_mels, T]
+        pred = self._reconstruct(x)
+        valid = torch.arange(x.shape[2], device=x.device) < mel_lengths[:, None]
+        err = (pred - x).abs().mean(1)  # [B, T]
+        return {"loss_sum": torch.where(valid, err, 0.0).sum()}
+
+    def predict_mel(self, batch) -> torch.Tensor:
+        """The reconstruction ``[B, T, n_mels]`` (the trainer's validation picture)."""
+        return self._reconstruct(batch.mel.transpose(1, 2)).transpose(1, 2)
+
+    def _reconstruct(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode, quantize and decode ``x`` ``[B, n_mels, T]`` (T even)."""
         coef = self.dvae.coef
         h = self.dvae.encoder(self.dvae.downsample_conv(x / coef))  # [B, vq_dim, T / 2]
-        quantized, _ = self.dvae.vq_layer.quantizer(h.transpose(1, 2))  # [B, T / 2, vq_dim]
+        quantized = self._quantize(h.transpose(1, 2))  # [B, T / 2, vq_dim]
         B, half, vq_dim = quantized.shape
         # ChatTTS's layout: each half of a code vector is one of two consecutive frames.
         feats = quantized.transpose(1, 2).reshape(B, 2, vq_dim // 2, half)
         feats = feats.permute(0, 2, 3, 1).flatten(2)  # [B, vq_dim / 2, T]
-        pred = self.dvae.out_conv(self.dvae.decoder(x=feats)) * coef
-        valid = torch.arange(x.shape[2], device=x.device) < mel_lengths[:, None]
-        err = (pred - x).abs().mean(1)  # [B, T]
-        return {"loss_sum": torch.where(valid, err, 0.0).sum()}
+        return self.dvae.out_conv(self.dvae.decoder(x=feats)) * coef
+
+    def _quantize(self, h: torch.Tensor) -> torch.Tensor:
+        """``GroupedResidualFSQ`` without its forward's seed all-reduce (quantize dropout is off
+        in ChatTTS's config, so the seed is never used)."""
+        grouped = self.dvae.vq_layer.quantizer
+        chunks = h.chunk(grouped.groups, dim=grouped.split_dim)
+        parts = [
+            rvq(c, rand_quantize_dropout_fixed_seed=0)[0]
+            for rvq, c in zip(grouped.rvqs, chunks, strict=True)
+        ]
+        return torch.cat(parts, dim=grouped.split_dim)
