@@ -114,3 +114,20 @@ class ForwardAllReduceOutOfMemory(OutOfMemoryAbove):
     def forward(self, mel, mel_lengths, text, text_lengths):
         self.stats(mel)
         return super().forward(mel, mel_lengths, text, text_lengths)
+
+
+class UnusedAfterFirstStep(TextToMel):
+    """Uses ``late_head`` in its first training forward only: the first step's check passes,
+    and DDP finds the parameters unused a step later."""
+
+    def __init__(self, **args) -> None:
+        super().__init__(**args)
+        self.late_head = nn.Linear(1, 1)
+        self.forwards = 0
+
+    def forward(self, mel, mel_lengths, text, text_lengths):
+        out = super().forward(mel, mel_lengths, text, text_lengths)
+        self.forwards += 1
+        if self.forwards == 1:
+            out["loss_sum"] = out["loss_sum"] + 0.0 * self.late_head(mel[:1, :1, :1].float()).sum()
+        return out

@@ -27,6 +27,18 @@ def test_a_forward_all_reduce_is_refused_naming_the_module(
     assert not (tmp_path / "checkpoints" / "step-00000001").exists()
 
 
+def test_ddps_unused_parameter_error_names_the_parameters(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    done = run(
+        train_cmd(train_cache, tmp_path, "model.impl=tests._plugin_models:UnusedAfterFirstStep")
+    )
+    assert done.returncode != 0
+    line = next(x for x in done.stderr.splitlines() if "got no gradient" in x)
+    assert "late_head.weight, late_head.bias" in line
+    assert "train.find_unused_parameters = true" in line
+
+
 def test_allowed_collectives_turn_oom_recovery_off(train_cache: Path, tmp_path: Path) -> None:
     """An out-of-memory error on one rank ends the run with one line saying why and what to do,
     not with gloo's collective mismatch abort (a cut pass or a stand-in would run the forward's

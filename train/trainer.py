@@ -73,6 +73,9 @@ _RESUMABLE_CHANGES = {
     "train.ckpt_every",
     "train.keep_checkpoints",
     "train.async_checkpoint",
+    "train.val_every",
+    "train.val_batches",
+    "data.val_shards",
 }
 
 
