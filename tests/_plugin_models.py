@@ -72,8 +72,9 @@ class UnusedHead(TextToMel):
         self.spare_head = nn.Linear(4, 4)
 
 
-class ForwardAllReduce(TextToMel):
-    """All-reduces a statistic in every training forward (like vector_quantize_pytorch)."""
+class _AllReducesInForward:
+    """Mixed into a model: all-reduces a statistic in every training forward (like
+    vector_quantize_pytorch's grouped residual FSQ)."""
 
     def __init__(self, **args) -> None:
         super().__init__(**args)
@@ -82,6 +83,10 @@ class ForwardAllReduce(TextToMel):
     def forward(self, mel, mel_lengths, text, text_lengths):
         self.stats(mel)
         return super().forward(mel, mel_lengths, text, text_lengths)
+
+
+class ForwardAllReduce(_AllReducesInForward, TextToMel):
+    """The reference model with a collective in its forward."""
 
 
 class Statistic(nn.Module):
@@ -104,16 +109,8 @@ class MadeForVocosFloor(TextToMel):
     melcache_contract: ClassVar[dict] = {"features": {"log_floor": 1e-7}}
 
 
-class ForwardAllReduceOutOfMemory(OutOfMemoryAbove):
+class ForwardAllReduceOutOfMemory(_AllReducesInForward, OutOfMemoryAbove):
     """:class:`ForwardAllReduce` that also runs out of memory above ``limit_frames``."""
-
-    def __init__(self, **args) -> None:
-        super().__init__(**args)
-        self.stats = Statistic()
-
-    def forward(self, mel, mel_lengths, text, text_lengths):
-        self.stats(mel)
-        return super().forward(mel, mel_lengths, text, text_lengths)
 
 
 class UnusedAfterFirstStep(TextToMel):

@@ -8,29 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, metrics, run_ok, train_cmd
+from helpers import metrics, run_ok, train_cmd
+from test_train_contract import trainer
 
 from melcache.errors import UserError
-from train.config import load_config
-from train.distributed import Env
 from train.plot import plot_run
-from train.trainer import Trainer
-
-CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-SMALL = [
-    "data.batch_frames=800",
-    "data.num_workers=0",
-    "model.args.dim=32",
-    "model.args.layers=1",
-    "train.precision=fp32",
-    "train.log_every=2",
-    "train.ckpt_every=100",
-]
-
-
-def trainer(cache: Path, out: Path, *extra: str) -> Trainer:
-    cfg = load_config(REPO / "configs" / "tiny.toml", [*SMALL, *extra])
-    return Trainer(cfg, str(cache), out, CPU)
 
 
 def test_validation_is_fixed_logged_pictured_and_plotted(train_cache: Path, tmp_path: Path) -> None:
