@@ -12,6 +12,7 @@ every ``torch.distributed`` collective through the dispatcher as a ``c10d`` op, 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from melcache.errors import UserError
 from train.contract import check_outputs
+
+log = logging.getLogger(__name__)
 
 _FIX = (
     "compute such statistics outside the training forward (or in eval mode), or set "
@@ -74,10 +77,16 @@ def count_collectives(model: nn.Module) -> Iterator[Counter]:
 class FirstStep:
     """The checks of a run's first step; later steps pass through untouched."""
 
-    def __init__(self, model: nn.Module, impl: str, *, allow_collectives: bool, unused: bool):
+    def __init__(
+        self, model: nn.Module, impl: str, *, allow_collectives: bool, unused: bool, compiled: bool
+    ) -> None:
         self.model, self.impl = model, impl
         self.allow_collectives, self.allow_unused = allow_collectives, unused
-        self.pending_forward = self.pending_backward = True
+        # Dynamo does not trace through a Python dispatch mode: a compiled run is not watched.
+        self.pending_forward = not (compiled or allow_collectives)
+        if compiled and not allow_collectives:
+            log.info("train.compile = true: the first forward is not watched for collectives")
+        self.pending_backward = True
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -88,7 +97,7 @@ class FirstStep:
         self.pending_forward = False
         with count_collectives(self.model) as seen:
             yield
-        if seen and not self.allow_collectives:
+        if seen:
             found = ", ".join(f"{op} ×{n} in module {where!r}" for (where, op), n in seen.items())
             raise UserError(
                 f"{self.impl}'s training forward calls torch.distributed collectives ({found}): "

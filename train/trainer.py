@@ -125,6 +125,7 @@ class Trainer:
             cfg.model.impl,
             allow_collectives=t.allow_forward_collectives,
             unused=t.find_unused_parameters,
+            compiled=t.compile,
         )
         self.copies = DeviceCopies(device)
         self.step = self._resume_or_start(shards)
