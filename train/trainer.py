@@ -94,19 +94,19 @@ class Trainer:
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab)
         self.raw_model = build_model(cfg.model, tokenizer.vocab_size).to(device).train()
         self.spec = declared(type(self.raw_model), cfg.model.impl)  # train/contract.py
+        features = expected_features(cfg.model, self.spec)
         self.loader = make_loader(
             shards,
             loader_data(cfg.data, self.spec),
             rank=env.rank,
             world_size=env.world_size,
             seed=t.seed,
-            expect_features=expected_features(cfg.model, self.spec),
+            expect_features=features,
             tokenizer=tokenizer,
         )
         self.validator = build_validator(  # None unless train.val_every (train/validation.py)
-            cfg, self.spec, env, self.out, expect_features=expected_features(cfg.model, self.spec),
-            tokenizer=tokenizer,
-        )  # fmt: skip
+            cfg, self.spec, env, self.out, expect_features=features, tokenizer=tokenizer
+        )
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
@@ -266,7 +266,10 @@ class Trainer:
             with self._autocast(), self.first.forward():  # collectives refused at the first
                 out = normalise(self.model(*model_inputs(batch, self.spec)))
         except RuntimeError as exc:  # DDP's unused-parameter error, in names
-            raise translate_ddp_error(exc, self.raw_model) from None
+            named = translate_ddp_error(exc, self.raw_model)
+            if named is exc:
+                raise
+            raise named from None
         self.first.outputs(out)
         return out
 
