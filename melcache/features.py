@@ -159,3 +159,18 @@ def check_features(
                 f"cache {cache} was built with features.{key} = {have[key]!r}, but "
                 f"{value!r} is expected; rebuild the cache or change the model's features"
             )
+
+
+# Named extractors a model may declare (train/contract.py); configs/<name>.toml hold the same.
+PRESETS = {
+    "chattts": FeatureConfig(),  # ChatTTS's DVAE and F5-TTS's vocos mel (see configs/chattts.toml)
+    "hifigan": FeatureConfig(
+        sample_rate=22_050,
+        n_mels=80,
+        f_max=8_000.0,
+        mel_scale="slaney",
+        mel_norm="slaney",
+        center=False,
+        magnitude_eps=1e-9,
+    ),
+}

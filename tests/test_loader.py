@@ -124,7 +124,7 @@ def loader(cache: Path | str, **kwargs) -> StreamLoader:
     """
     options = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0, "seed": 1,
                "sync_buckets": False, **kwargs}  # fmt: skip
-    data_keys = {f.name for f in dataclasses.fields(DataConfig)}
+    data_keys = {f.name for f in dataclasses.fields(DataConfig)} - {"tokenizer"}  # a callable
     data = DataConfig(**{k: v for k, v in options.items() if k in data_keys})
     return make_loader(cache, data, **{k: v for k, v in options.items() if k not in data_keys})
 

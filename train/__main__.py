@@ -11,6 +11,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -47,6 +48,9 @@ def _train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, metrics")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument(
+        "--val-shards", help="validation cache (data.val_shards), used every train.val_every steps"
+    )
     p.add_argument("overrides", nargs="*", metavar="table.key=value", help="config overrides")
     return p
 
@@ -111,13 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             args.output.write_text(toml, encoding="utf-8")
             print(f"{table}\n\nwritten to {args.output}")
             return 0
-        args = _train_parser().parse_args(argv)
+        args = _train_parser().parse_intermixed_args(argv)  # overrides on both sides of options
         from train.config import load_config
         from train.trainer import run
 
         overrides = list(args.overrides)
         if args.max_steps is not None:
             overrides.append(f"train.max_steps={args.max_steps}")
+        if args.val_shards is not None:
+            overrides.append(f"data.val_shards={json.dumps(args.val_shards)}")
         cfg = load_config(args.config, overrides)
         run(cfg, args.shards, args.out)
         return 0

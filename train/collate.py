@@ -7,9 +7,8 @@ Conventions the model relies on:
 - ``mel`` stays float16 on the host (half the bytes to copy); padded frames hold
   ``ln(log_floor)`` of the cache's features, the value of silence in log space, not 0.0
   (which is a loud mel). Mask by ``mel_lengths`` anyway.
-- The default tokenizer is UTF-8 bytes shifted by one, so any language works with a
-  vocabulary of :data:`BYTE_VOCAB_SIZE` = 257 where id 0 is padding. A custom tokenizer
-  must likewise keep id 0 free: ``text`` is padded with 0.
+- ``text`` holds the ids of ``[data] tokenizer``, padded with :data:`PAD_ID` = 0; the rule
+  and the tokenizers are in ``train/tokenizers.py`` (default: UTF-8 bytes + 1, vocabulary 257).
 """
 
 from __future__ import annotations

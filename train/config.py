@@ -77,12 +77,18 @@ class DataConfig:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
     mix_temperature: float = 1.0
+    tokenizer: str = (
+        "bytes"  # "bytes", "chars" (with vocab) or "package.module:name": train/tokenizers.py
+    )
+    vocab: str = ""  # the "chars" tokenizer's file: one character per line
+    val_shards: str = ""  # a second cache for validation (--val-shards): train/validation.py
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_frames, Mapping):
             object.__setattr__(self, "batch_frames", _budget_table(self.batch_frames))
         else:
             require(_is_count(self.batch_frames), "data.batch_frames", self.batch_frames, _BUDGET)
+        require(isinstance(self.tokenizer, str), "data.tokenizer", self.tokenizer, _TOKENIZER)
         require(self.max_batch_size > 0, "data.max_batch_size", self.max_batch_size, "≥ 1")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
         require(self.pad_multiple > 0, "data.pad_multiple", self.pad_multiple, "≥ 1")
@@ -121,6 +127,7 @@ class DataConfig:
         return self.batch_frames[str(bucket)]
 
 
+_TOKENIZER = '"bytes", "chars" or "package.module:name"'
 _BUDGET = "a positive count, or a table of bucket numbers to counts such as {0 = 24000, 1 = 16000}"
 
 
@@ -203,6 +210,12 @@ class TrainConfig:
     deterministic: bool = False
     # Share of the device's memory `python -m train tune` fills with the largest batch per bucket.
     memory_target: float = 0.9
+    # A model whose training forward all-reduces (train/guards.py) runs only with this key,
+    # and then without out-of-memory recovery.
+    allow_forward_collectives: bool = False
+    find_unused_parameters: bool = False  # DDP's option, for models that skip parameters
+    val_every: int = 0  # steps between validations (0: off; needs data.val_shards)
+    val_batches: int = 4  # validation batches per rank, the same ones every time
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
@@ -223,6 +236,8 @@ class TrainConfig:
             self.comm_hook in COMM_HOOKS, "train.comm_hook", self.comm_hook, " or ".join(COMM_HOOKS)
         )
         require(0 < self.memory_target <= 1, "train.memory_target", self.memory_target, "in (0, 1]")
+        require(self.val_every >= 0, "train.val_every", self.val_every, "0 (off) or more")
+        require(self.val_batches >= 1, "train.val_batches", self.val_batches, "1 or more")
         require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
         # One fp16 overflow step writes inf into PowerSGD's error memory; every later step is
         # then skipped by the loss scaler while the loss looks fine.

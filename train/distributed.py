@@ -142,7 +142,7 @@ def wrap_model(model: nn.Module, env: Env, cfg: TrainConfig) -> nn.Module:
         model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
-        find_unused_parameters=False,
+        find_unused_parameters=cfg.find_unused_parameters,
         forward_sync_buffers=False,
     )
     _register_comm_hook(ddp, cfg)

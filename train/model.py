@@ -1,20 +1,23 @@
 """The reference text→mel model, and the contract any model plugged into the trainer honours.
 
-Model contract (``[model] impl = "package.module:Class"``):
+Model contract (``[model] impl = "package.module:Class"``); what a model may declare instead
+(the whole batch, a mean loss and its weight, float32 mels, no padding past the longest, the
+features it needs) is in ``train/contract.py``:
 
-- **Construction**: ``Class(n_mels=<int>, **args)`` with ``args`` from ``[model.args]``.
+- **Construction**: ``Class(n_mels=<int>, **args)`` with ``args`` from ``[model.args]``, and
+  ``vocab_size`` when the constructor takes it (``train/tokenizers.py``).
 - **forward(mel, mel_lengths, text, text_lengths) -> dict[str, Tensor]**, in training mode:
   ``mel`` float16 ``[B, T, n_mels]`` log-mel, padded past ``mel_lengths`` (int64 ``[B]``)
-  with unspecified values; ``text`` int64 ``[B, L]`` token ids with 0 as padding (UTF-8
-  byte ``b`` is ``b + 1``, vocabulary 257) and ``text_lengths`` int64 ``[B]``. It returns
+  with unspecified values; ``text`` int64 ``[B, L]`` token ids with 0 as padding (the
+  default tokenizer: UTF-8 byte ``b`` is ``b + 1``, vocabulary 257) and ``text_lengths``. It returns
   ``"loss_sum"``: a float32 scalar, the **sum** of the per-frame loss over valid frames
   (``t < mel_lengths[b]``). The trainer divides by the global number of valid frames of the
   optimizer step, so every frame weighs the same whatever the batching. Other ``"<name>_sum"``
   scalars, summed the same way, are logged as ``<name>``.
-- Every parameter gets a gradient from ``loss_sum`` on every batch (DDP runs with
-  ``find_unused_parameters=False``), and valid frames never depend on padding.
+- Every parameter gets a gradient from ``loss_sum`` on every batch (checked at the first
+  step; ``train.find_unused_parameters = true`` otherwise), valid frames never depend on padding.
 - Buffers are broadcast from rank 0 once, when DDP wraps the model, not before every forward
-  (no collective inside a forward, see ``train/oom.py``): buffers a model changes in training,
+  (no collective inside a forward: refused at the first step, ``train/guards.py``): buffers a model changes in training,
   such as BatchNorm's running statistics, stay per rank, and rank 0's are checkpointed.
 - Optional ``set_mel_stats(mean, std)`` (float32 ``[n_mels]``), called once on a fresh start
   with the cache's per-channel statistics; optional ``set_activation_checkpointing(bool)``.
@@ -41,42 +44,41 @@ from torch.utils.checkpoint import checkpoint
 from melcache.errors import UserError
 from train.collate import BYTE_VOCAB_SIZE  # UTF-8 bytes + 1; id 0 is padding
 from train.config import ModelConfig
+from train.contract import construct
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """Import ``cfg.impl`` and construct it; errors name the config key."""
+def build_model(cfg: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> nn.Module:
+    """Import ``cfg.impl`` and construct it (``vocab_size`` too, if it takes one); errors name
+    the config key."""
     module_name, _, class_name = cfg.impl.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise UserError(f"config key model.impl = {cfg.impl!r} cannot be imported: {exc}") from None
-    _refuse_beyond_memory(cls, cfg)
+    args = {"n_mels": cfg.n_mels, **cfg.args}
+    _refuse_beyond_memory(cls, cfg.impl, args, vocab_size)
     try:
-        return cls(n_mels=cfg.n_mels, **cfg.args)
-    except TypeError as exc:
-        raise UserError(f"config table [model.args] does not fit {cfg.impl}: {exc}") from None
+        return construct(cls, cfg.impl, args, vocab_size)
     except RuntimeError as exc:  # the allocator, for parameters the estimate could not see
         raise UserError(
             f"{cfg.impl} with [model.args] cannot be built: {_first_line(exc)}"
         ) from None
 
 
-def _refuse_beyond_memory(cls: type, cfg: ModelConfig) -> None:
+def _refuse_beyond_memory(cls: type, impl: str, args: dict, vocab_size: int) -> None:
     """Refuse a model whose parameters alone exceed this machine's available memory, from
     the shapes of a copy built on the meta device (no memory), before allocating them:
     allocating would end in the out-of-memory killer, not an error."""
     try:
         with torch.device("meta"):
-            shapes = cls(n_mels=cfg.n_mels, **cfg.args)
-    except TypeError as exc:
-        raise UserError(f"config table [model.args] does not fit {cfg.impl}: {exc}") from None
+            shapes = construct(cls, impl, args, vocab_size)
     except (RuntimeError, NotImplementedError):
         return  # a model that cannot be built on meta: its own allocation errors tell
     needed = sum(t.numel() * t.element_size() for t in (*shapes.parameters(), *shapes.buffers()))
     available = _available_memory()
     if available is not None and needed > available:
         raise UserError(
-            f"{cfg.impl} with [model.args] {dict(cfg.args)} has {needed / 2**30:.1f} GiB of "
+            f"{impl} with [model.args] {dict(args)} has {needed / 2**30:.1f} GiB of "
             f"parameters, more than the {available / 2**30:.1f} GiB of memory available here"
         )
 
@@ -162,6 +164,7 @@ class TextToMel(nn.Module):
         self,
         *,
         n_mels: int,
+        vocab_size: int = BYTE_VOCAB_SIZE,
         dim: int = 256,
         layers: int = 6,
         heads: int = 4,
@@ -185,7 +188,7 @@ class TextToMel(nn.Module):
         self.n_mels, self.dim, self.loss = n_mels, dim, loss
         self.prenet_dropout, self.stop_weight = prenet_dropout, stop_weight
         self.checkpointing = False
-        self.text_embed = nn.Embedding(BYTE_VOCAB_SIZE, dim)
+        self.text_embed = nn.Embedding(vocab_size, dim)
         self.segment = nn.Parameter(torch.randn(2, dim) * 0.02)  # text / mel
         # Tacotron's prenet: a bottleneck with dropout kept on, so the decoder must
         # use the text instead of copying the previous frame.
@@ -245,11 +248,7 @@ class TextToMel(nn.Module):
         """Teacher-forced losses summed over valid frames (see the module docstring)."""
         T = mel.shape[1]
         valid = torch.arange(T, device=mel.device)[None, :] < mel_lengths[:, None]  # [B, T]
-        # Padding holds unspecified values: zero it so that NaN or inf there cannot leak
-        # through a 0-weight attention product.
-        target = torch.where(valid[..., None], (mel.float() - self.mel_mean) / self.mel_std, 0.0)
-        mel_in = F.pad(target[:, :-1], (0, 0, 1, 0))  # frame t is predicted from frames < t
-        h = self._decode(mel_in, text, text_lengths, mel_lengths)
+        target, h = self._teacher_forced(mel, mel_lengths, text, text_lengths, valid)
         pred = self.mel_head(h).float()
         err = (pred - target).abs() if self.loss == "l1" else (pred - target).square()
         mel_sum = torch.where(valid, err.mean(-1), 0.0).sum()
@@ -266,6 +265,29 @@ class TextToMel(nn.Module):
             "mel_loss_sum": mel_sum.detach(),
             "stop_loss_sum": stop_sum.detach(),
         }
+
+    def _teacher_forced(
+        self,
+        mel: torch.Tensor,
+        mel_lengths: torch.Tensor,
+        text: torch.Tensor,
+        text_lengths: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalised target ``[B, T, n_mels]`` and the hidden states predicting it."""
+        # Padding holds unspecified values: zero it so that NaN or inf there cannot leak
+        # through a 0-weight attention product.
+        target = torch.where(valid[..., None], (mel.float() - self.mel_mean) / self.mel_std, 0.0)
+        mel_in = F.pad(target[:, :-1], (0, 0, 1, 0))  # frame t is predicted from frames < t
+        return target, self._decode(mel_in, text, text_lengths, mel_lengths)
+
+    def predict_mel(self, batch: Any) -> torch.Tensor:
+        """Teacher-forced log-mel predictions ``[B, T, n_mels]`` (the validation picture)."""
+        T = batch.mel.shape[1]
+        valid = torch.arange(T, device=batch.mel.device)[None, :] < batch.mel_lengths[:, None]
+        args = (batch.mel, batch.mel_lengths, batch.text, batch.text_lengths, valid)
+        _, h = self._teacher_forced(*args)
+        return self.mel_head(h).float() * self.mel_std + self.mel_mean
 
     @torch.no_grad()
     def generate(

@@ -80,8 +80,9 @@ class Budgets:
     the synchronised backward, :meth:`settle` the failures the ranks agreed on, :meth:`reset`.
     """
 
-    def __init__(self, env: Env, pad_multiple: int, out: Path) -> None:
+    def __init__(self, env: Env, pad_multiple: int, out: Path, off: bool = False) -> None:
         self.env, self.pad_multiple, self.out = env, pad_multiple, Path(out)
+        self.off = off  # train.allow_forward_collectives: an error ends the run (see watch)
         self.caps: dict[int, int] = {}  # bucket → most padded frames per pass
         self.single_failures: dict[int, int] = {}  # bucket → OOMs of one utterance alone
         self.skipped_steps = 0
@@ -120,6 +121,15 @@ class Budgets:
             yield
         except torch.OutOfMemoryError:
             self.failure = self._failure(piece, stage)
+            if self.off:  # a stand-in or a cut pass would change the count of collectives
+                raise UserError(
+                    f"out of memory on rank {self.env.rank} in the {stage} of bucket "
+                    f"{piece.bucket} ({self.failure.rows} × {self.failure.frames} padded frames, "
+                    f"{self.failure.key} first); recovery is off (train.allow_forward_collectives "
+                    "= true: cutting a batch or a stand-in pass would change how many collectives "
+                    "a rank runs): train in a new --out with a lower data.batch_frames, or with "
+                    "train.activation_checkpointing = true"
+                ) from None
 
     @contextlib.contextmanager
     def fatal(self, piece: Batch, step: int, latest: Callable[[], Path | None]) -> Iterator[None]:

@@ -34,6 +34,12 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     for extra in ("mel_loss", "stop_loss"):
         if extra in records[0]:
             top.plot(steps, _values(records, extra), label=extra, alpha=0.7)
+    val = sorted(
+        {r["step"]: r for r in read_metrics(path) if "val_loss" in r}.values(),
+        key=lambda r: r["step"],
+    )
+    if val:
+        top.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val_loss")
     top.set_ylabel("loss (per valid frame)")
     top.legend()
     bottom.plot(steps, _values(records, "frames_per_s"), label="valid frames/s")

@@ -30,6 +30,15 @@ from melcache.errors import UserError
 from melcache.index import read_stats
 from train.checkpoint import Checkpointer
 from train.config import Config
+from train.contract import (
+    declared,
+    expected_features,
+    inverse_count,
+    loader_data,
+    model_inputs,
+    normalise,
+    rescale_gradients,
+)
 from train.data import Batch, make_loader
 from train.distributed import (
     Env,
@@ -46,12 +55,15 @@ from train.distributed import (
     use_deterministic_algorithms,
     wrap_model,
 )
+from train.guards import FirstStep, translate_ddp_error
 from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
 from train.oom import Budgets
 from train.optim import EMA, build_optimizer, build_scheduler
 from train.prefetch import DeviceCopies
 from train.runfolder import owned_run_folder
+from train.tokenizers import build_tokenizer
+from train.validation import build_validator
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +75,9 @@ _RESUMABLE_CHANGES = {
     "train.ckpt_every",
     "train.keep_checkpoints",
     "train.async_checkpoint",
+    "train.val_every",
+    "train.val_batches",
+    "data.val_shards",
 }
 
 
@@ -79,15 +94,22 @@ class Trainer:
             use_deterministic_algorithms()
         seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
         shards = [shards] if isinstance(shards, str) else list(shards)
+        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab)
+        self.raw_model = build_model(cfg.model, tokenizer.vocab_size).to(device).train()
+        self.spec = declared(type(self.raw_model), cfg.model.impl)  # train/contract.py
+        features = expected_features(cfg.model, self.spec)
         self.loader = make_loader(
             shards[0] if len(shards) == 1 else shards,
-            cfg.data,
+            loader_data(cfg.data, self.spec),
             rank=env.rank,
             world_size=env.world_size,
             seed=t.seed,
-            expect_features=cfg.model.expected_features(),
+            expect_features=features,
+            tokenizer=tokenizer,
         )
-        self.raw_model = build_model(cfg.model).to(device)
+        self.validator = build_validator(  # None unless train.val_every (train/validation.py)
+            cfg, self.spec, env, self.out, expect_features=features, tokenizer=tokenizer
+        )
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
@@ -98,7 +120,16 @@ class Trainer:
             self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
         )
         self.vote = HostVote(env)
-        self.budgets = Budgets(env, cfg.data.pad_multiple, self.out)
+        self.budgets = Budgets(
+            env, self.loader.spec.data.pad_multiple, self.out, t.allow_forward_collectives
+        )
+        self.first = FirstStep(
+            self.raw_model,
+            cfg.model.impl,
+            allow_collectives=t.allow_forward_collectives,
+            unused=t.find_unused_parameters,
+            compiled=t.compile,
+        )
         self.copies = DeviceCopies(device)
         self.step = self._resume_or_start(shards)
         self._pending_records = self.budgets.apply_pending()  # cuts a stopped run left
@@ -144,6 +175,8 @@ class Trainer:
                         raise UserError(self.budgets.exhausted)
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
                         metrics.log(self.step, self._summary())
+                    if self.validator is not None and self.step % t.val_every == 0:
+                        metrics.log(self.step, self.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
                         self.save()
                     if verdict.stop:
@@ -165,12 +198,17 @@ class Trainer:
         stop, lost = self.vote.sum([self.stop.local, float(self.budgets.lost)])
         if lost:
             return Verdict(stop=stop > 0, skipped=True, records=self._skip_step())
+        self.first.gradients()  # the first step: every parameter got one
         for batch in micro:
             self.meter.add_batch(batch.mel_lengths, batch.mel.shape, batch.text_lengths)
+        inv_count = inverse_count(loss_sums, inv_frames, self.env)  # a model's own count
         for sums in loss_sums:
             for name, value in sums.items():
-                self.meter.add_device(name.removesuffix("_sum"), value * inv_frames)
+                if name.endswith("_sum"):
+                    self.meter.add_device(name.removesuffix("_sum"), value * inv_count)
         self.scaler.unscale_(self.optimizer)
+        if inv_count is not inv_frames:
+            rescale_gradients(self.raw_model, inv_count / inv_frames)
         clip = self.cfg.optim.grad_clip or math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip, foreach=True)
         self.meter.add_device("grad_norm", norm, replicated=True)
@@ -213,7 +251,7 @@ class Trainer:
                     self._backward(out, loss_scale)
             if self.budgets.lost:
                 break
-            sums.append({k: v.detach() for k, v in out.items() if k.endswith("_sum")})
+            sums.append({k: v.detach() for k, v in out.items() if k.endswith(("_sum", "_count"))})
         if self.budgets.lost and not self.env.distributed:
             return sums  # no DDP to keep in step with
         with self.budgets.fatal(passes[-1], self.step + 1, self.ckpt.latest):
@@ -223,9 +261,20 @@ class Trainer:
             self._backward(out, loss_scale)  # DDP's gradient all-reduce runs in here
         return sums
 
+    def _val_args(self) -> tuple[Any, ...]:
+        return self.raw_model, self.ema, self.step, self._autocast
+
     def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        with self._autocast():
-            return self.model(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
+        try:
+            with self._autocast(), self.first.forward():  # collectives refused at the first
+                out = normalise(self.model(*model_inputs(batch, self.spec)))
+        except RuntimeError as exc:  # DDP's unused-parameter error, in names
+            named = translate_ddp_error(exc, self.raw_model)
+            if named is exc:
+                raise
+            raise named from None
+        self.first.outputs(out)
+        return out
 
     def _backward(self, out: dict[str, torch.Tensor], loss_scale: torch.Tensor) -> None:
         self.scaler.scale(out["loss_sum"] * loss_scale).backward()
