@@ -24,7 +24,8 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
         raise UserError(f"{path} not found: is {run} a training run folder?")
     # A resumed run may have logged a step twice; the later record wins.
     # Event records (an out-of-memory error) carry no loss.
-    logged = [r for r in read_metrics(path) if "loss" in r]
+    every = read_metrics(path)
+    logged = [r for r in every if "loss" in r]
     records = sorted({r["step"]: r for r in logged}.values(), key=lambda r: r["step"])
     if not records:
         raise UserError(f"{path} has no records yet")
@@ -35,7 +36,7 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
         if extra in records[0]:
             top.plot(steps, _values(records, extra), label=extra, alpha=0.7)
     val = sorted(
-        {r["step"]: r for r in read_metrics(path) if "val_loss" in r}.values(),
+        {r["step"]: r for r in every if "val_loss" in r}.values(),
         key=lambda r: r["step"],
     )
     if val:
