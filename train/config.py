@@ -168,10 +168,12 @@ class TrainConfig:
     compile: bool = False
     activation_checkpointing: bool = False
     ema_decay: float = 0.0  # 0 turns the EMA of weights off; 0.999 is typical
-    comm_hook: str = "none"  # DDP gradient compression from torch's ddp_comm_hooks
-    # PowerSGD's error-feedback memory is per rank and not checkpointed: a resumed run with
-    # it restarts that memory, so its resume is close to, not bitwise, the uninterrupted run.
+    comm_hook: str = "none"  # DDP gradient compression: none, bf16, fp16 or powersgd
+    # PowerSGD (train/powersgd.py): the factors' rank, and plain all-reduce steps before it
+    # starts; its error and warm-start memory is checkpointed per rank, by parameter name.
     powersgd_rank: int = 4
+    powersgd_start_iter: int = 1_000
+    bucket_cap_mb: float = 25.0  # DDP's gradient bucket size (torch's default)
     # CUDA kernels such as embedding backward are nondeterministic by default; true turns on
     # torch.use_deterministic_algorithms (slower) so a resume is bitwise on GPUs as on CPU.
     deterministic: bool = False
@@ -198,15 +200,13 @@ class TrainConfig:
         )
         require(0 < self.memory_target <= 1, "train.memory_target", self.memory_target, "in (0, 1]")
         require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
-        # One fp16 overflow step writes inf into PowerSGD's error memory; every later step is
-        # then skipped by the loss scaler while the loss looks fine.
         require(
-            not (self.comm_hook == "powersgd" and self.precision == "fp16"),
-            "train.comm_hook",
-            self.comm_hook,
-            'not "powersgd" with train.precision = "fp16" (an overflow step poisons its error '
-            'memory): use bf16 or fp32 precision, or comm_hook = "fp16"',
+            self.powersgd_start_iter >= 0,
+            "train.powersgd_start_iter",
+            self.powersgd_start_iter,
+            "0 or more",
         )
+        require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

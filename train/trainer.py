@@ -49,6 +49,7 @@ from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
 from train.oom import Budgets
 from train.optim import EMA, build_optimizer, build_scheduler
+from train.powersgd import PowerSGD
 from train.prefetch import DeviceCopies
 from train.runfolder import owned_run_folder
 
@@ -98,11 +99,12 @@ class Trainer:
         self.vote = HostVote(env)
         self.budgets = Budgets(env, cfg.data.pad_multiple, self.out)
         self.copies = DeviceCopies(device)
+        self.powersgd = PowerSGD.for_run(self.raw_model, env, t)
         self.step = self._resume_or_start(shards)
         self._pending_records = self.budgets.apply_pending()  # cuts a stopped run left
         if t.activation_checkpointing:
             _enable_activation_checkpointing(self.raw_model, cfg.model.impl)
-        self.model = wrap_model(self.raw_model, env, t)
+        self.model = wrap_model(self.raw_model, env, t, self.powersgd)
         self.meter = Meter(env)
         self.stop = StopFlag()
         self._lr = self.optimizer.param_groups[0]["lr"]
@@ -172,6 +174,8 @@ class Trainer:
         clip = self.cfg.optim.grad_clip or math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip, foreach=True)
         self.meter.add_device("grad_norm", norm, replicated=True)
+        if self.powersgd is not None:  # an fp16 overflow must not poison its memory
+            self.powersgd.settle(torch.isfinite(norm))
         self._lr = self.optimizer.param_groups[0]["lr"]
         # fp16: skips the step on inf/NaN gradients; the fused AdamW reads the found-inf flag
         # on the device, so GradScaler needs no host sync here.
@@ -233,6 +237,8 @@ class Trainer:
         but trains nothing. The failures are gathered and lower their buckets' budgets."""
         failures = [f for f in self.vote.gather(self.budgets.failure) if f is not None]
         self.optimizer.zero_grad(set_to_none=True)
+        if self.powersgd is not None:
+            self.powersgd.roll_back()
         self.scheduler.step()
         self.budgets.skipped_steps += 1
         self.meter.skip_step()
@@ -267,6 +273,8 @@ class Trainer:
             "rng": rng_state(self.env.device),
             "loader": self.loader.state_dict(),
         }
+        if self.powersgd is not None:
+            local["powersgd"] = self.powersgd.state_dict()
         self.ckpt.save(self.step, shared, local)
         if self.budgets.pending:  # cuts a stopped run left: on disk until a checkpoint holds them
             self.ckpt.wait()
@@ -329,6 +337,8 @@ class Trainer:
             if "budgets" in shared:  # checkpoints from before per-bucket caps have none
                 self.budgets.load_state_dict(shared["budgets"])
             self.loader.load_state_dict(local["loader"])
+            if self.powersgd is not None and "powersgd" in local:
+                self.powersgd.load_state_dict(local["powersgd"])
             set_rng_state(local["rng"], self.env.device)
             step = int(shared["step"])
         except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
