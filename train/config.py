@@ -21,6 +21,7 @@ from melcache.reader import SHARD_CHECKS
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
+STRATEGIES = ("ddp", "fsdp2", "hsdp")
 ON_ERROR = ("raise", "skip")
 
 
@@ -174,6 +175,12 @@ class TrainConfig:
     powersgd_rank: int = 4
     powersgd_start_iter: int = 1_000
     bucket_cap_mb: float = 25.0  # DDP's gradient bucket size (torch's default)
+    # Data parallelism (README Sharding): DDP replicates everything; fsdp2 shards parameters,
+    # gradients and optimizer state over all ranks, hsdp over groups of hsdp_shard_size ranks
+    # (0: one node's) replicated across groups. Sharded parameters are all-gathered in bf16
+    # when train.precision is bf16 (fp32 otherwise); master copy and reduction stay fp32.
+    strategy: str = "ddp"
+    hsdp_shard_size: int = 0
     # CUDA kernels such as embedding backward are nondeterministic by default; true turns on
     # torch.use_deterministic_algorithms (slower) so a resume is bitwise on GPUs as on CPU.
     deterministic: bool = False
@@ -206,7 +213,29 @@ class TrainConfig:
             self.powersgd_start_iter,
             "0 or more",
         )
+        self._check_strategy()
         require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")
+
+    def _check_strategy(self) -> None:
+        """FSDP2 has no DDP comm hooks and no sharded GradScaler here: refused by name."""
+        require(
+            self.strategy in STRATEGIES, "train.strategy", self.strategy, " or ".join(STRATEGIES)
+        )
+        require(self.hsdp_shard_size >= 0, "train.hsdp_shard_size", self.hsdp_shard_size, "≥ 0")
+        if self.strategy != "ddp":
+            why = f"not with train.strategy = {self.strategy!r}"
+            require(
+                self.comm_hook == "none",
+                "train.comm_hook",
+                self.comm_hook,
+                f'"none" ({why}: DDP only)',
+            )
+            require(
+                self.precision != "fp16",
+                "train.precision",
+                self.precision,
+                f"bf16, fp32 or auto ({why})",
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from melcache.errors import UserError
@@ -138,8 +139,8 @@ def wrap_model(
     """
     if cfg.compile:
         model = torch.compile(model)
-    if not env.distributed:
-        return model
+    if not env.distributed or isinstance(getattr(model, "_orig_mod", model), FSDPModule):
+        return model  # sharded by train.parallel.shard already
     ddp = DistributedDataParallel(
         model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -167,7 +168,10 @@ def _register_comm_hook(ddp: DistributedDataParallel, cfg: TrainConfig, powersgd
 
 def no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """DDP's ``no_sync`` around forward *and* backward of a micro-batch that must not
-    all-reduce; a no-op for the last micro-batch and for an unwrapped model."""
+    all-reduce; a no-op for the last micro-batch and for an unwrapped model. FSDP2 gets
+    ``set_requires_gradient_sync(sync)``: no reduce-scatter until the last micro-batch."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
     if sync or not isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext()
     return model.no_sync()

@@ -80,8 +80,11 @@ class Budgets:
     the synchronised backward, :meth:`settle` the failures the ranks agreed on, :meth:`reset`.
     """
 
-    def __init__(self, env: Env, pad_multiple: int, out: Path) -> None:
+    def __init__(self, env: Env, pad_multiple: int, out: Path, *, recoverable: bool = True) -> None:
         self.env, self.pad_multiple, self.out = env, pad_multiple, Path(out)
+        # Under FSDP2 every forward and backward all-gathers on every rank: a rank cannot drop
+        # a pass, nor cut its batch into more passes than the others, so no recovery.
+        self.recoverable = recoverable
         self.caps: dict[int, int] = {}  # bucket → most padded frames per pass
         self.single_failures: dict[int, int] = {}  # bucket → OOMs of one utterance alone
         self.skipped_steps = 0
@@ -120,6 +123,8 @@ class Budgets:
             yield
         except torch.OutOfMemoryError:
             self.failure = self._failure(piece, stage)
+            if not self.recoverable:
+                raise self._unrecoverable(self.failure) from None
 
     @contextlib.contextmanager
     def fatal(self, piece: Batch, step: int, latest: Callable[[], Path | None]) -> Iterator[None]:
@@ -129,6 +134,8 @@ class Budgets:
         try:
             yield
         except torch.OutOfMemoryError:
+            if not self.recoverable:
+                raise self._unrecoverable(self._failure(piece, "backward")) from None
             if not self.env.distributed:  # no reducer mid-reduction: an ordinary lost step
                 self.failure = self._failure(piece, "backward")
                 return
@@ -144,6 +151,15 @@ class Budgets:
                 f"safely; the run stops. Run the same command again: it resumes from {resume} "
                 f"with that bucket's budget lowered to {cut} frames per pass"
             ) from None
+
+    def _unrecoverable(self, failure: Failure) -> UserError:
+        return UserError(
+            f"out of memory on rank {failure.rank} in the {failure.stage} of bucket "
+            f"{failure.bucket} ({failure.rows} × {failure.frames} padded frames): "
+            "train.strategy = fsdp2/hsdp cannot skip a pass (every pass all-gathers on every "
+            "rank), so the run stops; lower data.batch_frames (`python -m train tune` finds "
+            'budgets that fit) or use train.strategy = "ddp", which recovers'
+        )
 
     def stand_in(self, piece: Batch) -> Batch:
         """One utterance of ``pad_multiple`` frames and tokens, shaped like ``piece``: a pass

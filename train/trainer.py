@@ -49,6 +49,7 @@ from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
 from train.oom import Budgets
 from train.optim import EMA, build_optimizer, build_scheduler
+from train.parallel import clip_grad_norm, load_weights, shard, sharded, weights_state
 from train.powersgd import PowerSGD
 from train.prefetch import DeviceCopies
 from train.runfolder import owned_run_folder
@@ -86,7 +87,9 @@ class Trainer:
             seed=t.seed,
             expect_features=cfg.model.expected_features(),
         )
-        self.raw_model = build_model(cfg.model).to(device)
+        self.sharded = sharded(t, env)  # FSDP2 / HSDP: DTensor parameters from here on
+        param_dtype = _AMP_DTYPES.get(self.precision, torch.float32)  # fp16 is refused
+        self.raw_model = shard(build_model(cfg.model).to(device), env, t, param_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
@@ -97,7 +100,7 @@ class Trainer:
             self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
         )
         self.vote = HostVote(env)
-        self.budgets = Budgets(env, cfg.data.pad_multiple, self.out)
+        self.budgets = Budgets(env, cfg.data.pad_multiple, self.out, recoverable=not self.sharded)
         self.copies = DeviceCopies(device)
         self.powersgd = PowerSGD.for_run(self.raw_model, env, t)
         self.step = self._resume_or_start(shards)
@@ -172,7 +175,7 @@ class Trainer:
                 self.meter.add_device(name.removesuffix("_sum"), value * inv_frames)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip, foreach=True)
+        norm = clip_grad_norm(self.raw_model, clip)
         self.meter.add_device("grad_norm", norm, replicated=True)
         if self.powersgd is not None:  # an fp16 overflow must not poison its memory
             self.powersgd.settle(torch.isfinite(norm))
@@ -256,16 +259,17 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the current step (every rank calls this at the same step)."""
         shared: dict[str, Any] = {}
+        weights = {}  # model, optimizer, EMA: in shared.pt (DDP) or every rank's shards (FSDP2)
+        if self.env.is_main or self.sharded:
+            weights = weights_state(self.raw_model, self.optimizer, self.ema, self.sharded)
         if self.env.is_main:
             shared = {
                 "step": self.step,
                 "config": self.cfg.to_dict(),
-                "model": self.raw_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
-                "ema": None if self.ema is None else self.ema.state_dict(),
                 "budgets": self.budgets.state_dict(),
+                **({} if self.sharded else weights),
             }
         local = {
             "step": self.step,
@@ -275,7 +279,7 @@ class Trainer:
         }
         if self.powersgd is not None:
             local["powersgd"] = self.powersgd.state_dict()
-        self.ckpt.save(self.step, shared, local)
+        self.ckpt.save(self.step, shared, local, weights if self.sharded else None)
         if self.budgets.pending:  # cuts a stopped run left: on disk until a checkpoint holds them
             self.ckpt.wait()
             self.budgets.checkpointed()
@@ -328,12 +332,13 @@ class Trainer:
         latest, shared, local = restored
         try:
             _warn_config_changes(shared["config"], self.cfg.to_dict(), latest)
-            self.raw_model.load_state_dict(shared["model"])
-            self.optimizer.load_state_dict(shared["optimizer"])
+            weights = shared
+            if self.sharded:
+                weights = weights_state(self.raw_model, self.optimizer, self.ema, True)
+                self.ckpt.load_sharded(latest, weights)
+            load_weights(self.raw_model, self.optimizer, self.ema, weights, self.sharded)
             self.scheduler.load_state_dict(shared["scheduler"])
             self.scaler.load_state_dict(shared["scaler"])
-            if self.ema is not None and shared["ema"] is not None:
-                self.ema.load_state_dict(shared["ema"])
             if "budgets" in shared:  # checkpoints from before per-bucket caps have none
                 self.budgets.load_state_dict(shared["budgets"])
             self.loader.load_state_dict(local["loader"])
