@@ -9,6 +9,10 @@ need a look inside the loop, and write ``OUT/probe-rank{R}.json``:
   one batch of their union on a plain model (fp32, no dropout);
 - the fp16 (GradScaler) and bf16 (autocast) paths train.
 
+``powersgd-overflow CACHE OUT [key=value ...]``: 8 fp16 steps with PowerSGD on from step 3;
+rank 0's loss is multiplied by inf in step 5. Write ``OUT/overflow-rank{R}.json``: which
+steps changed the weights, the loss scale after each, whether PowerSGD's memory is finite.
+
 ``slow-ckpt STEP MARKER -- ARGS``: run ``python -m train ARGS``, but stall forever halfway
 through writing checkpoint STEP after touching MARKER, so the test can kill -9 mid-write.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -168,6 +173,42 @@ def ddp_main(cache: str, out: Path, overrides: list[str]) -> None:
         teardown(env)
 
 
+def powersgd_overflow_main(cache: str, out: Path, overrides: list[str]) -> None:
+    env = setup()
+    try:
+        cfg = load_config(TINY, [*overrides, "train.precision=fp16", "train.comm_hook=powersgd"])
+        trainer = Trainer(cfg, cache, out / "run", env)
+        real_backward, steps = trainer._backward, []
+
+        def overflowing_backward(out_, loss_scale):
+            poison = trainer.step == 4 and env.rank == 0
+            real_backward(out_, loss_scale * (math.inf if poison else 1.0))
+
+        trainer._backward = overflowing_backward
+        batches = iter(trainer.loader)
+        for _ in range(8):
+            before = [p.detach().clone() for p in trainer.raw_model.parameters()]
+            trainer.train_step([next(batches)])
+            trainer.step += 1
+            changed = any(
+                not torch.equal(a, p)
+                for a, p in zip(before, trainer.raw_model.parameters(), strict=True)
+            )
+            steps.append({"changed": changed, "scale": trainer.scaler.get_scale()})
+        memory = trainer.powersgd.state_dict()
+        result = {
+            "steps": steps,
+            "compressed": sorted(memory["error"]),
+            "finite": all(
+                bool(t.isfinite().all()) for t in [*memory["error"].values(), *memory["q"].values()]
+            ),
+        }
+        trainer.close()
+        (out / f"overflow-rank{env.rank}.json").write_text(json.dumps(result, indent=1))
+    finally:
+        teardown(env)
+
+
 def slow_checkpoint_main(step: int, marker: Path, argv: list[str]) -> int:
     """``python -m train`` whose write of checkpoint ``step`` stalls halfway."""
     real_write = checkpoint._write
@@ -200,6 +241,8 @@ if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "ddp":
         ddp_main(rest[0], Path(rest[1]), rest[2:])
+    elif mode == "powersgd-overflow":
+        powersgd_overflow_main(rest[0], Path(rest[1]), rest[2:])
     elif mode == "slow-ckpt":
         sys.exit(slow_checkpoint_main(int(rest[0]), Path(rest[1]), rest[3:]))
     else:

@@ -89,12 +89,17 @@ def test_unknown_model_class_names_the_key() -> None:
         build_model(cfg.model)
 
 
-def test_powersgd_with_fp16_is_refused_by_name() -> None:
-    """An fp16 overflow step would poison PowerSGD's error memory for good."""
-    with pytest.raises(UserError, match=r"train\.comm_hook = 'powersgd'.*fp16"):
-        load_config(None, ["train.comm_hook=powersgd", "train.precision=fp16"])
-    for precision in ("bf16", "fp32", "auto"):
+def test_powersgd_runs_in_every_precision_and_its_keys_are_checked() -> None:
+    """fp16 is allowed: an overflow step rolls PowerSGD's memory back (test_train_powersgd)."""
+    for precision in ("fp16", "bf16", "fp32", "auto"):
         load_config(None, ["train.comm_hook=powersgd", f"train.precision={precision}"])
+    cfg = load_config(None, ["train.powersgd_start_iter=2", "train.bucket_cap_mb=0.5"]).train
+    assert (cfg.powersgd_start_iter, cfg.bucket_cap_mb) == (2, 0.5)
+    for bad in ("train.powersgd_start_iter=-1", "train.bucket_cap_mb=0"):
+        with pytest.raises(UserError, match=bad.split("=")[0].replace(".", r"\.")):
+            load_config(None, [bad])
+    with pytest.raises(UserError, match=r"train\.comm_hook"):  # torch's broken variant: never
+        load_config(None, ["train.comm_hook=batched_powersgd"])
     assert not load_config(None).train.deterministic  # deterministic kernels: opt in
 
 

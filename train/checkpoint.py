@@ -6,6 +6,8 @@ Layout of ``OUT/checkpoints``::
       shared.pt           rank 0: model, optimizer, scheduler, scaler, EMA, step, config
       rank-00000.pt       each rank: its RNG states and its loader's exact-resume state
       rank-00001.pt
+      weights/            FSDP2 runs: every rank's shards of model, optimizer and EMA (DCP),
+                          which shared.pt then lacks (``train/dcp.py``)
       COMPLETE.json       written last: step, world size, files
     .tmp-step-00001500/   being written, or left by a killed writer: never "latest"
 
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from melcache.bounded import loads_json, open_regular, read_limited
 from melcache.errors import UserError
+from train import dcp
 from train.distributed import Env
 
 log = logging.getLogger(__name__)
@@ -68,20 +71,39 @@ class Checkpointer:
                 shutil.rmtree(stale)
         self._barrier()  # nobody writes before the stale folders are gone
 
-    def save(self, step: int, shared: Mapping[str, Any], local: Mapping[str, Any]) -> None:
+    def save(
+        self,
+        step: int,
+        shared: Mapping[str, Any],
+        local: Mapping[str, Any],
+        sharded: Mapping[str, Any] | None = None,
+    ) -> None:
         """Write checkpoint ``step`` (every rank calls this, at the same step).
 
-        ``shared`` is written by rank 0 only (other ranks may pass an empty dict). In async
-        mode this returns once the state is copied to CPU; call :meth:`wait` before exit.
+        ``shared`` is written by rank 0 only (other ranks may pass an empty dict); each rank
+        writes its shards of ``sharded`` (DTensors) in DCP format. In async mode this returns
+        once the state is copied to CPU; call :meth:`wait` before exit.
         """
         self.wait()  # one save in flight
         files = {rank_file(self.env.rank): dict(local)}
         if self.env.is_main:
             files[SHARED] = dict(shared)
+        if sharded is not None:
+            files[dcp.WEIGHTS] = dict(sharded)
         if self._pool is None:
             self._write(step, files)
         else:
             self._inflight = self._pool.submit(self._write, step, _to_cpu(files))
+
+    def load_sharded(self, path: Path, template: dict[str, Any]) -> None:
+        """Fill ``template`` in place from checkpoint ``path``'s DCP shards (every rank)."""
+        try:
+            dcp.load(template, path / dcp.WEIGHTS, self._group)
+        except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+            raise UserError(
+                f"{path / dcp.WEIGHTS} cannot be loaded as this model's sharded weights: "
+                f"{_one_line(exc)}"
+            ) from None
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; re-raise its error."""
@@ -152,7 +174,10 @@ class Checkpointer:
         try:
             temp.mkdir(parents=True, exist_ok=True)
             for file_name, state in files.items():
-                _write(state, temp / file_name)
+                if file_name == dcp.WEIGHTS:
+                    dcp.save(state, temp / file_name, self._group)
+                else:
+                    _write(state, temp / file_name)
         except (OSError, RuntimeError) as exc:  # torch reports a full disk as RuntimeError
             shutil.rmtree(temp, ignore_errors=True)  # a half-written checkpoint must not fill it
             raise self._write_error(name, exc) from None

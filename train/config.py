@@ -21,6 +21,7 @@ from melcache.reader import SHARD_CHECKS
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
+STRATEGIES = ("ddp", "fsdp2", "hsdp")
 ON_ERROR = ("raise", "skip")
 
 
@@ -201,10 +202,18 @@ class TrainConfig:
     compile: bool = False
     activation_checkpointing: bool = False
     ema_decay: float = 0.0  # 0 turns the EMA of weights off; 0.999 is typical
-    comm_hook: str = "none"  # DDP gradient compression from torch's ddp_comm_hooks
-    # PowerSGD's error-feedback memory is per rank and not checkpointed: a resumed run with
-    # it restarts that memory, so its resume is close to, not bitwise, the uninterrupted run.
+    comm_hook: str = "none"  # DDP gradient compression: none, bf16, fp16 or powersgd
+    # PowerSGD (train/powersgd.py): the factors' rank, and plain all-reduce steps before it
+    # starts; its error and warm-start memory is checkpointed per rank, by parameter name.
     powersgd_rank: int = 4
+    powersgd_start_iter: int = 1_000
+    bucket_cap_mb: float = 25.0  # DDP's gradient bucket size (torch's default)
+    # Data parallelism (README Sharding): DDP replicates everything; fsdp2 shards parameters,
+    # gradients and optimizer state over all ranks, hsdp over groups of hsdp_shard_size ranks
+    # (0: one node's) replicated across groups. Sharded parameters are all-gathered in bf16
+    # when train.precision is bf16 (fp32 otherwise); master copy and reduction stay fp32.
+    strategy: str = "ddp"
+    hsdp_shard_size: int = 0
     # CUDA kernels such as embedding backward are nondeterministic by default; true turns on
     # torch.use_deterministic_algorithms (slower) so a resume is bitwise on GPUs as on CPU.
     deterministic: bool = False
@@ -239,15 +248,35 @@ class TrainConfig:
         require(self.val_every >= 0, "train.val_every", self.val_every, "0 (off) or more")
         require(self.val_batches >= 1, "train.val_batches", self.val_batches, "1 or more")
         require(self.powersgd_rank >= 1, "train.powersgd_rank", self.powersgd_rank, "1 or more")
-        # One fp16 overflow step writes inf into PowerSGD's error memory; every later step is
-        # then skipped by the loss scaler while the loss looks fine.
         require(
-            not (self.comm_hook == "powersgd" and self.precision == "fp16"),
-            "train.comm_hook",
-            self.comm_hook,
-            'not "powersgd" with train.precision = "fp16" (an overflow step poisons its error '
-            'memory): use bf16 or fp32 precision, or comm_hook = "fp16"',
+            self.powersgd_start_iter >= 0,
+            "train.powersgd_start_iter",
+            self.powersgd_start_iter,
+            "0 or more",
         )
+        self._check_strategy()
+        require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")
+
+    def _check_strategy(self) -> None:
+        """FSDP2 has no DDP comm hooks and no sharded GradScaler here: refused by name."""
+        require(
+            self.strategy in STRATEGIES, "train.strategy", self.strategy, " or ".join(STRATEGIES)
+        )
+        require(self.hsdp_shard_size >= 0, "train.hsdp_shard_size", self.hsdp_shard_size, "≥ 0")
+        if self.strategy != "ddp":
+            why = f"not with train.strategy = {self.strategy!r}"
+            require(
+                self.comm_hook == "none",
+                "train.comm_hook",
+                self.comm_hook,
+                f'"none" ({why}: DDP only)',
+            )
+            require(
+                self.precision != "fp16",
+                "train.precision",
+                self.precision,
+                f"bf16, fp32 or auto ({why})",
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from melcache.errors import UserError
@@ -124,7 +125,9 @@ def barrier(env: Env) -> None:
         dist.barrier()
 
 
-def wrap_model(model: nn.Module, env: Env, cfg: TrainConfig) -> nn.Module:
+def wrap_model(
+    model: nn.Module, env: Env, cfg: TrainConfig, powersgd: Any | None = None
+) -> nn.Module:
     """``torch.compile`` (optional), then DDP with bucket-view gradients.
 
     Compile goes inside DDP, as in nanoGPT, so DDP's ``no_sync`` runs eagerly around the
@@ -136,42 +139,39 @@ def wrap_model(model: nn.Module, env: Env, cfg: TrainConfig) -> nn.Module:
     """
     if cfg.compile:
         model = torch.compile(model)
-    if not env.distributed:
-        return model
+    if not env.distributed or isinstance(getattr(model, "_orig_mod", model), FSDPModule):
+        return model  # sharded by train.parallel.shard already
     ddp = DistributedDataParallel(
         model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         find_unused_parameters=cfg.find_unused_parameters,
         forward_sync_buffers=False,
+        bucket_cap_mb=cfg.bucket_cap_mb,
     )
-    _register_comm_hook(ddp, cfg)
+    _register_comm_hook(ddp, cfg, powersgd)
     return ddp
 
 
-def _register_comm_hook(ddp: DistributedDataParallel, cfg: TrainConfig) -> None:
-    """Gradient compression from torch's own ``ddp_comm_hooks`` (none: DDP's C++ all-reduce).
-
-    bf16/fp16 halve the bytes on the wire (bf16 needs NCCL ≥ 2.10); PowerSGD sends a low-rank
-    approximation with error feedback after 1,000 plain steps. PowerSGD's error memory is not
-    checkpointed: a resumed run rebuilds it, so it is not bitwise equal to an uninterrupted one.
-    """
+def _register_comm_hook(ddp: DistributedDataParallel, cfg: TrainConfig, powersgd: Any) -> None:
+    """Gradient compression (none: DDP's C++ all-reduce). bf16/fp16 from torch's own
+    ``ddp_comm_hooks`` halve the bytes on the wire (bf16 needs NCCL ≥ 2.10); PowerSGD
+    (``train/powersgd.py``, a ``train.powersgd.PowerSGD``) sends low-rank factors with error
+    feedback after ``powersgd_start_iter`` plain steps."""
     if cfg.comm_hook == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif cfg.comm_hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif cfg.comm_hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=cfg.powersgd_rank,
-            random_seed=derive_seed(cfg.seed, "powersgd"),
-        )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif powersgd is not None:
+        powersgd.register(ddp)
 
 
 def no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """DDP's ``no_sync`` around forward *and* backward of a micro-batch that must not
-    all-reduce; a no-op for the last micro-batch and for an unwrapped model."""
+    all-reduce; a no-op for the last micro-batch and for an unwrapped model. FSDP2 gets
+    ``set_requires_gradient_sync(sync)``: no reduce-scatter until the last micro-batch."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
     if sync or not isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext()
     return model.no_sync()

@@ -80,9 +80,11 @@ class Budgets:
     the synchronised backward, :meth:`settle` the failures the ranks agreed on, :meth:`reset`.
     """
 
-    def __init__(self, env: Env, pad_multiple: int, out: Path, off: bool = False) -> None:
+    def __init__(
+        self, env: Env, pad_multiple: int, out: Path, *, no_recovery: str | None = None
+    ) -> None:
         self.env, self.pad_multiple, self.out = env, pad_multiple, Path(out)
-        self.off = off  # train.allow_forward_collectives: an error ends the run (see watch)
+        self.no_recovery = no_recovery  # why an error must end the run (see no_recovery())
         self.caps: dict[int, int] = {}  # bucket → most padded frames per pass
         self.single_failures: dict[int, int] = {}  # bucket → OOMs of one utterance alone
         self.skipped_steps = 0
@@ -121,15 +123,8 @@ class Budgets:
             yield
         except torch.OutOfMemoryError:
             self.failure = self._failure(piece, stage)
-            if self.off:  # a stand-in or a cut pass would change the count of collectives
-                raise UserError(
-                    f"out of memory on rank {self.env.rank} in the {stage} of bucket "
-                    f"{piece.bucket} ({self.failure.rows} × {self.failure.frames} padded frames, "
-                    f"{self.failure.key} first); recovery is off (train.allow_forward_collectives "
-                    "= true: cutting a batch or a stand-in pass would change how many collectives "
-                    "a rank runs): train in a new --out with a lower data.batch_frames, or with "
-                    "train.activation_checkpointing = true"
-                ) from None
+            if self.no_recovery is not None:
+                raise self._unrecoverable(self.failure) from None
 
     @contextlib.contextmanager
     def fatal(self, piece: Batch, step: int, latest: Callable[[], Path | None]) -> Iterator[None]:
@@ -139,6 +134,8 @@ class Budgets:
         try:
             yield
         except torch.OutOfMemoryError:
+            if self.no_recovery is not None:
+                raise self._unrecoverable(self._failure(piece, "backward")) from None
             if not self.env.distributed:  # no reducer mid-reduction: an ordinary lost step
                 self.failure = self._failure(piece, "backward")
                 return
@@ -154,6 +151,13 @@ class Budgets:
                 f"safely; the run stops. Run the same command again: it resumes from {resume} "
                 f"with that bucket's budget lowered to {cut} frames per pass"
             ) from None
+
+    def _unrecoverable(self, failure: Failure) -> UserError:
+        return UserError(
+            f"out of memory on rank {failure.rank} in the {failure.stage} of bucket "
+            f"{failure.bucket} ({failure.rows} × {failure.frames} padded frames, {failure.key} "
+            f"first): {self.no_recovery}"
+        )
 
     def stand_in(self, piece: Batch) -> Batch:
         """One utterance of ``pad_multiple`` frames and tokens, shaped like ``piece``: a pass
@@ -268,3 +272,22 @@ def _rows(batch: Batch, start: int, stop: int) -> Batch:
         keys=batch.keys[start:stop],
         speaker=batch.speaker[start:stop],
     )
+
+
+def no_recovery(sharded: bool, forward_collectives: bool) -> str | None:
+    """Why this run cannot survive an out-of-memory error (``None``: it can): each reason is
+    a pass a rank would drop or cut that the other ranks' collectives wait for."""
+    if sharded:
+        return (
+            "train.strategy = fsdp2/hsdp cannot skip a pass (every pass all-gathers on every "
+            "rank), so the run stops; lower data.batch_frames (`python -m train tune` finds "
+            'budgets that fit) or use train.strategy = "ddp", which recovers'
+        )
+    if forward_collectives:
+        return (
+            "recovery is off (train.allow_forward_collectives = true: cutting a batch or a "
+            "stand-in pass would change how many collectives a rank runs), so the run stops; "
+            "train in a new --out with a lower data.batch_frames, or with "
+            "train.activation_checkpointing = true"
+        )
+    return None

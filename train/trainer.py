@@ -58,8 +58,10 @@ from train.distributed import (
 from train.guards import FirstStep, translate_ddp_error
 from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
-from train.oom import Budgets
+from train.oom import Budgets, no_recovery
 from train.optim import EMA, build_optimizer, build_scheduler
+from train.parallel import clip_grad_norm, load_weights, shard, sharded, weights_state
+from train.powersgd import PowerSGD
 from train.prefetch import DeviceCopies
 from train.runfolder import owned_run_folder
 from train.tokenizers import build_tokenizer
@@ -110,6 +112,9 @@ class Trainer:
         self.validator = build_validator(  # None unless train.val_every (train/validation.py)
             cfg, self.spec, env, self.out, expect_features=features, tokenizer=tokenizer
         )
+        self.sharded = sharded(t, env)  # FSDP2 / HSDP: DTensor parameters from here on
+        param_dtype = _AMP_DTYPES.get(self.precision, torch.float32)  # fp16 is refused
+        self.raw_model = shard(self.raw_model, env, t, param_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
@@ -121,21 +126,26 @@ class Trainer:
         )
         self.vote = HostVote(env)
         self.budgets = Budgets(
-            env, self.loader.spec.data.pad_multiple, self.out, t.allow_forward_collectives
+            env,
+            self.loader.spec.data.pad_multiple,
+            self.out,
+            no_recovery=no_recovery(self.sharded, t.allow_forward_collectives),
         )
         self.first = FirstStep(
             self.raw_model,
             cfg.model.impl,
-            allow_collectives=t.allow_forward_collectives,
+            # FSDP2 all-gathers in every forward itself; it has no recovery for them to break.
+            allow_collectives=t.allow_forward_collectives or self.sharded,
             unused=t.find_unused_parameters,
             compiled=t.compile,
         )
         self.copies = DeviceCopies(device)
+        self.powersgd = PowerSGD.for_run(self.raw_model, env, t)
         self.step = self._resume_or_start(shards)
         self._pending_records = self.budgets.apply_pending()  # cuts a stopped run left
         if t.activation_checkpointing:
             _enable_activation_checkpointing(self.raw_model, cfg.model.impl)
-        self.model = wrap_model(self.raw_model, env, t)
+        self.model = wrap_model(self.raw_model, env, t, self.powersgd)
         self.meter = Meter(env)
         self.stop = StopFlag()
         self._lr = self.optimizer.param_groups[0]["lr"]
@@ -210,8 +220,10 @@ class Trainer:
         if inv_count is not inv_frames:
             rescale_gradients(self.raw_model, inv_count / inv_frames)
         clip = self.cfg.optim.grad_clip or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip, foreach=True)
+        norm = clip_grad_norm(self.raw_model, clip)
         self.meter.add_device("grad_norm", norm, replicated=True)
+        if self.powersgd is not None:  # an fp16 overflow must not poison its memory
+            self.powersgd.settle(torch.isfinite(norm))
         self._lr = self.optimizer.param_groups[0]["lr"]
         # fp16: skips the step on inf/NaN gradients; the fused AdamW reads the found-inf flag
         # on the device, so GradScaler needs no host sync here.
@@ -284,6 +296,8 @@ class Trainer:
         but trains nothing. The failures are gathered and lower their buckets' budgets."""
         failures = [f for f in self.vote.gather(self.budgets.failure) if f is not None]
         self.optimizer.zero_grad(set_to_none=True)
+        if self.powersgd is not None:
+            self.powersgd.roll_back()
         self.scheduler.step()
         self.budgets.skipped_steps += 1
         self.meter.skip_step()
@@ -301,16 +315,17 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the current step (every rank calls this at the same step)."""
         shared: dict[str, Any] = {}
+        weights = {}  # model, optimizer, EMA: in shared.pt (DDP) or every rank's shards (FSDP2)
+        if self.env.is_main or self.sharded:
+            weights = weights_state(self.raw_model, self.optimizer, self.ema, self.sharded)
         if self.env.is_main:
             shared = {
                 "step": self.step,
                 "config": self.cfg.to_dict(),
-                "model": self.raw_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
-                "ema": None if self.ema is None else self.ema.state_dict(),
                 "budgets": self.budgets.state_dict(),
+                **({} if self.sharded else weights),
             }
         local = {
             "step": self.step,
@@ -318,7 +333,9 @@ class Trainer:
             "rng": rng_state(self.env.device),
             "loader": self.loader.state_dict(),
         }
-        self.ckpt.save(self.step, shared, local)
+        if self.powersgd is not None:
+            local["powersgd"] = self.powersgd.state_dict()
+        self.ckpt.save(self.step, shared, local, weights if self.sharded else None)
         if self.budgets.pending:  # cuts a stopped run left: on disk until a checkpoint holds them
             self.ckpt.wait()
             self.budgets.checkpointed()
@@ -375,15 +392,18 @@ class Trainer:
         latest, shared, local = restored
         try:
             _warn_config_changes(shared["config"], self.cfg.to_dict(), latest)
-            self.raw_model.load_state_dict(shared["model"])
-            self.optimizer.load_state_dict(shared["optimizer"])
+            weights = shared
+            if self.sharded:
+                weights = weights_state(self.raw_model, self.optimizer, self.ema, True)
+                self.ckpt.load_sharded(latest, weights)
+            load_weights(self.raw_model, self.optimizer, self.ema, weights, self.sharded)
             self.scheduler.load_state_dict(shared["scheduler"])
             self.scaler.load_state_dict(shared["scaler"])
-            if self.ema is not None and shared["ema"] is not None:
-                self.ema.load_state_dict(shared["ema"])
             if "budgets" in shared:  # checkpoints from before per-bucket caps have none
                 self.budgets.load_state_dict(shared["budgets"])
             self.loader.load_state_dict(local["loader"])
+            if self.powersgd is not None and "powersgd" in local:
+                self.powersgd.load_state_dict(local["powersgd"])
             set_rng_state(local["rng"], self.env.device)
             step = int(shared["step"])
         except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:

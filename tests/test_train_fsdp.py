@@ -1,0 +1,91 @@
+"""``train.strategy = "fsdp2" | "hsdp"`` (train/parallel.py, train/dcp.py) in real 2-rank gloo
+jobs: the loss follows DDP's, checkpoints are DCP shards, and a resume is bitwise."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import checkpoint, load, metrics, run_ok, train_cmd
+
+from melcache.errors import UserError
+from train import dcp
+from train.config import load_config
+
+STRATEGIES = {
+    "fsdp2": ("train.strategy=fsdp2",),
+    "hsdp": ("train.strategy=hsdp", "train.hsdp_shard_size=1"),
+}
+TWELVE = ("train.ckpt_every=6", "train.log_every=3")
+
+
+def weights(out: Path, step: int) -> dict:
+    """The DCP shards of checkpoint ``step``, gathered into plain tensors, by dotted key."""
+    folder = checkpoint(out, step) / dcp.WEIGHTS
+    assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 2
+    return flat(dcp.read_full(folder))
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_sharded_run_follows_ddp_and_resumes_bitwise(
+    strategy: str, train_cache: Path, tmp_path: Path
+) -> None:
+    extra = (*STRATEGIES[strategy], *TWELVE)
+    ddp, straight, resumed = tmp_path / "ddp", tmp_path / "straight", tmp_path / "resumed"
+    run_ok(train_cmd(train_cache, ddp, *TWELVE, max_steps=12))
+    run_ok(train_cmd(train_cache, straight, *extra, max_steps=12))
+    run_ok(train_cmd(train_cache, resumed, *extra, max_steps=6))
+    done = run_ok(
+        train_cmd(train_cache, resumed, *extra, "train.async_checkpoint=true", max_steps=12)
+    )
+    assert "resumed from" in done.stderr
+    # fp32 on CPU: the same updates as DDP up to the order of the reduction.
+    sharded_loss = [r["loss"] for r in metrics(straight)]
+    ddp_loss = [r["loss"] for r in metrics(ddp)]
+    assert sharded_loss == pytest.approx(ddp_loss, rel=1e-3), (sharded_loss, ddp_loss)
+    assert sharded_loss[-1] < 0.9 * sharded_loss[0], sharded_loss
+    assert "model" not in load(checkpoint(straight, 12))  # the weights are in DCP shards
+    a, b = weights(straight, 12), weights(resumed, 12)
+    assert sorted(a) == sorted(b) and {"model", "optimizer", "ema"} <= {k.split(".")[0] for k in a}
+    for key, value in a.items():
+        same = torch.equal(value, b[key]) if isinstance(value, torch.Tensor) else value == b[key]
+        assert same, f"{key} differs"
+    keys = ("step", "loss", "grad_norm", "lr")
+    assert [{k: r[k] for k in keys} for r in metrics(resumed)] == [
+        {k: r[k] for k in keys} for r in metrics(straight)
+    ]
+
+
+def test_dcp_metadata_is_read_without_running_pickled_code(tmp_path: Path) -> None:
+    class Payload:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print"):
+        dcp.SafeReader(tmp_path).read_metadata()
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("train.comm_hook=powersgd", r"train\.comm_hook"),
+        ("train.precision=fp16", r"train\.precision"),
+    ],
+)
+def test_what_fsdp2_cannot_do_is_refused_by_name(override: str, named: str) -> None:
+    with pytest.raises(UserError, match=named + ".*fsdp2"):
+        load_config(None, ["train.strategy=fsdp2", override])
