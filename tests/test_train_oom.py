@@ -188,11 +188,14 @@ def test_ddp_forward_oom_on_one_rank_skips_exactly_those_steps_and_resumes(
     extra = [*on_rank_1(record), f"train.grad_accum={accum}"]
     if accum == 2:
         extra.append("model.args.stage=backward")  # the first pass's backward: no_sync
+        # The whole-cache stream of seed 0 puts the batches over the limit first in their
+        # steps; bucket sub-streams (the default) order them otherwise.
+        extra.append("data.sync_buckets=false")
     run_ok(train_cmd(train_cache, out, *extra), timeout=600)
     logged = events(out)
     assert logged and {e["rank"] for e in logged} == {1}
-    # With 2 micro-batches, the batches over the limit come first in their steps (seed 0):
-    # their backward is a no_sync one, recoverable like a forward.
+    # With 2 micro-batches, the batches over the limit come first in their steps: their
+    # backward is a no_sync one, recoverable like a forward.
     assert {e["stage"] for e in logged} == {"forward" if accum == 1 else "backward"}
     caps: dict[int, int] = {}
     raised = replay(record, logged, caps, bucket_of(train_cache))
@@ -225,7 +228,9 @@ def test_ddp_oom_in_the_synchronised_backward_stops_cleanly_and_restarts_with_th
     resume from the last checkpoint with the budget lowered, until the job is done."""
     out, record = tmp_path / "run", tmp_path / "rank1.jsonl"
     entry = ("--max-restarts", "3", "-m", "train")
-    cmd = train_cmd(train_cache, out, *on_rank_1(record), "model.args.stage=backward", entry=entry)
+    # The whole-cache stream of seed 0: an oversize batch before the first checkpoint, another after.
+    pinned = ("model.args.stage=backward", "data.sync_buckets=false")
+    cmd = train_cmd(train_cache, out, *on_rank_1(record), *pinned, entry=entry)
     start = time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
