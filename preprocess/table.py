@@ -1,0 +1,161 @@
+"""The per-utterance table of a cache (:mod:`melcache.table`), made from its shards.
+
+The build writes it at the end, from the shards themselves, so every input layout (folder,
+manifest, tars, Parquet, parts) gets the same table; ``python -m preprocess index-table``
+writes one for a cache built before tables existed, and ``verify`` remakes it and compares.
+Each shard is walked with :mod:`tarfile` (headers only, seeking over the data) and its
+samples' bytes hashed through a memory map; only each ``json`` member is parsed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from melcache.errors import ShardError, UserError
+from melcache.format import META_MEMBER, decode_meta
+from melcache.index import index_storage, read_index, write_index
+from melcache.storage import MEL_MEMBERS
+from melcache.table import (
+    TABLE_NAME,
+    Table,
+    TableRows,
+    encode_table,
+    sample_digest,
+    write_table,
+)
+from preprocess.parallel import ordered_map
+
+# Per-sample columns, filled by the shard walk; ``speaker`` is numbered by encode_table.
+_COLUMNS = ("offset", "frames", "text_length", "digest")
+
+
+def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
+    """The table rows of one shard, in tar order; :class:`ShardError` naming the shard when a
+    sample lacks a member the cache needs or its metadata is unreadable."""
+    members = {"json": META_MEMBER, "mel": mel_member}
+    if keep_audio:
+        members["flac"] = "flac"
+    kinds = {member: kind for kind, member in members.items()}
+    names = [*_COLUMNS, *(f"{k}_{part}" for k in members for part in ("at", "size"))]
+    columns: dict[str, list[int]] = {name: [] for name in names}
+    rows = TableRows({}, [], [], [], [])
+    try:
+        with open(path, "rb") as file, tarfile.open(fileobj=file, mode="r:") as tar:
+            data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            for key, infos in _samples(tar, kinds):
+                where = f"{path.name}:{key}"
+                missing = sorted(set(kinds) - set(infos))
+                if missing:
+                    raise ShardError(f"{where}: sample has no {missing[0]} member")
+                start = min(info.offset for info in infos.values())
+                end = max(info.offset_data + info.size for info in infos.values())
+                meta_info = infos[META_MEMBER]
+                meta_bytes = data[meta_info.offset_data : meta_info.offset_data + meta_info.size]
+                meta = decode_meta(meta_bytes, where)
+                speaker = meta.get("speaker")
+                rows.keys.append(key)
+                rows.sources.append(str(meta.get("source", "")))
+                rows.speakers.append(None if speaker is None else str(speaker))
+                columns["offset"].append(start)
+                columns["frames"].append(_count(meta.get("frames"), where, "frames"))
+                columns["text_length"].append(len(str(meta.get("text", ""))))
+                columns["digest"].append(sample_digest(data[start:end]))
+                for member, info in infos.items():
+                    columns[f"{kinds[member]}_at"].append(info.offset_data - start)
+                    columns[f"{kinds[member]}_size"].append(info.size)
+    except (OSError, tarfile.TarError, ValueError) as exc:
+        raise ShardError(f"{path}: cannot read as a tar ({exc})") from None
+    rows.columns = {name: np.array(values, np.int64) for name, values in columns.items()}
+    rows.shard_counts = [len(rows.keys)]
+    return rows
+
+
+def _samples(tar: tarfile.TarFile, kinds: dict[str, str]) -> Any:
+    """``(key, {member: TarInfo})`` per sample, the members the table describes only."""
+    key, infos = None, {}
+    for info in tar:
+        name_key, _, member = info.name.partition(".")
+        if member not in kinds or not info.isfile():
+            continue
+        if name_key != key and infos:
+            yield key, infos
+            infos = {}
+        key = name_key
+        infos[member] = info
+    if infos:
+        yield key, infos
+
+
+def _count(value: Any, where: str, field: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ShardError(f"{where}: metadata {field!r} = {value!r} is not a count")
+    return value
+
+
+def _shard_rows_job(job: tuple[Path, str, bool]) -> TableRows:
+    return shard_rows(*job)
+
+
+def cache_rows(cache: Path, index: dict[str, Any], workers: int = 1) -> TableRows:
+    """The rows of every shard the index lists, in index order."""
+    member = MEL_MEMBERS[index_storage(index)]
+    jobs = [(cache / s["name"], member, bool(index["keep_audio"])) for s in index["shards"]]
+    merged = TableRows({}, [], [], [], [])
+    parts: dict[str, list[np.ndarray]] = {}
+    with ordered_map(workers) as run:
+        for rows in run(_shard_rows_job, jobs, chunksize=8):
+            for name, values in rows.columns.items():
+                parts.setdefault(name, []).append(values)
+            merged.shard_counts += rows.shard_counts
+            merged.keys += rows.keys
+            merged.sources += rows.sources
+            merged.speakers += rows.speakers
+    merged.columns = {name: np.concatenate(values) for name, values in parts.items()}
+    return merged
+
+
+def make_table(cache: Path, index: dict[str, Any], workers: int = 1) -> bytes:
+    """The table bytes of the cache ``index`` describes, from its shards."""
+    return encode_table(cache_rows(cache, index, workers), index)
+
+
+def write_cache_table(cache: Path, index: dict[str, Any], workers: int = 1) -> dict[str, Any]:
+    """Write ``utterances.table`` from the shards; return the index entry that covers it."""
+    try:
+        return write_table(cache, make_table(cache, index, workers))
+    except ShardError as exc:
+        raise UserError(f"cannot write {cache / TABLE_NAME}: {exc}") from None
+
+
+def index_table(cache: Path, workers: int = 1) -> dict[str, Any]:
+    """``preprocess index-table``: write the table of a finished cache and list it in its
+    index (rewritten atomically); return the new index."""
+    index = read_index(cache)
+    index["table"] = write_cache_table(cache, index, workers)
+    write_index(cache, index)
+    return index
+
+
+def table_problems(cache: Path, index: dict[str, Any], workers: int = 1) -> list[str]:
+    """What ``verify`` finds wrong with the table: unreadable, damaged or stale against the
+    index, or not what the shards make (empty: sound, or no table in an older cache)."""
+    if "table" not in index:
+        if (cache / TABLE_NAME).exists():
+            return [f"{TABLE_NAME}: not listed in index.json (stale?)"]
+        return []  # a cache from before tables: still sound
+    try:
+        Table(cache, index, sha256=True)  # size, digests and columns against the index
+        expected = make_table(cache, index, workers)
+    except (UserError, ShardError) as exc:
+        return [str(exc)]
+    if (cache / TABLE_NAME).read_bytes() == expected:
+        return []
+    return [
+        f"{TABLE_NAME}: differs from what the shards make (stale or damaged); "
+        f"`python -m preprocess index-table {cache}` rewrites it"
+    ]
