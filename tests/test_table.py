@@ -3,9 +3,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
+import io
 import json
 import pickle
+import re
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +221,53 @@ def test_parts_and_lz4_q5_builds_write_the_same_table(
     with melcache.open(parts) as cache:
         for key, text, _, _, mel in expected:
             assert np.array_equal(cache[key].mel, mel) and cache[key].text == text
+
+
+class _RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """A static file server that answers ``Range: bytes=A-B`` with 206, as object stores do
+    (Python's own handler ignores ranges)."""
+
+    def send_head(self):  # type: ignore[no-untyped-def]
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        if wanted is None:
+            return super().send_head()
+        data = Path(self.translate_path(self.path)).read_bytes()
+        start, stop = int(wanted[1]), int(wanted[2]) + 1
+        self.send_response(206)
+        self.send_header("Content-Length", str(len(data[start:stop])))
+        self.end_headers()
+        return io.BytesIO(data[start:stop])
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def served(folder: Path, handler: type) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler, directory=str(folder))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def test_http_cache_is_read_by_range_requests(sample_cache: Path) -> None:
+    expected = streamed(sample_cache)
+    with served(sample_cache, _RangeHandler) as url, melcache.open(url) as cache:
+        for row in (0, 13, 29):
+            key, text, _, _, mel = expected[row]
+            assert cache[key].text == text and np.array_equal(cache[row].mel, mel)
+    handler = http.server.SimpleHTTPRequestHandler
+    with (
+        served(sample_cache, handler) as url,
+        melcache.open(url) as cache,
+        pytest.raises(ShardError, match="ignores range requests"),
+    ):
+        cache[0]
+    with pytest.raises(UserError, match="random access reads a local folder or an http"):
+        melcache.open("pipe:cat " + str(sample_cache))
