@@ -125,7 +125,7 @@ class Cache:
         number = self.table.shard_of(row)
         name = self.index["shards"][number]["name"]
         offset, length = self.table.span(row)
-        where = f"{member_location(self.location, name)}"
+        where = self._shards.location(name)
         data = self._shards.read(name, offset, length)
         if sample_digest(memoryview(data)[:length]) != int(self.table.column("digest")[row]):
             raise ShardError(
@@ -169,6 +169,7 @@ class _Shards:
     def __init__(self, cache: str | Path, entries: list[dict[str, Any]]) -> None:
         self._cache = cache
         self._entries = {entry["name"]: entry for entry in entries}
+        self._locations = {name: member_location(cache, name) for name in self._entries}
         self._files: dict[str, IO[bytes]] = {}
         if is_url(cache) and not str(cache).startswith(("http://", "https://")):
             raise UserError(
@@ -179,7 +180,7 @@ class _Shards:
     def read(self, name: str, offset: int, length: int) -> bytearray:
         """``length`` bytes of shard ``name`` from ``offset``, then zeros ending the tar."""
         buffer = bytearray(length + _END_BLOCKS)
-        location = member_location(self._cache, name)
+        location = self._locations[name]
         if is_url(self._cache):
             got = _http_range(location, offset, length)
             buffer[: len(got)] = got
@@ -193,6 +194,10 @@ class _Shards:
                 f"{location}: {count} bytes at {offset}, {TABLE_NAME} says {length} (truncated?)"
             )
         return buffer
+
+    def location(self, name: str) -> str:
+        """Where shard ``name`` lives."""
+        return self._locations[name]
 
     def _file(self, name: str, location: str) -> IO[bytes]:
         file = self._files.get(name)

@@ -243,7 +243,7 @@ class Table:
 
     def rows_of(self, key: str) -> list[int]:
         """The rows whose key hashes as ``key`` does: usually one, or none."""
-        target = key_hash([key])[0]
+        target = np.uint64(xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogateescape")))
         hashes = self._columns["key_hash"]
         low, high = (
             np.searchsorted(hashes, target, "left"),
