@@ -179,8 +179,14 @@ class _Shards:
 
     def read(self, name: str, offset: int, length: int) -> bytearray:
         """``length`` bytes of shard ``name`` from ``offset``, then zeros ending the tar."""
-        buffer = bytearray(length + _END_BLOCKS)
         location = self._locations[name]
+        size = self._entries[name].get("bytes")
+        if length <= 0 or (size is not None and offset + length > size):
+            raise ShardError(  # a forged table must not make us allocate or seek past the shard
+                f"{location}: {TABLE_NAME} places a sample at bytes {offset}+{length}, "
+                f"outside the shard's {size}"
+            )
+        buffer = bytearray(length + _END_BLOCKS)
         if is_url(self._cache):
             got = _http_range(location, offset, length)
             buffer[: len(got)] = got

@@ -271,3 +271,40 @@ def test_http_cache_is_read_by_range_requests(sample_cache: Path) -> None:
         cache[0]
     with pytest.raises(UserError, match="random access reads a local folder or an http"):
         melcache.open("pipe:cat " + str(sample_cache))
+
+
+def test_fuzzed_table_gives_one_line_errors_or_true_utterances(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    """A table damaged and then re-listed in index.json with matching digests (as a forger or
+    a buggy tool would leave it): every lookup is the streamed utterance or a one-line error."""
+    from melcache.table import table_entry
+
+    cache = copied(sample_cache, tmp_path)
+    honest = (sample_cache / TABLE_NAME).read_bytes()
+    index = json.loads((sample_cache / INDEX_NAME).read_text())
+    truth = {key: (text, mel) for key, text, _, _, mel in streamed(sample_cache)}
+    rng = np.random.default_rng(0)
+    outcomes = {"refused": 0, "read": 0}
+    for _ in range(150):
+        data = bytearray(honest)
+        for _ in range(int(rng.integers(1, 4))):
+            data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        (cache / TABLE_NAME).write_bytes(bytes(data))
+        (cache / INDEX_NAME).write_text(json.dumps({**index, "table": table_entry(bytes(data))}))
+        try:
+            with melcache.open(cache) as opened:
+                for item in [*range(len(opened)), *truth]:
+                    try:
+                        got = opened[item]
+                    except (UserError, ShardError) as exc:
+                        one_line(exc)
+                        outcomes["refused"] += 1
+                        continue
+                    text, mel = truth[got.key]
+                    assert got.text == text and np.array_equal(got.mel, mel)
+                    outcomes["read"] += 1
+        except UserError as exc:
+            one_line(exc)
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 50 and outcomes["read"] > 50
