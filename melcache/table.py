@@ -48,9 +48,8 @@ _MAGIC = b"MELTABLE"
 _LENGTH = struct.Struct("<I")
 _ALIGN = 64
 _ZSTD_LEVEL = 9  # keys and sources: level 19 is 3x slower for ~5 % less
-MEMBER_COLUMNS = {"json": "json", "mel": "mel", "flac": "flac"}  # table prefix by member kind
+MEMBERS = ("json", "mel", "flac")  # each has ``<member>_at`` and ``<member>_size`` columns
 ROW_COLUMNS = ("offset", "frames", "text_length", "speaker", "digest")
-STRING_COLUMNS = ("keys", "sources", "speakers")
 _UNSIGNED = ("|u1", "<u2", "<u4", "<u8")  # numpy spells a byte "|u1"
 
 
@@ -216,8 +215,7 @@ class Table:
         rows, counts = header.get("rows"), [s["samples"] for s in index["shards"]]
         expected = {name: rows for name in (*ROW_COLUMNS, "key_hash", "row")}
         expected["shard_rows"] = len(counts) + 1
-        members = ("json", "mel", "flac") if index.get("keep_audio") else ("json", "mel")
-        for member in members:
+        for member in MEMBERS if index.get("keep_audio") else MEMBERS[:2]:
             expected[f"{member}_at"] = expected[f"{member}_size"] = rows
         for name, length in expected.items():
             column = self._columns.get(name)
@@ -258,7 +256,7 @@ class Table:
     def span(self, row: int) -> tuple[int, int]:
         """``(offset, length)`` of row ``row``'s sample: its headers and members, one read."""
         end = 0
-        for member in MEMBER_COLUMNS:
+        for member in MEMBERS:
             if f"{member}_at" in self._columns:
                 end = max(
                     end,

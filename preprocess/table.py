@@ -41,8 +41,7 @@ def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
     if keep_audio:
         members["flac"] = "flac"
     kinds = {member: kind for kind, member in members.items()}
-    names = [*_COLUMNS, *(f"{k}_{part}" for k in members for part in ("at", "size"))]
-    columns: dict[str, list[int]] = {name: [] for name in names}
+    columns: dict[str, list[int]] = {name: [] for name in _column_names(keep_audio)}
     rows = TableRows({}, [], [], [], [])
     try:
         with open(path, "rb") as file, tarfile.open(fileobj=file, mode="r:") as tar:
@@ -73,6 +72,11 @@ def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
     rows.columns = {name: np.array(values, np.int64) for name, values in columns.items()}
     rows.shard_counts = [len(rows.keys)]
     return rows
+
+
+def _column_names(keep_audio: bool) -> list[str]:
+    members = ("json", "mel", "flac") if keep_audio else ("json", "mel")
+    return [*_COLUMNS, *(f"{m}_{part}" for m in members for part in ("at", "size"))]
 
 
 def _samples(tar: tarfile.TarFile, kinds: dict[str, str]) -> Any:
@@ -115,7 +119,10 @@ def cache_rows(cache: Path, index: dict[str, Any], workers: int = 1) -> TableRow
             merged.keys += rows.keys
             merged.sources += rows.sources
             merged.speakers += rows.speakers
-    merged.columns = {name: np.concatenate(values) for name, values in parts.items()}
+    merged.columns = {  # also for a cache of no shards (every utterance rejected)
+        name: np.concatenate([np.zeros(0, np.int64), *parts.get(name, [])])
+        for name in _column_names(bool(index["keep_audio"]))
+    }
     return merged
 
 
