@@ -3,21 +3,23 @@
 The build writes it at the end, from the shards themselves, so every input layout (folder,
 manifest, tars, Parquet, parts) gets the same table; ``python -m preprocess index-table``
 writes one for a cache built before tables existed, and ``verify`` remakes it and compares.
-Each shard is walked with :mod:`tarfile` (headers only, seeking over the data) and its
-samples' bytes hashed through a memory map; only each ``json`` member is parsed.
+Each shard is memory-mapped, its tar headers walked (the build's plain ones in place,
+anything else by :mod:`tarfile`) and its samples' bytes hashed; only ``json`` members are parsed.
 """
 
 from __future__ import annotations
 
 import mmap
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
+from melcache.bounded import open_regular
 from melcache.errors import ShardError, UserError
-from melcache.format import META_MEMBER, decode_meta
+from melcache.format import META_MEMBER, decode_meta, plain_tar_entries
 from melcache.index import index_storage, read_index, write_index
 from melcache.storage import MEL_MEMBERS
 from melcache.table import (
@@ -44,18 +46,20 @@ def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
     columns: dict[str, list[int]] = {name: [] for name in _column_names(keep_audio)}
     rows = TableRows({}, [], [], [], [])
     try:
-        with open(path, "rb") as file, tarfile.open(fileobj=file, mode="r:") as tar:
-            data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-            for key, infos in _samples(tar, kinds):
+        with (
+            open_regular(path) as file,
+            mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data,
+        ):
+            entries = _entries(data, file)
+            for key, spans in _samples(entries, kinds):
                 where = f"{path.name}:{key}"
-                missing = sorted(set(kinds) - set(infos))
+                missing = sorted(set(kinds) - set(spans))
                 if missing:
                     raise ShardError(f"{where}: sample has no {missing[0]} member")
-                start = min(info.offset for info in infos.values())
-                end = max(info.offset_data + info.size for info in infos.values())
-                meta_info = infos[META_MEMBER]
-                meta_bytes = data[meta_info.offset_data : meta_info.offset_data + meta_info.size]
-                meta = decode_meta(meta_bytes, where)
+                start = min(header for header, _, _ in spans.values())
+                end = max(at + size for _, at, size in spans.values())
+                _, meta_at, meta_size = spans[META_MEMBER]
+                meta = decode_meta(data[meta_at : meta_at + meta_size], where)
                 speaker = meta.get("speaker")
                 rows.keys.append(key)
                 rows.sources.append(str(meta.get("source", "")))
@@ -64,9 +68,9 @@ def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
                 columns["frames"].append(_count(meta.get("frames"), where, "frames"))
                 columns["text_length"].append(len(str(meta.get("text", ""))))
                 columns["digest"].append(sample_digest(data[start:end]))
-                for member, info in infos.items():
-                    columns[f"{kinds[member]}_at"].append(info.offset_data - start)
-                    columns[f"{kinds[member]}_size"].append(info.size)
+                for member, (_, at, size) in spans.items():
+                    columns[f"{kinds[member]}_at"].append(at - start)
+                    columns[f"{kinds[member]}_size"].append(size)
     except (OSError, tarfile.TarError, ValueError) as exc:
         raise ShardError(f"{path}: cannot read as a tar ({exc})") from None
     rows.columns = {name: np.array(values, np.int64) for name, values in columns.items()}
@@ -74,25 +78,37 @@ def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
     return rows
 
 
+def _entries(data: mmap.mmap, file: IO[bytes]) -> list[tuple[str, int, int, int]]:
+    """``(name, header offset, data offset, size)`` of each regular member: the build's plain
+    headers read in place (~10x faster than tarfile), anything else through tarfile."""
+    plain = plain_tar_entries(data)
+    if plain is not None:
+        return [(name, at - 512, at, size) for name, at, size in plain]
+    with tarfile.open(fileobj=file, mode="r:") as tar:
+        return [(i.name, i.offset, i.offset_data, i.size) for i in tar if i.isfile()]
+
+
 def _column_names(keep_audio: bool) -> list[str]:
     members = ("json", "mel", "flac") if keep_audio else ("json", "mel")
     return [*_COLUMNS, *(f"{m}_{part}" for m in members for part in ("at", "size"))]
 
 
-def _samples(tar: tarfile.TarFile, kinds: dict[str, str]) -> Any:
-    """``(key, {member: TarInfo})`` per sample, the members the table describes only."""
-    key, infos = None, {}
-    for info in tar:
-        name_key, _, member = info.name.partition(".")
-        if member not in kinds or not info.isfile():
+def _samples(
+    entries: list[tuple[str, int, int, int]], kinds: dict[str, str]
+) -> Iterator[tuple[str, dict[str, tuple[int, int, int]]]]:
+    """``(key, {member: (header, data offset, size)})`` per sample, the table's members only."""
+    key, spans = "", {}
+    for name, header, at, size in entries:
+        name_key, _, member = name.partition(".")
+        if member not in kinds:
             continue
-        if name_key != key and infos:
-            yield key, infos
-            infos = {}
+        if name_key != key and spans:
+            yield key, spans
+            spans = {}
         key = name_key
-        infos[member] = info
-    if infos:
-        yield key, infos
+        spans[member] = (header, at, size)
+    if spans:
+        yield key, spans
 
 
 def _count(value: Any, where: str, field: str) -> int:
