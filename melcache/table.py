@@ -56,7 +56,7 @@ _UNSIGNED = ("|u1", "<u2", "<u4", "<u8")  # numpy spells a byte "|u1"
 def key_hash(keys: list[str]) -> np.ndarray:
     """The 64-bit hash of each key (xxh3_64 of its UTF-8), as the table sorts them."""
     return np.fromiter(
-        (xxhash.xxh3_64_intdigest(k.encode("utf-8", "surrogateescape")) for k in keys),
+        (xxhash.xxh3_64_intdigest(k.encode("utf-8", "surrogatepass")) for k in keys),
         np.uint64,
         len(keys),
     )
@@ -97,7 +97,7 @@ def encode_table(rows: TableRows, index: dict[str, Any]) -> bytes:
     arrays["key_hash"] = hashes[order].astype("<u8")
     arrays["row"] = _narrow(order)
     for name, values in (("keys", rows.keys), ("sources", rows.sources), ("speakers", names)):
-        text = json.dumps(values, ensure_ascii=False).encode("utf-8", "surrogateescape")
+        text = json.dumps(values, ensure_ascii=False).encode("utf-8", "surrogatepass")
         arrays[name] = np.frombuffer(Zstd(_ZSTD_LEVEL).encode(text), np.uint8)
     layout, position = [], 0
     for name in sorted(arrays):
@@ -241,7 +241,7 @@ class Table:
 
     def rows_of(self, key: str) -> list[int]:
         """The rows whose key hashes as ``key`` does: usually one, or none."""
-        target = np.uint64(xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogateescape")))
+        target = np.uint64(xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass")))
         hashes = self._columns["key_hash"]
         low, high = (
             np.searchsorted(hashes, target, "left"),
@@ -269,7 +269,7 @@ class Table:
         if name not in self._strings:
             try:
                 raw = Zstd().decode(self._columns[name].tobytes())
-                values = loads_json(bytes(raw).decode("utf-8", "surrogateescape"))
+                values = loads_json(bytes(raw).decode("utf-8", "surrogatepass"))
             except (RuntimeError, ValueError) as exc:
                 raise UserError(f"{self.location}: column {name!r} unreadable ({exc})") from None
             expected = len(self) if name != "speakers" else None

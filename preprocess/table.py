@@ -9,6 +9,7 @@ anything else by :mod:`tarfile`) and its samples' bytes hashed; only ``json`` me
 
 from __future__ import annotations
 
+import json
 import mmap
 import tarfile
 from collections.abc import Iterator
@@ -17,9 +18,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from melcache.bounded import open_regular
+from melcache.bounded import loads_json, open_regular, read_limited
 from melcache.errors import ShardError, UserError
-from melcache.format import META_MEMBER, decode_meta, plain_tar_entries
+from melcache.format import META_MEMBER, decode_meta, plain_tar_entries, write_atomic
 from melcache.index import index_storage, read_index, write_index
 from melcache.storage import MEL_MEMBERS
 from melcache.table import (
@@ -30,10 +31,12 @@ from melcache.table import (
     sample_digest,
     write_table,
 )
+from preprocess.inputs import RECEIPTS
 from preprocess.parallel import ordered_map
 
 # Per-sample columns, filled by the shard walk; ``speaker`` is numbered by encode_table.
 _COLUMNS = ("offset", "frames", "text_length", "digest")
+ROWS_FOLDER = "table-rows"  # in OUT/.build: each shard's rows, saved by its writer
 
 
 def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
@@ -117,14 +120,53 @@ def _count(value: Any, where: str, field: str) -> int:
     return value
 
 
-def _shard_rows_job(job: tuple[Path, str, bool]) -> TableRows:
-    return shard_rows(*job)
+def save_shard_rows(shard: Path, storage: str, keep_audio: bool, sha256: str) -> None:
+    """Make the table rows of a shard just written and keep them in ``.build/table-rows/``: in
+    the writer's process, while the shard is still in the page cache, so the end of the build
+    reads them instead of every shard, and an end killed midway resumes from them."""
+    rows = shard_rows(shard, MEL_MEMBERS[storage], keep_audio)
+    record = {
+        "sha256": sha256,
+        "columns": {name: values.tolist() for name, values in rows.columns.items()},
+        "keys": rows.keys,
+        "sources": rows.sources,
+        "speakers": rows.speakers,
+    }
+    folder = shard.parent / RECEIPTS / ROWS_FOLDER
+    folder.mkdir(exist_ok=True)
+    write_atomic(folder / f"{shard.name}.json", json.dumps(record).encode())
 
 
-def cache_rows(cache: Path, index: dict[str, Any], workers: int = 1) -> TableRows:
-    """The rows of every shard the index lists, in index order."""
-    member = MEL_MEMBERS[index_storage(index)]
-    jobs = [(cache / s["name"], member, bool(index["keep_audio"])) for s in index["shards"]]
+def _saved_rows(cache: Path, entry: dict[str, Any], keep_audio: bool) -> TableRows | None:
+    """A shard's rows as its writer saved them, if they are of these very bytes (sha256)."""
+    path = cache / RECEIPTS / ROWS_FOLDER / f"{entry['name']}.json"
+    try:
+        record = loads_json(read_limited(path))
+        count = len(record["keys"])
+        names = _column_names(keep_audio)
+        columns = {name: np.array(record["columns"][name], np.int64) for name in names}
+        if record["sha256"] != entry.get("sha256") or any(
+            len(c) != count for c in columns.values()
+        ):
+            return None
+        return TableRows(columns, [count], record["keys"], record["sources"], record["speakers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none saved (an older build, index-table), or not of these bytes: scan
+
+
+def _shard_rows_job(job: tuple[Path, dict[str, Any], str, bool, bool]) -> TableRows:
+    cache, entry, member, keep_audio, reuse = job
+    saved = _saved_rows(cache, entry, keep_audio) if reuse else None
+    return saved or shard_rows(cache / entry["name"], member, keep_audio)
+
+
+def cache_rows(
+    cache: Path, index: dict[str, Any], workers: int = 1, reuse: bool = False
+) -> TableRows:
+    """The rows of every shard the index lists, in index order: read from the shards, or
+    with ``reuse`` from what their writers saved where it is of the same bytes."""
+    member, keep_audio = MEL_MEMBERS[index_storage(index)], bool(index["keep_audio"])
+    jobs = [(cache, s, member, keep_audio, reuse) for s in index["shards"]]
     merged = TableRows({}, [], [], [], [])
     parts: dict[str, list[np.ndarray]] = {}
     with ordered_map(workers) as run:
@@ -142,15 +184,16 @@ def cache_rows(cache: Path, index: dict[str, Any], workers: int = 1) -> TableRow
     return merged
 
 
-def make_table(cache: Path, index: dict[str, Any], workers: int = 1) -> bytes:
-    """The table bytes of the cache ``index`` describes, from its shards."""
-    return encode_table(cache_rows(cache, index, workers), index)
+def make_table(cache: Path, index: dict[str, Any], workers: int = 1, reuse: bool = False) -> bytes:
+    """The table bytes of the cache ``index`` describes (see :func:`cache_rows`)."""
+    return encode_table(cache_rows(cache, index, workers, reuse), index)
 
 
 def write_cache_table(cache: Path, index: dict[str, Any], workers: int = 1) -> dict[str, Any]:
-    """Write ``utterances.table`` from the shards; return the index entry that covers it."""
+    """Write ``utterances.table`` from the shards (or the rows their writers saved); return
+    the index entry that covers it."""
     try:
-        return write_table(cache, make_table(cache, index, workers))
+        return write_table(cache, make_table(cache, index, workers, reuse=True))
     except ShardError as exc:
         raise UserError(f"cannot write {cache / TABLE_NAME}: {exc}") from None
 

@@ -180,6 +180,7 @@ def test_index_table_writes_the_builds_table(sample_cache: Path, tmp_path: Path)
     index = json.loads((cache / INDEX_NAME).read_text())
     del index["table"]
     (cache / TABLE_NAME).unlink()
+    shutil.rmtree(cache / ".build")  # as a cache from before tables has no rows saved
     (cache / INDEX_NAME).write_text(json.dumps(index))
     done = run_preprocess("index-table", str(cache), "--workers", "2")
     assert "30 utterances" in done.stdout
@@ -339,3 +340,20 @@ def test_index_table_reads_shards_other_tools_wrote(sample_cache: Path, tmp_path
     with melcache.open(cache) as opened:
         for key, text, _, _, mel in streamed(sample_cache):
             assert opened[key].text == text and np.array_equal(opened[key].mel, mel)
+
+
+def test_rows_saved_for_other_bytes_are_not_used(sample_cache: Path, tmp_path: Path) -> None:
+    """The build's writers save each shard's rows for the table; rows saved for other bytes
+    of a shard (its sha256 differs) or unreadable ones are scanned again, never trusted."""
+    from preprocess.table import ROWS_FOLDER, index_table
+
+    cache = copied(sample_cache, tmp_path)
+    saved = sorted((cache / ".build" / ROWS_FOLDER).glob("*.json"))
+    assert len(saved) == len(json.loads((cache / INDEX_NAME).read_text())["shards"])
+    record = json.loads(saved[0].read_text())
+    record["columns"]["frames"] = [f + 1 for f in record["columns"]["frames"]]
+    record["sha256"] = "0" * 64
+    saved[0].write_text(json.dumps(record))
+    saved[1].write_text("{not json")
+    index_table(cache)
+    assert (cache / TABLE_NAME).read_bytes() == (sample_cache / TABLE_NAME).read_bytes()
