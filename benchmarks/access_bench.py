@@ -4,9 +4,9 @@
                                       [--plan-size 1000000] [--data DIR]
 
 1. Makes (or reuses) the espeak-ng corpus of ``--hours`` (``benchmarks.speech``) and builds it
-   ``--rounds`` times with the table and as many without (the table step replaced by nothing),
-   alternating, each in a fresh process and OUT; reports the best wall of each, and the table
-   step's own seconds inside the builds that wrote it.
+   ``--rounds`` times with the table and as many without (the writers' rows and the end's
+   table step replaced by nothing), alternating, each in a fresh process and OUT; reports the
+   wall and CPU seconds (every process of the build) of each, and the end step's seconds.
 2. Checks that ``cache[key]`` and ``cache[i]`` equal the streamed sample (loader reader,
    sha256 checked) for every utterance of that cache.
 3. Times ``--lookups`` random keys and random rows on the warm cache (after one pass):
@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 def child_build(src: Path, out: Path, workers: int, table: bool) -> None:
     """One build in this process; prints its wall and the table step's seconds."""
     import preprocess.finish as finish
+    import preprocess.writer as writer
     from preprocess.cli import main
 
     spent = {"table_s": 0.0}
@@ -55,6 +56,8 @@ def child_build(src: Path, out: Path, workers: int, table: bool) -> None:
         return entry
 
     finish.write_cache_table = timed  # type: ignore[assignment]
+    if not table:  # the writers' share too: each shard's rows (forked workers inherit this)
+        writer.save_shard_rows = lambda *args: None  # type: ignore[assignment]
     started = time.perf_counter()
     args = ["build", "--src", str(src), "--out", str(out), "--workers", str(workers)]
     if main(args) != 0:
@@ -63,14 +66,19 @@ def child_build(src: Path, out: Path, workers: int, table: bool) -> None:
 
 
 def timed_build(src: Path, out: Path, workers: int, table: bool) -> dict[str, float]:
-    """A fresh build in a child process; its wall and table seconds."""
+    """A fresh build in a child process; its wall, CPU (all its processes) and table seconds.
+    CPU time is what a loaded shared machine disturbs least."""
+    import resource
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "benchmarks.access_bench", "--child"]
     command += [str(src), str(out), str(workers), str(int(table))]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "cpu_s": cpu}
 
 
 def check_equal(cache_dir: Path) -> int:
@@ -244,11 +252,13 @@ def main() -> None:
     corpus = make_corpus(args.data / f"speech-{args.hours:g}h", args.hours, seed=0)
     cache = args.data / f"access-{args.hours:g}h"
     walls: dict[bool, list[float]] = {True: [], False: []}
+    cpus: dict[bool, list[float]] = {True: [], False: []}
     table_s: list[float] = []
     for _ in range(args.rounds):  # alternating, so both see the same machine load
         for table in (False, True):
             row = timed_build(corpus, cache, args.workers, table)
             walls[table].append(row["wall_s"])
+            cpus[table].append(row["cpu_s"])
             if table:
                 table_s.append(row["table_s"])
     index = json.loads((cache / "index.json").read_text())
@@ -261,10 +271,14 @@ def main() -> None:
                 "utterances": index["totals"]["utterances"],
                 "wall_with_table_s": [round(w, 2) for w in walls[True]],
                 "wall_without_table_s": [round(w, 2) for w in walls[False]],
-                "table_step_s": [round(t, 3) for t in table_s],
-                "table_step_share": round(min(table_s) / best_with, 4),
+                "cpu_with_table_s": [round(c, 2) for c in cpus[True]],
+                "cpu_without_table_s": [round(c, 2) for c in cpus[False]],
+                "median_cpu_ratio": round(
+                    statistics.median(cpus[True]) / statistics.median(cpus[False]), 3
+                ),
+                "end_step_s": [round(t, 3) for t in table_s],
+                "end_step_share": round(min(table_s) / best_with, 4),
                 "best_wall_ratio": round(best_with / best_without, 3),
-                "table_us_per_utt": round(min(table_s) * 1e6 / index["totals"]["utterances"], 1),
             }
         ),
         flush=True,
