@@ -12,6 +12,7 @@ yields them.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import urllib.error
 import urllib.request
@@ -72,9 +73,10 @@ class Cache:
     def __getitem__(self, item: int | str) -> Utterance:
         if isinstance(item, str):
             return self.get(item)
-        if not -len(self) <= item < len(self):
-            raise IndexError(f"{self.location}: row {item} of {len(self)}")
-        found = self._read(item % len(self), None)
+        row = operator.index(item)  # a TypeError for floats, as lists give
+        if not -len(self) <= row < len(self):
+            raise IndexError(f"{self.location}: row {row} of {len(self)}")
+        found = self._read(row % len(self), None)
         assert found is not None  # internal invariant: no key to compare, so never a mismatch
         return found
 
