@@ -271,14 +271,37 @@ def tar_members(
 def _plain_tar_members(
     data: bytes | mmap.mmap, where: str, on_unknown: Callable[[str], None] | None
 ) -> list[tuple[str, str, memoryview]]:
-    view, pos, members, unknown = memoryview(data), 0, [], []
+    view, members, unknown = memoryview(data), [], []
+    for name, start, size in _plain_tar_entries(data):
+        key, _, member = name.partition(".")
+        if member not in KNOWN_MEMBERS:
+            unknown.append(name)
+            continue
+        if "/" in key or "\\" in key:  # melcache keys are flat; anything else was planted
+            raise ShardError(f"{where}: unsafe member name {name!r}")
+        members.append((key, member, view[start : start + size]))
+    if on_unknown is not None:  # reported only once the fast path has accepted the tar
+        for name in unknown:
+            on_unknown(name)
+    return members
+
+
+def plain_tar_entries(data: bytes | mmap.mmap) -> list[tuple[str, int, int]] | None:
+    """``(name, data offset, size)`` of every member of a plain ustar archive as the writer
+    makes them (each header the 512 bytes before its data); ``None`` for anything else
+    (extension headers, links, bad checksums, a cut), which :mod:`tarfile` reads."""
+    try:
+        return _plain_tar_entries(data)
+    except _NotPlainTar:
+        return None
+
+
+def _plain_tar_entries(data: bytes | mmap.mmap) -> list[tuple[str, int, int]]:
+    pos, entries = 0, []
     while pos + _BLOCK <= len(data):
         header = data[pos : pos + _BLOCK]
         if header == _END_BLOCK:
-            if on_unknown is not None:  # reported only once the fast path has accepted the tar
-                for name in unknown:
-                    on_unknown(name)
-            return members
+            return entries
         if header[156:157] not in _REGULAR_FILE or header[345:346] != b"\0":
             raise _NotPlainTar  # pax/GNU extension, link, or a ustar name prefix
         # The checksum field counts as eight spaces (8 × 32 = 256) in its own sum.
@@ -289,13 +312,7 @@ def _plain_tar_members(
         if start + size > len(data):
             raise _NotPlainTar
         name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        key, _, member = name.partition(".")
-        if member not in KNOWN_MEMBERS:
-            unknown.append(name)
-            continue
-        if "/" in key or "\\" in key:  # melcache keys are flat; anything else was planted
-            raise ShardError(f"{where}: unsafe member name {name!r}")
-        members.append((key, member, view[start : start + size]))
+        entries.append((name, start, size))
     raise _NotPlainTar  # no end-of-archive block: cut off
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m preprocess {build,verify,inspect}``."""
+"""Command line: ``python -m preprocess {build,verify,inspect,index-table}``."""
 
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from preprocess.inspect import plot_cache, summarize
 
+    if args.key is not None:
+        return _inspect_key(args)
     print(summarize(args.cache))
     if args.png is not None:
         paths = plot_cache(
@@ -102,6 +104,26 @@ def _inspect(args: argparse.Namespace) -> int:
         )
         for path in paths:
             print(f"wrote {path}")
+    return 0
+
+
+def _inspect_key(args: argparse.Namespace) -> int:
+    from preprocess.show import show_utterance
+
+    print(show_utterance(args.cache, args.key, args.png))
+    return 0
+
+
+def _index_table(args: argparse.Namespace) -> int:
+    from preprocess.table import index_table
+
+    index = index_table(args.cache, workers=args.workers)
+    table = index["table"]
+    rows = index["totals"]["utterances"]
+    print(
+        f"{args.cache}: wrote {table['name']}, {rows} utterances, {table['bytes']} bytes "
+        f"({table['bytes'] / max(rows, 1):.1f} per utterance); index.json lists it"
+    )
     return 0
 
 
@@ -251,5 +273,22 @@ def _parser() -> argparse.ArgumentParser:
         default=64,
         help="batch size cap for that padding (default 64)",
     )
+    inspect.add_argument(
+        "--key",
+        help="print this one utterance (text, speaker, source, mel statistics), found through "
+        "the cache's table in one read; with --png, draw its mel into DIR/KEY.png",
+    )
     inspect.set_defaults(run=_inspect)
+
+    table = commands.add_parser(
+        "index-table",
+        parents=[pool],
+        help="write the per-utterance table of a cache built before tables existed",
+        description="Read every shard's tar headers and metadata, write utterances.table (where "
+        "each utterance is: shard, byte offsets and sizes, frames, text length, speaker, source; "
+        "sorted by key hash) and list it in index.json, which is rewritten atomically. The build "
+        "writes it itself; this is for older caches, or to rewrite a damaged table.",
+    )
+    table.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    table.set_defaults(run=_index_table)
     return parser

@@ -16,6 +16,7 @@ from melcache.index import write_index, write_stats
 from preprocess.config import BuildConfig
 from preprocess.inputs import Rejection, printable
 from preprocess.plan import Plan
+from preprocess.table import write_cache_table
 
 _SHARD_FIELDS = (
     "name",
@@ -87,6 +88,7 @@ def finish_cache(
         },
         "stats": STATS_NAME,
     }
+    index["table"] = write_cache_table(out, index)  # from the shards: every input layout alike
     write_index(out, index)
     return index
 

@@ -26,6 +26,7 @@ from melcache.index import index_storage, read_index, read_stats
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
 from melcache.storage import MEL_MEMBERS, STEP, STORAGE_OF_MEMBER
 from preprocess.parallel import ordered_map
+from preprocess.table import table_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,7 @@ def verify(cache: Path, workers: int = 1) -> list[str]:
         if p.name not in listed
     ]
     problems += _check_totals(cache, index, n_mels)
+    problems += table_problems(cache, index, workers)  # utterances.table against the shards
     return problems
 
 

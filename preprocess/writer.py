@@ -32,6 +32,7 @@ from preprocess.features import MelExtractor
 from preprocess.inputs import RECEIPTS, Corpus, clean_text, utterance_hash
 from preprocess.plan import Plan, PlannedShard, PlannedUtterance
 from preprocess.sources import read_transcript
+from preprocess.table import save_shard_rows
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ def build_shard(
                     )
         tally.digests = stream.hexdigests()
         if tally.frames:
-            os.replace(temp, final)
+            os.replace(temp, final)  # then its table rows, while it is in the page cache
+            save_shard_rows(final, config.storage, keep_audio, tally.digests["sha256"])
         else:  # every utterance was rejected: no empty tar, the receipt says so
             temp.unlink()
         receipt = _receipt(task, final, digest, recipe(corpus, features, config, keep_audio), tally)

@@ -1,0 +1,255 @@
+"""Random access to a cache: ``melcache.open(cache)``, then ``cache[key]`` or ``cache[i]``.
+
+Every lookup is one ranged read of one shard (``os.preadv`` locally, an HTTP ``Range``
+request for an ``http(s)://`` cache), located by the per-utterance table
+(:mod:`melcache.table`). The bytes read are checked against the table's digest of that
+sample before they are parsed, with the loader's own parser and metadata checks; so a
+shard replaced or damaged under a sound table is an error naming the shard, never a wrong
+utterance. Row ``i`` is the ``i``-th sample of the index's shards in order, as a full stream
+yields them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from melcache.bounded import open_regular
+from melcache.codec import decode_mel
+from melcache.errors import ShardError, UserError
+from melcache.format import META_MEMBER, decode_meta, finite_mel
+from melcache.index import read_index
+from melcache.location import is_url, member_location
+from melcache.reader import raw_sample, shard_samples
+from melcache.table import TABLE_NAME, Table, sample_digest
+
+_END_BLOCKS = 1024  # zeros after a sample's bytes: a complete tar the shard parser accepts
+
+
+@dataclasses.dataclass(frozen=True)
+class Utterance:
+    """One utterance of a cache: its mel (float16 ``[frames, n_mels]``), text and metadata."""
+
+    key: str
+    mel: np.ndarray
+    text: str
+    speaker: str | None
+    frames: int
+    meta: dict[str, Any]  # the whole ``json`` member: seconds, source, bucket, …
+    shard: str
+    row: int
+    audio: bytes | None  # the FLAC of a --keep-audio cache
+
+
+class UnknownKey(KeyError, UserError):
+    """A key the cache does not hold."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # KeyError would print the message quoted
+
+
+class Cache:
+    """A finished cache opened for random access (see :func:`open_cache`)."""
+
+    def __init__(self, cache: str | Path) -> None:
+        self.location = cache if is_url(cache) else Path(cache)
+        self.index = read_index(cache)
+        self.table = Table(cache, self.index)
+        self._n_mels = int(self.index["features"]["n_mels"])
+        self._shards = _Shards(cache, self.index["shards"])
+        self._frames = self.table.column("frames")
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, item: int | str) -> Utterance:
+        if isinstance(item, str):
+            return self.get(item)
+        row = operator.index(item)  # a TypeError for floats, as lists give
+        if not -len(self) <= row < len(self):
+            raise IndexError(f"{self.location}: row {row} of {len(self)}")
+        found = self._read(row % len(self), None)
+        assert found is not None  # internal invariant: no key to compare, so never a mismatch
+        return found
+
+    def get(self, key: str) -> Utterance:
+        """The utterance ``key``; :class:`UnknownKey` when the cache has none."""
+        for row in self.table.rows_of(key):
+            found = self._read(row, key)
+            if found is not None:
+                return found
+        raise UnknownKey(
+            f"{self.location}: no utterance with key {key!r} ({len(self)} in the cache)"
+        )
+
+    def get_many(self, keys: Iterable[str]) -> list[Utterance]:
+        """The utterances ``keys``, in that order, read in shard and offset order."""
+        keys = list(keys)
+        first = {key: (self.table.rows_of(key) or [-1])[0] for key in keys}
+        found = {key: self.get(key) for key in sorted(set(keys), key=first.__getitem__)}
+        return [found[key] for key in keys]
+
+    def keys(self) -> list[str]:
+        """Every key, in row order (decoded from the table once)."""
+        return self.table.strings("keys")
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Frames of every row, in row order: what length samplers need, read from the table."""
+        return self._frames
+
+    def close(self) -> None:
+        """Close the shard files this cache has opened."""
+        self._shards.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under spawn reopen it
+        return {"location": self.location}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["location"])  # type: ignore[misc]
+
+    def _read(self, row: int, key: str | None) -> Utterance | None:
+        """Row ``row``'s utterance, or ``None`` when its key is not ``key`` (a hash collision)."""
+        number = self.table.shard_of(row)
+        name = self.index["shards"][number]["name"]
+        offset, length = self.table.span(row)
+        where = self._shards.location(name)
+        data = self._shards.read(name, offset, length)
+        if sample_digest(memoryview(data)[:length]) != int(self.table.column("digest")[row]):
+            raise ShardError(
+                f"{where}: the {length} bytes at {offset} are not the sample {TABLE_NAME} "
+                "records (shard replaced or damaged)"
+            )
+        samples = list(shard_samples(data, where))  # type: ignore[arg-type]
+        if len(samples) != 1:
+            raise ShardError(f"{where}: {len(samples)} samples at byte {offset}, expected one")
+        sample = samples[0]
+        if key is not None and sample["__key__"] != key:
+            return None
+        raw = raw_sample(sample, where)
+        sample_where = f"{where}:{raw.key}"
+        if raw.frames != int(self._frames[row]):
+            raise ShardError(
+                f"{sample_where}: {raw.frames} frames, {TABLE_NAME} says {self._frames[row]}"
+            )
+        mel = decode_mel(raw.mel, raw.storage, self._n_mels, sample_where)
+        if len(mel) != raw.frames or not finite_mel(mel):
+            raise ShardError(f"{sample_where}: mel is not {raw.frames} finite frames")
+        return Utterance(
+            key=raw.key,
+            mel=mel,
+            text=raw.text,
+            speaker=raw.speaker,
+            frames=raw.frames,
+            meta=decode_meta(bytes(sample[META_MEMBER]), sample_where),
+            shard=name,
+            row=row,
+            audio=None if raw.audio is None else bytes(raw.audio),
+        )
+
+    def __iter__(self) -> Iterator[Utterance]:
+        return (self[row] for row in range(len(self)))
+
+
+class _Shards:
+    """One ranged read of a shard: ``pread`` on a file opened once, or an HTTP range request."""
+
+    def __init__(self, cache: str | Path, entries: list[dict[str, Any]]) -> None:
+        self._cache = cache
+        self._entries = {entry["name"]: entry for entry in entries}
+        self._locations = {name: member_location(cache, name) for name in self._entries}
+        self._files: dict[str, IO[bytes]] = {}
+        if is_url(cache) and not str(cache).startswith(("http://", "https://")):
+            raise UserError(
+                f"{cache}: random access reads a local folder or an http(s):// cache; "
+                "stream this one with the loader, or copy it"
+            )
+
+    def read(self, name: str, offset: int, length: int) -> bytearray:
+        """``length`` bytes of shard ``name`` from ``offset``, then zeros ending the tar."""
+        location = self._locations[name]
+        size = self._entries[name].get("bytes")
+        if length <= 0 or (size is not None and offset + length > size):
+            raise ShardError(  # a forged table must not make us allocate or seek past the shard
+                f"{location}: {TABLE_NAME} places a sample at bytes {offset}+{length}, "
+                f"outside the shard's {size}"
+            )
+        buffer = bytearray(length + _END_BLOCKS)
+        if is_url(self._cache):
+            got = _http_range(location, offset, length)
+            buffer[: len(got)] = got
+            count = len(got)
+        else:
+            count = os.preadv(
+                self._file(name, location).fileno(), [memoryview(buffer)[:length]], offset
+            )
+        if count != length:
+            raise ShardError(
+                f"{location}: {count} bytes at {offset}, {TABLE_NAME} says {length} (truncated?)"
+            )
+        return buffer
+
+    def location(self, name: str) -> str:
+        """Where shard ``name`` lives."""
+        return self._locations[name]
+
+    def _file(self, name: str, location: str) -> IO[bytes]:
+        file = self._files.get(name)
+        if file is None:
+            try:
+                file = open_regular(location)
+            except OSError as exc:
+                raise ShardError(f"{location}: cannot read shard ({exc})") from None
+            size, expected = os.fstat(file.fileno()).st_size, self._entries[name].get("bytes")
+            if expected is not None and size != expected:
+                file.close()
+                raise ShardError(
+                    f"{location}: {size} bytes, the index says {expected} (truncated or replaced?)"
+                )
+            self._files[name] = file
+        return file
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+
+def _http_range(url: str, offset: int, length: int) -> bytes:
+    request = urllib.request.Request(
+        url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            if response.status != 206:
+                raise ShardError(
+                    f"{url}: the server ignores range requests (status {response.status})"
+                )
+            return response.read(length + 1)
+    except (urllib.error.URLError, OSError) as exc:
+        raise ShardError(f"{url}: cannot read bytes {offset}+{length} ({exc})") from None
+
+
+def open_cache(cache: str | Path) -> Cache:
+    """Open a finished cache (folder or ``http(s)://`` prefix) for random access: ``len()``,
+    ``cache[key]``, ``cache[i]``, ``get_many(keys)``, ``keys()`` and ``lengths``.
+
+    Raises :class:`UserError` (one line, naming the file) when the index is bad or the table
+    is missing, damaged or stale; each read raises :class:`ShardError` naming the shard when
+    its bytes are not what the table records.
+    """
+    return Cache(cache)

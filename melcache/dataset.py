@@ -1,0 +1,56 @@
+"""A map-style ``torch.utils.data.Dataset`` over a cache, for other trainers' samplers.
+
+Item ``i`` is row ``i`` of the cache's table (:mod:`melcache.access`), read in one ranged read;
+``lengths`` (frames per item) and ``get_frame_len(i)`` come from the table, so a length
+sampler (F5-TTS's ``DynamicBatchSampler``, Hugging Face's ``LengthGroupedSampler``) starts
+without reading a shard. Each DataLoader worker opens its own files (the dataset pickles as
+its location).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from melcache.access import Cache, open_cache
+
+
+class CacheDataset(Dataset):
+    """Items ``{"key", "mel" (float16 [frames, n_mels] tensor), "text", "speaker", "frames",
+    "seconds"}``, in the table's row order."""
+
+    def __init__(self, cache: str | Path) -> None:
+        self.cache: Cache = open_cache(cache)
+        features = self.cache.index["features"]
+        self._seconds_per_frame = features["hop_length"] / features["sample_rate"]
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        utterance = self.cache[int(index)]
+        return {
+            "key": utterance.key,
+            "mel": torch.from_numpy(utterance.mel),
+            "text": utterance.text,
+            "speaker": utterance.speaker,
+            "frames": utterance.frames,
+            "seconds": utterance.meta.get("seconds"),
+        }
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Frames of every item, from the table (no shard is read)."""
+        return self.cache.lengths
+
+    def get_frame_len(self, index: int) -> int:
+        """Frames of item ``index``: what F5-TTS's ``DynamicBatchSampler`` asks a dataset."""
+        return int(self.cache.lengths[index])
+
+    def durations(self) -> np.ndarray:
+        """Seconds of every item (frames × hop ÷ rate), for duration-based samplers."""
+        return self.cache.lengths.astype(np.float64) * self._seconds_per_frame

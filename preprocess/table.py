@@ -1,0 +1,227 @@
+"""The per-utterance table of a cache (:mod:`melcache.table`), made from its shards.
+
+The build writes it at the end, from the shards themselves, so every input layout (folder,
+manifest, tars, Parquet, parts) gets the same table; ``python -m preprocess index-table``
+writes one for a cache built before tables existed, and ``verify`` remakes it and compares.
+Each shard is memory-mapped, its tar headers walked (the build's plain ones in place,
+anything else by :mod:`tarfile`) and its samples' bytes hashed; only ``json`` members are parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from melcache.bounded import loads_json, open_regular, read_limited
+from melcache.errors import ShardError, UserError
+from melcache.format import META_MEMBER, decode_meta, plain_tar_entries, write_atomic
+from melcache.index import index_storage, read_index, write_index
+from melcache.storage import MEL_MEMBERS
+from melcache.table import (
+    TABLE_NAME,
+    Table,
+    TableRows,
+    encode_table,
+    sample_digest,
+    write_table,
+)
+from preprocess.inputs import RECEIPTS
+from preprocess.parallel import ordered_map
+
+# Per-sample columns, filled by the shard walk; ``speaker`` is numbered by encode_table.
+_COLUMNS = ("offset", "frames", "text_length", "digest")
+ROWS_FOLDER = "table-rows"  # in OUT/.build: each shard's rows, saved by its writer
+
+
+def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
+    """The table rows of one shard, in tar order; :class:`ShardError` naming the shard when a
+    sample lacks a member the cache needs or its metadata is unreadable."""
+    members = {"json": META_MEMBER, "mel": mel_member}
+    if keep_audio:
+        members["flac"] = "flac"
+    kinds = {member: kind for kind, member in members.items()}
+    columns: dict[str, list[int]] = {name: [] for name in _column_names(keep_audio)}
+    rows = TableRows({}, [], [], [], [])
+    try:
+        with (
+            open_regular(path) as file,
+            mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data,
+        ):
+            entries = _entries(data, file)
+            for key, spans in _samples(entries, kinds):
+                where = f"{path.name}:{key}"
+                missing = sorted(set(kinds) - set(spans))
+                if missing:
+                    raise ShardError(f"{where}: sample has no {missing[0]} member")
+                start = min(header for header, _, _ in spans.values())
+                end = max(at + size for _, at, size in spans.values())
+                _, meta_at, meta_size = spans[META_MEMBER]
+                meta = decode_meta(data[meta_at : meta_at + meta_size], where)
+                speaker = meta.get("speaker")
+                rows.keys.append(key)
+                rows.sources.append(str(meta.get("source", "")))
+                rows.speakers.append(None if speaker is None else str(speaker))
+                columns["offset"].append(start)
+                columns["frames"].append(_count(meta.get("frames"), where, "frames"))
+                columns["text_length"].append(len(str(meta.get("text", ""))))
+                columns["digest"].append(sample_digest(data[start:end]))
+                for member, (_, at, size) in spans.items():
+                    columns[f"{kinds[member]}_at"].append(at - start)
+                    columns[f"{kinds[member]}_size"].append(size)
+    except (OSError, tarfile.TarError, ValueError) as exc:
+        raise ShardError(f"{path}: cannot read as a tar ({exc})") from None
+    rows.columns = {name: np.array(values, np.int64) for name, values in columns.items()}
+    rows.shard_counts = [len(rows.keys)]
+    return rows
+
+
+def _entries(data: mmap.mmap, file: IO[bytes]) -> list[tuple[str, int, int, int]]:
+    """``(name, header offset, data offset, size)`` of each regular member: the build's plain
+    headers read in place (~10x faster than tarfile), anything else through tarfile."""
+    plain = plain_tar_entries(data)
+    if plain is not None:
+        return [(name, at - 512, at, size) for name, at, size in plain]
+    with tarfile.open(fileobj=file, mode="r:") as tar:
+        return [(i.name, i.offset, i.offset_data, i.size) for i in tar if i.isfile()]
+
+
+def _column_names(keep_audio: bool) -> list[str]:
+    members = ("json", "mel", "flac") if keep_audio else ("json", "mel")
+    return [*_COLUMNS, *(f"{m}_{part}" for m in members for part in ("at", "size"))]
+
+
+def _samples(
+    entries: list[tuple[str, int, int, int]], kinds: dict[str, str]
+) -> Iterator[tuple[str, dict[str, tuple[int, int, int]]]]:
+    """``(key, {member: (header, data offset, size)})`` per sample, the table's members only."""
+    key, spans = "", {}
+    for name, header, at, size in entries:
+        name_key, _, member = name.partition(".")
+        if member not in kinds:
+            continue
+        if name_key != key and spans:
+            yield key, spans
+            spans = {}
+        key = name_key
+        spans[member] = (header, at, size)
+    if spans:
+        yield key, spans
+
+
+def _count(value: Any, where: str, field: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ShardError(f"{where}: metadata {field!r} = {value!r} is not a count")
+    return value
+
+
+def save_shard_rows(shard: Path, storage: str, keep_audio: bool, sha256: str) -> None:
+    """Make the table rows of a shard just written and keep them in ``.build/table-rows/``: in
+    the writer's process, while the shard is still in the page cache, so the end of the build
+    reads them instead of every shard, and an end killed midway resumes from them."""
+    rows = shard_rows(shard, MEL_MEMBERS[storage], keep_audio)
+    record = {
+        "sha256": sha256,
+        "columns": {name: values.tolist() for name, values in rows.columns.items()},
+        "keys": rows.keys,
+        "sources": rows.sources,
+        "speakers": rows.speakers,
+    }
+    folder = shard.parent / RECEIPTS / ROWS_FOLDER
+    folder.mkdir(exist_ok=True)
+    write_atomic(folder / f"{shard.name}.json", json.dumps(record).encode())
+
+
+def _saved_rows(cache: Path, entry: dict[str, Any], keep_audio: bool) -> TableRows | None:
+    """A shard's rows as its writer saved them, if they are of these very bytes (sha256)."""
+    path = cache / RECEIPTS / ROWS_FOLDER / f"{entry['name']}.json"
+    try:
+        record = loads_json(read_limited(path))
+        count = len(record["keys"])
+        names = _column_names(keep_audio)
+        columns = {name: np.array(record["columns"][name], np.int64) for name in names}
+        if record["sha256"] != entry.get("sha256") or any(
+            len(c) != count for c in columns.values()
+        ):
+            return None
+        return TableRows(columns, [count], record["keys"], record["sources"], record["speakers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none saved (an older build, index-table), or not of these bytes: scan
+
+
+def _shard_rows_job(job: tuple[Path, dict[str, Any], str, bool, bool]) -> TableRows:
+    cache, entry, member, keep_audio, reuse = job
+    saved = _saved_rows(cache, entry, keep_audio) if reuse else None
+    return saved or shard_rows(cache / entry["name"], member, keep_audio)
+
+
+def cache_rows(
+    cache: Path, index: dict[str, Any], workers: int = 1, reuse: bool = False
+) -> TableRows:
+    """The rows of every shard the index lists, in index order: read from the shards, or
+    with ``reuse`` from what their writers saved where it is of the same bytes."""
+    member, keep_audio = MEL_MEMBERS[index_storage(index)], bool(index["keep_audio"])
+    jobs = [(cache, s, member, keep_audio, reuse) for s in index["shards"]]
+    merged = TableRows({}, [], [], [], [])
+    parts: dict[str, list[np.ndarray]] = {}
+    with ordered_map(workers) as run:
+        for rows in run(_shard_rows_job, jobs, chunksize=8):
+            for name, values in rows.columns.items():
+                parts.setdefault(name, []).append(values)
+            merged.shard_counts += rows.shard_counts
+            merged.keys += rows.keys
+            merged.sources += rows.sources
+            merged.speakers += rows.speakers
+    merged.columns = {  # also for a cache of no shards (every utterance rejected)
+        name: np.concatenate([np.zeros(0, np.int64), *parts.get(name, [])])
+        for name in _column_names(bool(index["keep_audio"]))
+    }
+    return merged
+
+
+def make_table(cache: Path, index: dict[str, Any], workers: int = 1, reuse: bool = False) -> bytes:
+    """The table bytes of the cache ``index`` describes (see :func:`cache_rows`)."""
+    return encode_table(cache_rows(cache, index, workers, reuse), index)
+
+
+def write_cache_table(cache: Path, index: dict[str, Any], workers: int = 1) -> dict[str, Any]:
+    """Write ``utterances.table`` from the shards (or the rows their writers saved); return
+    the index entry that covers it."""
+    try:
+        return write_table(cache, make_table(cache, index, workers, reuse=True))
+    except ShardError as exc:
+        raise UserError(f"cannot write {cache / TABLE_NAME}: {exc}") from None
+
+
+def index_table(cache: Path, workers: int = 1) -> dict[str, Any]:
+    """``preprocess index-table``: write the table of a finished cache and list it in its
+    index (rewritten atomically); return the new index."""
+    index = read_index(cache)
+    index["table"] = write_cache_table(cache, index, workers)
+    write_index(cache, index)
+    return index
+
+
+def table_problems(cache: Path, index: dict[str, Any], workers: int = 1) -> list[str]:
+    """What ``verify`` finds wrong with the table: unreadable, damaged or stale against the
+    index, or not what the shards make (empty: sound, or no table in an older cache)."""
+    if "table" not in index:
+        if (cache / TABLE_NAME).exists():
+            return [f"{TABLE_NAME}: not listed in index.json (stale?)"]
+        return []  # a cache from before tables: still sound
+    try:
+        Table(cache, index, sha256=True)  # size, digests and columns against the index
+        expected = make_table(cache, index, workers)
+    except (UserError, ShardError) as exc:
+        return [str(exc)]
+    if (cache / TABLE_NAME).read_bytes() == expected:
+        return []
+    return [
+        f"{TABLE_NAME}: differs from what the shards make (stale or damaged); "
+        f"`python -m preprocess index-table {cache}` rewrites it"
+    ]
