@@ -21,7 +21,9 @@ def _venv_reusing_this_environment(root: Path) -> Path:
     """A fresh venv that sees this interpreter's packages (torch and the rest, pip and
     setuptools too) after its own, so installing the project needs no download; returns its
     python."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120
+    )
     python = root / "bin" / "python"
     purelib = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
