@@ -1,7 +1,8 @@
 """Config files: one TOML reader and one way to turn a table into a validated frozen section.
 
 Both commands read TOML: the build preset (``[features]``, ``[build]``) and the trainer
-config (``[model]``, ``[data]``, ``[optim]``, ``[train]``). Each table becomes a frozen,
+config (``[model]``, ``[data]``, ``[optim]``, ``[train]``), given as a path or as the name of
+a preset shipped in the package (``melcache/presets/NAME.toml``). Each table becomes a frozen,
 keyword-only dataclass whose ``__post_init__`` checks values with :func:`require`; unknown
 tables and keys, and values of the wrong TOML type, are refused here by name.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,30 @@ def require(ok: bool, key: str, value: Any, expected: str) -> None:
         raise UserError(f"config key {key} = {value!r} is invalid: expected {expected}")
 
 
-def load_toml(path: Path, tables: Mapping[str, type]) -> dict[str, Any]:
-    """Parse the TOML file ``path``; refuse a table not named in ``tables``."""
+_PRESETS = resources.files("melcache") / "presets"
+
+
+def preset_names() -> list[str]:
+    """The names ``--config`` accepts besides a path: the presets installed with the package."""
+    return sorted(
+        f.name.removesuffix(".toml") for f in _PRESETS.iterdir() if f.name.endswith(".toml")
+    )
+
+
+def find_config(path: str | Path) -> Path:
+    """``path`` itself when something is there, else the installed preset of that name."""
+    if Path(path).exists() or Path(path).is_symlink():
+        return Path(path)  # a FIFO or a dangling link is refused by the read, by name
+    if str(path) in preset_names():
+        return Path(str(_PRESETS.joinpath(f"{path}.toml")))  # installed as plain files
+    raise UserError(
+        f"config file {path} does not exist and is not a preset name ({', '.join(preset_names())})"
+    )
+
+
+def load_toml(path: str | Path, tables: Mapping[str, type]) -> dict[str, Any]:
+    """Parse the TOML file or preset ``path``; refuse a table not named in ``tables``."""
+    path = find_config(path)
     try:
         data = tomllib.loads(read_limited(path).decode("utf-8"))
     except FileNotFoundError:

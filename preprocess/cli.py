@@ -193,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--config",
         type=Path,
-        help="TOML preset with [features] and [build] (default: ChatTTS/vocos mel)",
+        help="TOML with [features] and [build], or a preset name: chattts (the default: "
+        "ChatTTS/vocos mel), hifigan",
     )
     build.add_argument(
         "--part",

@@ -4,7 +4,7 @@
 Examples::
 
     torchrun --standalone --nproc-per-node 2 -m train --shards shards \\
-        --config configs/tiny.toml --out runs/tiny --max-steps 50 train.precision=fp32
+        --config tiny --out runs/tiny --max-steps 50 train.precision=fp32
     python -m train plot runs/tiny
 """
 
@@ -43,8 +43,8 @@ def _train_parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         action="append",
-        help="trainer TOML ([model], [data], [optim], [train]); repeat it to merge files in "
-        "order, e.g. a preset then the budgets `python -m train tune` wrote",
+        help="trainer TOML ([model], [data], [optim], [train]) or a preset name (tiny, base); "
+        "repeat it to merge files in order, e.g. a preset then the budgets `train tune` wrote",
     )
     p.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, metrics")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")

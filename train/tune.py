@@ -22,8 +22,8 @@ kernel workspaces: the CPU numbers test the search, they do not size a GPU.
 
 It prints a table and writes a TOML snippet for the trainer::
 
-    python -m train tune --shards shards --config configs/base.toml --output budgets.toml
-    torchrun ... -m train --shards shards --config configs/base.toml --config budgets.toml ...
+    python -m train tune --shards shards --config base --output budgets.toml
+    torchrun ... -m train --shards shards --config base --config budgets.toml ...
 """
 
 from __future__ import annotations
