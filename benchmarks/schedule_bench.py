@@ -36,11 +36,11 @@ from pathlib import Path
 
 from benchmarks.speech import make_corpus
 from melcache.batching import round_up
-from melcache.reader import RawSample, ShardCheck
+from melcache.reader import RawSample
 from train.collate import utf8_tokens
 from train.data import DataConfig, StreamLoader, make_loader
 from train.schedule import make_schedule
-from train.stream import SkipLog, open_readers
+from train.stream import planned_stream
 
 DIM = 512  # configs/base.toml
 BATCH_FRAMES = 32_000
@@ -83,12 +83,7 @@ def planned(loader: StreamLoader, unsynced: bool) -> Iterator[tuple[int, list[Ra
     if unsynced:  # the same sub-streams, each rank choosing among all of them by itself
         schedule = make_schedule(spec.subs, loader.weights, seed=spec.seed, sync=False)
         spec = dataclasses.replace(spec, schedule=schedule)
-    starts = [spec.start(sub) for sub in spec.subs]
-    readers = open_readers(spec, spec.rank, starts, ShardCheck("off"), SkipLog("raise", 1))
-    for step in range(10**9):
-        _, _, samples, _, entry = next(
-            readers[spec.schedule.pick(step, spec.rank, spec.world_size)]
-        )
+    for _, _, samples, _, entry in planned_stream(spec, 0):
         yield entry["bucket"], samples
 
 

@@ -97,10 +97,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 # Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
 # stream of data.sync_buckets = false over one cache, which continues it exactly.
 WHOLE_CACHE_VERSION = 1
+# Version 2 lacks the frames each position ends with now; one cache's stream never looks at
+# them (only the choice between caches does), so its state continues exactly.
+NO_FRAMES_VERSION = 2
 # Batches each worker keeps ready: a batch is ~1 MB-10 MB and costs one shard read at most,
 # 4 hides a shard boundary without holding much memory.
 PREFETCH_FACTOR = 4
@@ -245,7 +248,7 @@ class StreamLoader:
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has taken so far; plain ints/strs/lists/dicts, so it loads
         with ``torch.load(weights_only=True)``: per worker and sub-stream a position of one
-        integer (a bucket) or three (a whole cache)."""
+        integer (a bucket) or three (a whole cache), then the real frames taken from it."""
         return {
             "version": STATE_VERSION,
             **self._identity(),
@@ -274,7 +277,9 @@ class StreamLoader:
                     "that setting (or start the data stream afresh without load_state_dict)"
                 )
             identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
-            positions = [[list(p)] for p in state["positions"]]
+            positions = [[[*p, 0]] for p in state["positions"]]
+        elif version == NO_FRAMES_VERSION and len(self.spec.sources) == 1:
+            positions = [[[*p, 0] for p in worker] for worker in state["positions"]]
         elif version == STATE_VERSION:
             positions = state["positions"]
         else:

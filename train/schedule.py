@@ -1,4 +1,5 @@
-"""Which sub-stream each batch comes from: one pure schedule of ``(seed, step, rank, worker)``.
+"""Which sub-stream each batch comes from: a schedule of ``(seed, step, rank, worker)`` and the
+frames the worker has taken so far.
 
 A *sub-stream* is one length bucket of one cache (``bucket = -1``: the whole cache, the
 stream of ``data.sync_buckets = false``), read shard after shard, epoch after epoch. Each
@@ -6,17 +7,24 @@ rank-level step ``j`` (a rank's ``j``-th batch: worker ``j % W``'s ``j // W``-th
 batch from the sub-stream :meth:`Schedule.pick` names:
 
 - bucket-synchronous: the bucket is drawn from ``x = frac(c₁ + j·φ)``, the same on every rank,
-  so all ranks of a step hold batches of one length bucket and no rank waits for a longer one;
-  the cache within the bucket from ``y = frac(c₂ + (j·R + r)·(√2 − 1))``, which differs per
-  rank, so each step mixes caches across ranks.
-- Each sub-stream's probability is its batch share: ``weight(cache) × batches per epoch ÷
-  frames of the cache``, so the frames consumed follow the weights, and within a cache every
-  bucket runs through its epochs at the same pace (each shard is read once per epoch of its
-  sub-stream).
+  so all ranks of a step hold batches of one length bucket and no rank waits for a longer one.
+  Each bucket's probability is its batch share, ``Σ weight(cache) × batches per epoch ÷ frames
+  of the cache`` over the caches that have it, so within a cache every bucket runs through its
+  epochs at about the same pace (each shard is read once per epoch of its sub-stream).
+- the cache within the bucket: the one furthest behind in the frames this worker has taken,
+  ``(weight × all − the cache's) + (target × all − the sub-stream's)`` (the sub-stream's
+  target: its cache's weight × its share of the cache's frames), plus a lead per slot and
+  cache so that the ranks of one step take different caches. The first term keeps each
+  cache at its weight: frames per batch vary (a bucket's short and long shards), so counting
+  batches would let a 200-batch window drift by several percent of its frames, while the
+  deficit keeps every window within about a batch of it. The second keeps a cache's buckets
+  at one pace where the buckets' draws fall unevenly on the caches (a bucket only one cache
+  has); with the first alone, a cache's buckets would drift apart.
 
 A Kronecker (Weyl) sequence instead of random draws: its counts stay within a few of their
-expected values over every window of steps, where random draws drift by √n, so a small cache
-appears at its weight over 200 batches as over 200,000, and the choice needs no state.
+expected values over every window of steps, where random draws drift by √n, and it needs no
+state. The cache choice needs the worker's frames per sub-stream, a few integers that travel
+with its position, so a resume is still exact and O(1).
 
 Within a sub-stream the epochs are one endless sequence of batches (shards permuted per epoch,
 each cut into a count of batches known from the index); the ``world_size × workers`` slots of
@@ -97,20 +105,37 @@ def mix_weights(
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """The pure choice of a sub-stream per step (see the module docstring)."""
+    """The choice of a sub-stream per step (see the module docstring)."""
 
     groups: tuple[tuple[int, ...], ...]  # sub-stream indices drawn together (a bucket, or all)
     group_edges: tuple[float, ...]  # cumulative probabilities of the groups
-    member_edges: tuple[tuple[float, ...], ...]  # cumulative, within each group
+    source_of: tuple[int, ...]  # cache of each sub-stream
+    weights: tuple[float, ...]  # frame share of each cache
+    targets: tuple[float, ...]  # frame share of each sub-stream: its cache's, by its frames
+    batch_frames: float  # mean real frames of a batch: the scale of the slots' leads
     offsets: tuple[float, float]
 
-    def pick(self, step: int, rank: int, world_size: int) -> int:
-        """Sub-stream of rank ``rank``'s batch number ``step``: the group from a sequence
-        every rank shares, the member from one that runs across ranks within a step."""
+    def pick(self, step: int, slot: int, consumed: Sequence[int]) -> int:
+        """Sub-stream of a worker's batch at rank-level step ``step``: the group from a sequence
+        every rank shares, the member furthest behind in the frames ``consumed`` (per
+        sub-stream) by slot ``slot`` so far."""
         x = math.fmod(self.offsets[0] + step * GOLDEN, 1.0)
-        group = _bin(self.group_edges, x)
-        y = math.fmod(self.offsets[1] + (step * world_size + rank) * SILVER, 1.0)
-        return self.groups[group][_bin(self.member_edges[group], y)]
+        group = self.groups[_bin(self.group_edges, x)]
+        if len(group) == 1:
+            return group[0]
+        taken = [0] * len(self.weights)
+        for sub, frames in enumerate(consumed):
+            taken[self.source_of[sub]] += frames
+        total = sum(taken)
+
+        def behind(sub: int) -> float:
+            source = self.source_of[sub]
+            turn = (slot * len(self.weights) + source) * SILVER
+            lead = math.fmod(self.offsets[1] + turn, 1.0) * self.batch_frames
+            cache = self.weights[source] * total - taken[source]
+            return cache + self.targets[sub] * total - consumed[sub] + lead
+
+        return max(group, key=behind)
 
 
 def make_schedule(
@@ -122,6 +147,7 @@ def make_schedule(
     for sub in subs:
         source_frames[sub.source] = source_frames.get(sub.source, 0) + sub.frames
     share = [weights[s.source] * s.per_epoch / source_frames[s.source] for s in subs]
+    frame_share = [weights[s.source] * s.frames / source_frames[s.source] for s in subs]
     keys = sorted({s.bucket for s in subs}) if sync else [None]
     groups = tuple(
         tuple(i for i, s in enumerate(subs) if key is None or s.bucket == key) for key in keys
@@ -131,7 +157,10 @@ def make_schedule(
     return Schedule(
         groups=groups,
         group_edges=_edges(mass),
-        member_edges=tuple(_edges([share[i] for i in g]) for g in groups),
+        source_of=tuple(s.source for s in subs),
+        weights=tuple(weights),
+        targets=tuple(frame_share),
+        batch_frames=sum(s.frames for s in subs) / sum(s.per_epoch for s in subs),
         offsets=(float(rng.random()), float(rng.random())),
     )
 

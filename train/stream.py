@@ -13,13 +13,16 @@ whole-cache sub-stream (``sync_buckets = false``) is the stream of earlier relea
 epoch the cache's shards are dealt to the slots and cut greedily; its position is (epoch,
 shard in the slot's list, batches taken from it), the batching a pure function of
 ``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard per
-sub-stream and skips its consumed batches without decoding their mels.
+sub-stream and skips its consumed batches without decoding their mels. Each position ends
+with the real frames the worker has taken from the sub-stream: the schedule's choice of cache
+within a bucket follows them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Hashable, Iterator
 from typing import Any
 
@@ -100,8 +103,9 @@ class StreamSpec:
         return self.world_size * self.workers_per_rank
 
     def start(self, sub: SubStream) -> tuple[int, ...]:
-        """A reader's position before its first batch."""
-        return (0,) if sub.bucket >= 0 else (0, 0, 0)
+        """A worker's position in ``sub`` before its first batch: batches taken (a bucket) or
+        (epoch, shard, batch) (a whole cache), then the real frames taken."""
+        return (0, 0) if sub.bucket >= 0 else (0, 0, 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,13 +257,27 @@ def open_readers(
     skips: SkipLog,
 ) -> list[Iterator[Planned]]:
     """Slot ``slot``'s reader of each sub-stream, from ``positions``: planned batches, no mel
-    decoded (also what benchmarks and tests plan whole jobs with)."""
+    decoded."""
     return [
         bucket_batches(spec, sub, slot, position[0], check, skips)
         if sub.bucket >= 0
-        else whole_cache_batches(spec, sub, slot, Position(*position), check, skips)
+        else whole_cache_batches(spec, sub, slot, Position(*position[:3]), check, skips)
         for sub, position in zip(spec.subs, positions, strict=True)
     ]
+
+
+def planned_stream(spec: StreamSpec, worker: int) -> Iterator[Planned]:
+    """Logical worker ``worker``'s batches from the start, in the schedule's order, planned
+    but no mel decoded (what benchmarks and tests plan whole jobs with)."""
+    slot = spec.rank * spec.workers_per_rank + worker
+    starts = [spec.start(sub) for sub in spec.subs]
+    readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1))
+    consumed = [0] * len(readers)
+    for step in itertools.count():
+        stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
+        planned = next(readers[stream])
+        consumed[stream] += sum(s.frames for s in planned[2])
+        yield planned
 
 
 def worker_stream(
@@ -272,16 +290,18 @@ def worker_stream(
     check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
     slot = spec.rank * spec.workers_per_rank + worker
     readers = open_readers(spec, slot, positions, check, skips)
+    consumed = [position[-1] for position in positions]
     failed: list[Hashable] = [None] * len(readers)
     seq = 0
     while True:
         rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
-        stream = spec.schedule.pick(rank_step, spec.rank, spec.world_size)
+        stream = spec.schedule.pick(rank_step, slot, consumed)
         packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
+        consumed[stream] += int(packed.mel_lengths.sum())
         ring.publish(seq)
         seq += 1
         step += 1
-        yield packed, Cursor(worker, stream, after, skips.take())
+        yield packed, Cursor(worker, stream, (*after, consumed[stream]), skips.take())
 
 
 def _collate_next(
