@@ -252,3 +252,24 @@ def test_the_trainer_trains_on_a_weighted_mix(
     logged = [m for m in metrics(out) if "loss" in m]
     assert logged and all(m[f"epochs {train_cache}"] >= 0 for m in logged)
     assert logged[-1][f"epochs {sample_cache}"] > 0 and logged[-1][f"epochs {train_cache}"] > 0
+
+
+def test_a_state_without_frames_resumes_one_cache_and_is_refused_for_a_mix(
+    sample_cache: Path, train_cache: Path
+) -> None:
+    """Version 2 states (this release before positions carried the frames taken)."""
+    reference = make(sample_cache, num_workers=2)
+    stream = iter(reference)
+    for _ in range(7):
+        next(stream)
+    state = reference.state_dict()
+    expected = [next(stream).keys for _ in range(5)]
+    reference.close()
+    assert all(p[-1] > 0 for w in state["positions"] for p in w if p[0])  # frames taken
+    old = {**state, "version": 2, "positions": [[p[:-1] for p in w] for w in state["positions"]]}
+    resumed = make(sample_cache, num_workers=2)
+    resumed.load_state_dict(old)
+    assert [b.keys for b in take(resumed, 5)] == expected
+    mix = make([str(sample_cache), str(train_cache)], num_workers=2)
+    with pytest.raises(UserError, match="version 2"):
+        mix.load_state_dict({**old, "mix": [round(w, 9) for w in mix.weights]})
