@@ -83,8 +83,8 @@ def planned(loader: StreamLoader, unsynced: bool) -> Iterator[tuple[int, list[Ra
     if unsynced:  # the same sub-streams, each rank choosing among all of them by itself
         schedule = make_schedule(spec.subs, loader.weights, seed=spec.seed, sync=False)
         spec = dataclasses.replace(spec, schedule=schedule)
-    for _, _, samples, _, entry in planned_stream(spec, 0):
-        yield entry["bucket"], samples
+    for _, _, samples, _, entries in planned_stream(spec, 0):
+        yield entries[0]["bucket"], samples
 
 
 def measure_plans(cache: Path, data: DataConfig, ranks: int, steps: int, how: str) -> dict:

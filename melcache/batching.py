@@ -21,6 +21,9 @@ EVEN_PLAN = 4  # even cut of one shard into a count of batches known from the in
 # which only breaks ties): neighbours stay within about 1 % of each other (little padding)
 # while batch membership changes every epoch (static batches give a cyclic loss).
 SORT_JITTER = 0.01
+# Batches of a unit of shards (even_units) hold at least this share of what fits: ranks in one
+# bucket then cost within about 10 % of each other.
+UNIT_FILL = 0.9
 
 
 def make_rng(seed: int, *parts: int) -> np.random.Generator:
@@ -101,6 +104,42 @@ def even_batch_count(
             f"a sample of {max_frames} frames does not fit batch_frames = {batch_frames}"
         )
     return -(-samples // fit)
+
+
+def even_units(
+    samples: Sequence[int],
+    max_frames: Sequence[int],
+    *,
+    batch_frames: int,
+    max_batch_size: int,
+    pad_multiple: int,
+) -> list[list[int]]:
+    """Group one bucket's shards (their index entries' ``samples`` and ``max_frames``) into
+    *units*, read and cut into even batches together: length neighbours joined until the
+    unit's batches hold at least :data:`UNIT_FILL` of what fits of its longest utterance.
+
+    So a batch continues into the next shard instead of a small shard (a bucket's last) making
+    a small batch, or a shard just over one batch making two half-full ones; ranks in one
+    bucket then hold batches of about one cost. A shard of many batches fills them anyway and
+    stays a unit of its own; the longest leftover joins the unit before it.
+    """
+    units: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(samples)), key=lambda i: (max_frames[i], i)):
+        current.append(i)
+        count = sum(samples[j] for j in current)
+        longest = max(max_frames[j] for j in current)
+        fit = min(max_batch_size, batch_frames // round_up(longest, pad_multiple))
+        batches = even_batch_count(count, longest, batch_frames=batch_frames,
+                                   max_batch_size=max_batch_size, pad_multiple=pad_multiple)  # fmt: skip
+        if count / batches >= UNIT_FILL * fit:
+            units.append(current)
+            current = []
+    if current and units:
+        units[-1].extend(current)
+    elif current:
+        units.append(current)
+    return units
 
 
 def plan_even_batches(

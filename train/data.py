@@ -93,8 +93,8 @@ STATE_VERSION = 3
 # Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
 # stream of data.sync_buckets = false over one cache, which continues it exactly.
 WHOLE_CACHE_VERSION = 1
-# Version 2 lacks the frames each position ends with now; one cache's stream never looks at
-# them (only the choice between caches does), so its state continues exactly.
+# Version 2 (this release before units of shards and the frames each position ends with now)
+# continues exactly only where neither changed the stream: one cache, sync_buckets = false.
 NO_FRAMES_VERSION = 2
 
 
@@ -197,17 +197,19 @@ class StreamLoader:
         self.close()
         version = state.get("version")
         identity = self._identity()
-        if version == WHOLE_CACHE_VERSION:
+        if version in (WHOLE_CACHE_VERSION, NO_FRAMES_VERSION):
             if len(self.spec.subs) != 1 or self.spec.subs[0].bucket >= 0:
                 raise UserError(
-                    "loader state was saved by the previous release's loader (version 1), "
-                    "whose stream is one cache with data.sync_buckets = false; resume with "
-                    "that setting (or start the data stream afresh without load_state_dict)"
+                    f"loader state was saved by an earlier loader (version {version}), whose "
+                    "stream continues here only as one cache with data.sync_buckets = false; "
+                    "resume with that setting (or start the data stream afresh without "
+                    "load_state_dict)"
                 )
-            identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
-            positions = [[[*p, 0]] for p in state["positions"]]
-        elif version == NO_FRAMES_VERSION and len(self.spec.sources) == 1:
-            positions = [[[*p, 0] for p in worker] for worker in state["positions"]]
+            if version == WHOLE_CACHE_VERSION:  # one position per worker, no sync_buckets/mix
+                identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
+                positions = [[[*p, 0]] for p in state["positions"]]
+            else:
+                positions = [[[*p, 0] for p in worker] for worker in state["positions"]]
         elif version == STATE_VERSION:
             positions = state["positions"]
         else:

@@ -26,10 +26,12 @@ expected values over every window of steps, where random draws drift by √n, an
 state. The cache choice needs the worker's frames per sub-stream, a few integers that travel
 with its position, so a resume is still exact and O(1).
 
-Within a sub-stream the epochs are one endless sequence of batches (shards permuted per epoch,
-each cut into a count of batches known from the index); the ``world_size × workers`` slots of
-the job take its chunks in turn, so a slot's place is one integer and any batch is located in
-O(1), and slots share a shard when there are fewer shards than slots.
+Within a sub-stream the epochs are one endless sequence of batches: its shards are grouped
+into units (length neighbours read and cut together, so a batch may continue into the next
+shard), the units permuted per epoch, each cut into a count of batches known from the index;
+the ``world_size × workers`` slots of the job take its chunks in turn, so a slot's place is
+one integer and any batch is located in O(1), and slots share a unit when there are fewer
+units than slots.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from melcache.batching import SUBSTREAM_ORDER, even_batch_count, make_rng
+from melcache.batching import SUBSTREAM_ORDER, even_batch_count, even_units, make_rng
 from train.config import DataConfig
 
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
@@ -57,8 +59,9 @@ class SubStream:
 
     source: int  # index of the cache in the mix
     bucket: int  # length bucket, or WHOLE
-    shards: tuple[int, ...]  # indices into the cache's shard list
-    batches: tuple[int, ...]  # batches of each shard per epoch (the even cut)
+    units: tuple[tuple[int, ...], ...]  # shards read and cut together (indices into the
+    # cache's shard list): length neighbours in a bucket (melcache.batching.even_units), else one
+    batches: tuple[int, ...]  # batches of each unit per epoch (the even cut)
     frames: int  # real frames in one epoch
 
     @property
@@ -77,18 +80,26 @@ def substreams(
         for shard_id, entry in enumerate(shards):
             groups.setdefault(entry["bucket"] if sync else WHOLE, []).append(shard_id)
         for bucket, ids in sorted(groups.items()):
+            units = [[i] for i in ids]
+            if bucket != WHOLE:
+                cut = {"batch_frames": data.budget(bucket), "max_batch_size": data.max_batch_size,
+                       "pad_multiple": data.pad_multiple}  # fmt: skip
+                grouped = even_units([shards[i]["samples"] for i in ids],
+                                     [shards[i]["max_frames"] for i in ids], **cut)  # fmt: skip
+                units = [[ids[j] for j in unit] for unit in grouped]
             counts = [
                 even_batch_count(
-                    shards[i]["samples"],
-                    shards[i]["max_frames"],
-                    batch_frames=data.budget(shards[i]["bucket"]),
+                    sum(shards[i]["samples"] for i in unit),
+                    max(shards[i]["max_frames"] for i in unit),
+                    batch_frames=data.budget(shards[unit[0]]["bucket"]),
                     max_batch_size=data.max_batch_size,
                     pad_multiple=data.pad_multiple,
                 )
-                for i in ids
+                for unit in units
             ]
             frames = sum(shards[i]["frames"] for i in ids)
-            out.append(SubStream(source, bucket, tuple(ids), tuple(counts), frames))
+            unit_ids = tuple(tuple(unit) for unit in units)
+            out.append(SubStream(source, bucket, unit_ids, tuple(counts), frames))
     return tuple(out)
 
 
@@ -187,7 +198,7 @@ def global_batch(sub: SubStream, *, slot: int, num_slots: int, taken: int) -> in
 
 
 def locate(sub: SubStream, *, seed: int, number: int) -> tuple[int, int, int]:
-    """``(epoch, place in sub.shards, batch of that shard's cut)`` of batch ``number``."""
+    """``(epoch, place in sub.units, batch of that unit's cut)`` of batch ``number``."""
     epoch, offset = divmod(number, sub.per_epoch)
     order, ends = _epoch_layout(sub, seed, epoch)
     pos = bisect.bisect_right(ends, offset)
@@ -196,8 +207,8 @@ def locate(sub: SubStream, *, seed: int, number: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=64)
 def _epoch_layout(sub: SubStream, seed: int, epoch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The epoch's order of ``sub.shards`` places, and the running batch count at the end
+    """The epoch's order of ``sub.units`` places, and the running batch count at the end
     of each."""
     rng = make_rng(seed, SUBSTREAM_ORDER, sub.source, sub.bucket + 1, epoch)
-    order = tuple(rng.permutation(len(sub.shards)).tolist())
+    order = tuple(rng.permutation(len(sub.units)).tolist())
     return order, tuple(itertools.accumulate(sub.batches[i] for i in order))

@@ -43,8 +43,9 @@ from train.schedule import Schedule, SubStream, global_batch, locate
 from train.transport import BatchRing
 
 # A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
-# the reader's position after it, its samples, and the shard's source and index entry.
-Planned = tuple[Hashable, tuple[int, ...], list[RawSample], int, dict[str, Any]]
+# the reader's position after it, its samples, their source and their shards' index entries
+# (one, or two where a batch continues into the next shard of its unit).
+Planned = tuple[Hashable, tuple[int, ...], list[RawSample], int, tuple[dict[str, Any], ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +205,7 @@ def whole_cache_batches(
             for number in range(visit.skip_batches, len(batches)):
                 after = visit.after(number + 1, len(batches))
                 picked = [samples[i] for i in batches[number]]
-                yield visit, (after.epoch, after.shard, after.batch), picked, source, entry
+                yield visit, (after.epoch, after.shard, after.batch), picked, source, (entry,)
         epoch, first = epoch + 1, 0
 
 
@@ -212,27 +213,35 @@ def bucket_batches(
     spec: StreamSpec, sub: SubStream, slot: int, taken: int, check: ShardCheck, skips: SkipLog
 ) -> Iterator[Planned]:
     """This slot's batches of one bucket sub-stream, from its ``taken``-th on: each located
-    in O(1) from the index, its shard read once for a run of its batches (slots that share a
-    shard each read it and decode only their own batches)."""
+    in O(1) from the index, its unit of shards read once for a run of its batches (slots that
+    share a unit each read it and decode only their own batches). A shard of the unit that
+    cannot be read is recorded and the unit cut from the others."""
     visit: tuple[int, int] | None = None
-    samples: list[RawSample] | None = None
+    samples: list[RawSample] = []
+    owners: list[dict[str, Any]] = []  # the index entry of each sample's shard
     plan: list[list[int]] = []
+    source = spec.sources[sub.source]
     while True:
         number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
         epoch, place, batch = locate(sub, seed=spec.seed, number=number)
         taken += 1
-        shard_id = sub.shards[place]
-        if visit != (epoch, shard_id):
-            visit = (epoch, shard_id)
-            samples = _read(spec, sub.source, shard_id, check, skips)
-            if samples is not None:
-                rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, shard_id)
-                plan = plan_even_batches(
-                    [s.frames for s in samples], rng=rng, count=sub.batches[place]
-                )
-        if samples is not None:
-            entry = spec.sources[sub.source].shards[shard_id]
-            yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entry
+        unit = sub.units[place]
+        if visit != (epoch, unit[0]):
+            visit, samples, owners = (epoch, unit[0]), [], []
+            for shard_id in unit:
+                read = _read(spec, sub.source, shard_id, check, skips) or []
+                samples += read
+                owners += [source.shards[shard_id]] * len(read)
+            rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
+            count = min(sub.batches[place], len(samples))
+            plan = (
+                plan_even_batches([s.frames for s in samples], rng=rng, count=count)
+                if count
+                else []
+            )
+        if batch < len(plan):
+            entries = tuple({owners[i]["name"]: owners[i] for i in plan[batch]}.values())
+            yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entries
 
 
 def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:
@@ -241,7 +250,7 @@ def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[l
     for worker, row in enumerate(positions):
         slot = spec.rank * spec.workers_per_rank + worker
         out.append([
-            p[0] + p[1] * spec.num_slots / len(sub.shards)  # (epoch, shard, batch)
+            p[0] + p[1] * spec.num_slots / len(sub.units)  # (epoch, shard, batch)
             if sub.bucket < 0
             else global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=p[0]) / sub.per_epoch
             for sub, p in zip(spec.subs, row, strict=True)
@@ -315,10 +324,11 @@ def _collate_next(
 ) -> tuple[PackedBatch, tuple[int, ...]]:
     """Decode and pad the reader's next batch into ring slot ``seq``; a batch with a bad mel
     goes to the ``on_error`` policy and its shard visit loses its remaining batches."""
-    for visit, after, samples, source, entry in reader:
+    for visit, after, samples, source, entries in reader:
         if visit == failed[stream]:
             continue
         location = spec.sources[source].location
+        name = " + ".join(entry["name"] for entry in entries)
         try:
             packed = collate(
                 samples,
@@ -328,13 +338,13 @@ def _collate_next(
                 pad_multiple=spec.data.pad_multiple,
                 pad_value=spec.pad_value,
                 tokenizer=spec.tokenizer,
-                where=member_location(location, entry["name"]),
-                bucket=entry["bucket"],
+                where=" + ".join(member_location(location, e["name"]) for e in entries),
+                bucket=entries[0]["bucket"],
                 source=location,
             )
         except ShardError as exc:
             failed[stream] = visit
-            skips.record((source, entry["name"]), entry["name"], exc)
+            skips.record((source, name), name, exc)
             continue
         return packed, after
     raise AssertionError("a sub-stream reader is endless")
