@@ -143,20 +143,58 @@ def even_units(
 
 
 def plan_even_batches(
-    frames: Sequence[int], *, rng: np.random.Generator, count: int
+    frames: Sequence[int],
+    *,
+    rng: np.random.Generator,
+    count: int,
+    max_batch_size: int,
+    pad_multiple: int,
 ) -> list[list[int]]:
-    """Cut one shard's samples into ``count`` batches of near-equal size (sizes differ by at most
-    one), neighbours in length (sorted with :data:`SORT_JITTER`), in shuffled order.
+    """Cut one shard's (or unit's) samples into ``count`` batches of near-equal padded frames
+    (``B × round_up(longest)``), neighbours in length (sorted with :data:`SORT_JITTER`), in
+    shuffled order: batches of shorter utterances hold more of them, so ranks cost alike.
 
-    With ``count`` from :func:`even_batch_count` every batch keeps the budget, no batch is a
-    small remainder, and the count is known before the shard is read, which is what lets
-    workers share a shard and a schedule locate any batch of an epoch in O(1).
+    The cut is the least largest padded size that ``count`` runs of the sorted samples reach
+    (never above equal counts', which :func:`even_batch_count` fits in the budget), so every
+    batch keeps the budget and ``max_batch_size``, no batch is a small remainder, and the count
+    is known before the shard is read, which is what lets workers share a shard and a schedule
+    locate any batch of an epoch in O(1).
     """
     lengths = np.asarray(frames, dtype=np.float64)
     jitter = rng.random(len(lengths)) * np.maximum(1.0, lengths * SORT_JITTER)
-    order = np.argsort(-(lengths + jitter), kind="stable")
-    batches = [part.tolist() for part in np.array_split(order, count)]
+    order = np.argsort(-(lengths + jitter), kind="stable").tolist()
+    padded = [round_up(int(frames[i]), pad_multiple) for i in order]
+    equal = [part.tolist() for part in np.array_split(np.arange(len(order)), count)]
+    low, high = 1, max(len(p) * max(padded[i] for i in p) for p in equal)
+    while low < high:  # binary search on the largest batch's padded frames
+        middle = (low + high) // 2
+        if len(_runs(padded, middle, max_batch_size)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    runs = _runs(padded, high, max_batch_size)
+    while len(runs) < count:  # fewer runs reach it: halve the largest (only smaller batches)
+        big = max(range(len(runs)), key=lambda r: len(runs[r]))
+        part = runs.pop(big)
+        runs[big:big] = [part[: len(part) // 2], part[len(part) // 2 :]]
+    batches = [[order[i] for i in run] for run in runs]
     return [batches[j] for j in rng.permutation(count).tolist()]
+
+
+def _runs(padded: Sequence[int], cap: int, max_batch_size: int) -> list[list[int]]:
+    """Greedy runs of consecutive places whose size × longest padded length stays within
+    ``cap`` (the fewest such runs: each takes all it can)."""
+    runs: list[list[int]] = []
+    longest = 0
+    for place, length in enumerate(padded):
+        top = max(longest, length)
+        if runs and len(runs[-1]) < max_batch_size and (len(runs[-1]) + 1) * top <= cap:
+            runs[-1].append(place)
+            longest = top
+        else:
+            runs.append([place])
+            longest = length
+    return runs
 
 
 def padding_fraction(real_frames: float, padded_frames: float) -> float:

@@ -102,7 +102,8 @@ def test_any_job_size_reads_every_utterance_once_per_epoch(
 def test_even_cut_keeps_the_budget_with_no_small_remainder() -> None:
     frames = np.random.default_rng(0).integers(500, 513, size=36).tolist()  # one shard
     count = even_batch_count(36, max(frames), batch_frames=4000, max_batch_size=64, pad_multiple=8)
-    batches = plan_even_batches(frames, rng=make_rng(0, 4), count=count)
+    batches = plan_even_batches(frames, rng=make_rng(0, 4), count=count, max_batch_size=64,
+                                pad_multiple=8)  # fmt: skip
     greedy = plan_batches(frames, rng=make_rng(0, 2), batch_frames=4000, max_batch_size=64,
                           pad_multiple=8)  # fmt: skip
     assert sorted(len(b) for b in greedy) == [1, 7, 7, 7, 7, 7]  # the remainder batch
@@ -110,6 +111,20 @@ def test_even_cut_keeps_the_budget_with_no_small_remainder() -> None:
     assert sorted(len(b) for b in batches) == [6] * 6
     for b in batches:
         assert len(b) * round_up(max(frames[i] for i in b), 8) <= 4000
+
+
+def test_even_cut_balances_padded_frames_not_counts() -> None:
+    """A unit of long and shorter utterances: batches of the shorter hold more of them."""
+    frames = [1000] * 40 + [700] * 40
+    cut = {"max_batch_size": 64, "pad_multiple": 8}
+    count = even_batch_count(80, 1000, batch_frames=32000, **cut)
+    batches = plan_even_batches(frames, rng=make_rng(0, 4), count=count, **cut)
+    padded = [len(b) * round_up(max(frames[i] for i in b), 8) for b in batches]
+    assert len(batches) == count == 3 and sorted(i for b in batches for i in b) == list(range(80))
+    assert max(padded) <= 32000 and max(padded) / min(padded) < 1.1, padded  # equal counts: 1.47
+    few = plan_even_batches([100] * 200, rng=make_rng(0, 4), count=4, max_batch_size=50,
+                            pad_multiple=8)  # fmt: skip
+    assert sorted(len(b) for b in few) == [50] * 4  # max_batch_size holds
 
 
 def test_a_batch_continues_into_the_next_shard_of_its_unit(sample_cache: Path) -> None:

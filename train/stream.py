@@ -234,11 +234,11 @@ def bucket_batches(
                 owners += [source.shards[shard_id]] * len(read)
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
             count = min(sub.batches[place], len(samples))
-            plan = (
-                plan_even_batches([s.frames for s in samples], rng=rng, count=count)
-                if count
-                else []
-            )
+            data, lengths = spec.data, [s.frames for s in samples]
+            plan = plan_even_batches(
+                lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
+                pad_multiple=data.pad_multiple,
+            ) if count else []  # fmt: skip
         if batch < len(plan):
             entries = tuple({owners[i]["name"]: owners[i] for i in plan[batch]}.values())
             yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entries
