@@ -14,7 +14,7 @@ A :class:`Batch` holds ``mel`` float16 ``[B, T, n_mels]`` (T a multiple of ``pad
 padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, ``text`` int64
 ``[B, L]`` (UTF-8 bytes + 1 by default: vocabulary 257, 0 = padding), ``text_lengths``,
 ``keys``, ``speaker`` (``None`` where unknown) and ``bucket``. All samples of a batch come from
-one shard, hence one length bucket ``b``; ``B × T <= batch_frames`` (one number, or the table's
+one length bucket ``b`` (one shard, or two neighbours of a unit of small shards); ``B × T <= batch_frames`` (one number, or the table's
 entry for ``b``) and ``B <= max_batch_size``.
 
 Splitting: the schedule (``train/schedule.py``) picks each batch's sub-stream (one length
@@ -25,7 +25,7 @@ their weights. Each sub-stream reads every shard once per epoch across the job's
 
 Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
 worker's position after it in its sub-stream (``train/stream.py``); the loader records it as
-the batch is handed to the caller. A restore re-reads at most one shard per worker and
+the batch is handed to the caller. A restore re-reads at most one shard (or unit) per worker and
 sub-stream, skipping its consumed batches without decoding a mel. A state from a different
 world size, worker count, seed, cache, mix or batch budget is refused, naming the key.
 

@@ -12,8 +12,8 @@ worker's slot has taken, and any batch is located without reading (``schedule.lo
 whole-cache sub-stream (``sync_buckets = false``) is the stream of earlier releases: each
 epoch the cache's shards are dealt to the slots and cut greedily; its position is (epoch,
 shard in the slot's list, batches taken from it), the batching a pure function of
-``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard per
-sub-stream and skips its consumed batches without decoding their mels. Each position ends
+``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard (a bucket
+sub-stream: one unit of its shards) per sub-stream and skips its consumed batches without decoding their mels. Each position ends
 with the real frames the worker has taken from the sub-stream: the schedule's choice of cache
 within a bucket follows them.
 """
