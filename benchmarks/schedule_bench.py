@@ -88,18 +88,19 @@ def planned(loader: StreamLoader, unsynced: bool) -> Iterator[tuple[int, list[Ra
 
 
 def measure_plans(cache: Path, data: DataConfig, ranks: int, steps: int, how: str) -> dict:
-    """Part 2: the same from plans, at any number of ranks."""
+    """Part 2: the same from plans, at any number of ranks: one rank's plan after the other
+    (ranks plan independently), so only one rank's shards are open at a time."""
     sync = how != "previous"
     options = dataclasses.replace(data, sync_buckets=sync, num_workers=0)
-    streams = [
-        planned(make_loader(cache, options, rank=r, world_size=ranks), how == "unsynced")
-        for r in range(ranks)
-    ]
-    buckets, costs = [], []
-    for _ in range(steps):
-        batches = [next(s) for s in streams]
-        buckets.append([b for b, _ in batches])
-        costs.append([cost_of(samples, data.pad_multiple) for _, samples in batches])
+    per_rank = []
+    for r in range(ranks):
+        stream = planned(make_loader(cache, options, rank=r, world_size=ranks), how == "unsynced")
+        batches = [next(stream) for _ in range(steps)]
+        per_rank.append([(b, cost_of(samples, data.pad_multiple)) for b, samples in batches])
+        stream.close()
+    steps_of = list(zip(*per_rank, strict=True))
+    buckets = [[b for b, _ in step] for step in steps_of]
+    costs = [[c for _, c in step] for step in steps_of]
     return summary(f"plans {how}", ranks, buckets, costs)
 
 
