@@ -36,11 +36,11 @@ from pathlib import Path
 
 from benchmarks.speech import make_corpus
 from melcache.batching import round_up
-from melcache.reader import RawSample, ShardCheck
+from melcache.reader import RawSample
 from train.collate import utf8_tokens
 from train.data import DataConfig, StreamLoader, make_loader
 from train.schedule import make_schedule
-from train.stream import SkipLog, open_readers
+from train.stream import planned_stream
 
 DIM = 512  # configs/base.toml
 BATCH_FRAMES = 32_000
@@ -83,28 +83,24 @@ def planned(loader: StreamLoader, unsynced: bool) -> Iterator[tuple[int, list[Ra
     if unsynced:  # the same sub-streams, each rank choosing among all of them by itself
         schedule = make_schedule(spec.subs, loader.weights, seed=spec.seed, sync=False)
         spec = dataclasses.replace(spec, schedule=schedule)
-    starts = [spec.start(sub) for sub in spec.subs]
-    readers = open_readers(spec, spec.rank, starts, ShardCheck("off"), SkipLog("raise", 1))
-    for step in range(10**9):
-        _, _, samples, _, entry = next(
-            readers[spec.schedule.pick(step, spec.rank, spec.world_size)]
-        )
-        yield entry["bucket"], samples
+    for _, _, samples, _, entries in planned_stream(spec, 0):
+        yield entries[0]["bucket"], samples
 
 
 def measure_plans(cache: Path, data: DataConfig, ranks: int, steps: int, how: str) -> dict:
-    """Part 2: the same from plans, at any number of ranks."""
+    """Part 2: the same from plans, at any number of ranks: one rank's plan after the other
+    (ranks plan independently), so only one rank's shards are open at a time."""
     sync = how != "previous"
     options = dataclasses.replace(data, sync_buckets=sync, num_workers=0)
-    streams = [
-        planned(make_loader(cache, options, rank=r, world_size=ranks), how == "unsynced")
-        for r in range(ranks)
-    ]
-    buckets, costs = [], []
-    for _ in range(steps):
-        batches = [next(s) for s in streams]
-        buckets.append([b for b, _ in batches])
-        costs.append([cost_of(samples, data.pad_multiple) for _, samples in batches])
+    per_rank = []
+    for r in range(ranks):
+        stream = planned(make_loader(cache, options, rank=r, world_size=ranks), how == "unsynced")
+        batches = [next(stream) for _ in range(steps)]
+        per_rank.append([(b, cost_of(samples, data.pad_multiple)) for b, samples in batches])
+        stream.close()
+    steps_of = list(zip(*per_rank, strict=True))
+    buckets = [[b for b, _ in step] for step in steps_of]
+    costs = [[c for _, c in step] for step in steps_of]
     return summary(f"plans {how}", ranks, buckets, costs)
 
 

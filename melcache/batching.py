@@ -21,6 +21,9 @@ EVEN_PLAN = 4  # even cut of one shard into a count of batches known from the in
 # which only breaks ties): neighbours stay within about 1 % of each other (little padding)
 # while batch membership changes every epoch (static batches give a cyclic loss).
 SORT_JITTER = 0.01
+# Batches of a unit of shards (even_units) hold at least this share of what fits: ranks in one
+# bucket then cost within about 10 % of each other.
+UNIT_FILL = 0.9
 
 
 def make_rng(seed: int, *parts: int) -> np.random.Generator:
@@ -103,21 +106,95 @@ def even_batch_count(
     return -(-samples // fit)
 
 
-def plan_even_batches(
-    frames: Sequence[int], *, rng: np.random.Generator, count: int
+def even_units(
+    samples: Sequence[int],
+    max_frames: Sequence[int],
+    *,
+    batch_frames: int,
+    max_batch_size: int,
+    pad_multiple: int,
 ) -> list[list[int]]:
-    """Cut one shard's samples into ``count`` batches of near-equal size (sizes differ by at most
-    one), neighbours in length (sorted with :data:`SORT_JITTER`), in shuffled order.
+    """Group one bucket's shards (their index entries' ``samples`` and ``max_frames``) into
+    *units*, read and cut into even batches together: length neighbours joined until the
+    unit's batches hold at least :data:`UNIT_FILL` of what fits of its longest utterance.
 
-    With ``count`` from :func:`even_batch_count` every batch keeps the budget, no batch is a
-    small remainder, and the count is known before the shard is read, which is what lets
-    workers share a shard and a schedule locate any batch of an epoch in O(1).
+    So a batch continues into the next shard instead of a small shard (a bucket's last) making
+    a small batch, or a shard just over one batch making two half-full ones; ranks in one
+    bucket then hold batches of about one cost. A shard of many batches fills them anyway and
+    stays a unit of its own; the longest leftover joins the unit before it.
+    """
+    units: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(samples)), key=lambda i: (max_frames[i], i)):
+        current.append(i)
+        count = sum(samples[j] for j in current)
+        longest = max(max_frames[j] for j in current)
+        fit = min(max_batch_size, batch_frames // round_up(longest, pad_multiple))
+        batches = even_batch_count(count, longest, batch_frames=batch_frames,
+                                   max_batch_size=max_batch_size, pad_multiple=pad_multiple)  # fmt: skip
+        if count / batches >= UNIT_FILL * fit:
+            units.append(current)
+            current = []
+    if current and units:
+        units[-1].extend(current)
+    elif current:
+        units.append(current)
+    return units
+
+
+def plan_even_batches(
+    frames: Sequence[int],
+    *,
+    rng: np.random.Generator,
+    count: int,
+    max_batch_size: int,
+    pad_multiple: int,
+) -> list[list[int]]:
+    """Cut one shard's (or unit's) samples into ``count`` batches of near-equal padded frames
+    (``B × round_up(longest)``), neighbours in length (sorted with :data:`SORT_JITTER`), in
+    shuffled order: batches of shorter utterances hold more of them, so ranks cost alike.
+
+    The cut is the least largest padded size that ``count`` runs of the sorted samples reach
+    (never above equal counts', which :func:`even_batch_count` fits in the budget), so every
+    batch keeps the budget and ``max_batch_size``, no batch is a small remainder, and the count
+    is known before the shard is read, which is what lets workers share a shard and a schedule
+    locate any batch of an epoch in O(1).
     """
     lengths = np.asarray(frames, dtype=np.float64)
     jitter = rng.random(len(lengths)) * np.maximum(1.0, lengths * SORT_JITTER)
-    order = np.argsort(-(lengths + jitter), kind="stable")
-    batches = [part.tolist() for part in np.array_split(order, count)]
+    order = np.argsort(-(lengths + jitter), kind="stable").tolist()
+    padded = [round_up(int(frames[i]), pad_multiple) for i in order]
+    equal = [part.tolist() for part in np.array_split(np.arange(len(order)), count)]
+    low, high = 1, max(len(p) * max(padded[i] for i in p) for p in equal)
+    while low < high:  # binary search on the largest batch's padded frames
+        middle = (low + high) // 2
+        if len(_runs(padded, middle, max_batch_size)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    runs = _runs(padded, high, max_batch_size)
+    while len(runs) < count:  # fewer runs reach it: halve the largest (only smaller batches)
+        big = max(range(len(runs)), key=lambda r: len(runs[r]))
+        part = runs.pop(big)
+        runs[big:big] = [part[: len(part) // 2], part[len(part) // 2 :]]
+    batches = [[order[i] for i in run] for run in runs]
     return [batches[j] for j in rng.permutation(count).tolist()]
+
+
+def _runs(padded: Sequence[int], cap: int, max_batch_size: int) -> list[list[int]]:
+    """Greedy runs of consecutive places whose size × longest padded length stays within
+    ``cap`` (the fewest such runs: each takes all it can)."""
+    runs: list[list[int]] = []
+    longest = 0
+    for place, length in enumerate(padded):
+        top = max(longest, length)
+        if runs and len(runs[-1]) < max_batch_size and (len(runs[-1]) + 1) * top <= cap:
+            runs[-1].append(place)
+            longest = top
+        else:
+            runs.append([place])
+            longest = length
+    return runs
 
 
 def padding_fraction(real_frames: float, padded_frames: float) -> float:

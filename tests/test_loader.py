@@ -637,8 +637,11 @@ def read_then_hang(location):
     return real_read(location)
 
 melcache.reader.read_bytes = read_then_hang  # inherited by the forked worker
-loader = make_loader(cache, DataConfig(num_workers=1, batch_frames=3000))
-next(iter(loader))
+# The whole-cache stream reads one shard per visit (a bucket's unit may be several, and its
+# second read would then hang before the first batch).
+loader = make_loader(cache, DataConfig(num_workers=1, batch_frames=3000, sync_buckets=False))
+batches = iter(loader)  # held: a dropped iterator stops its workers
+next(batches)
 print(*(p.pid for p in multiprocessing.active_children()), flush=True)
 time.sleep(600)
 """

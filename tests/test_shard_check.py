@@ -17,7 +17,8 @@ import pytest
 from melcache.batching import worker_shards
 from melcache.errors import ShardError
 from melcache.index import read_index, write_index
-from train.data import Batch, DataConfig, StreamLoader, _StaysFailed, make_loader
+from train.data import Batch, DataConfig, StreamLoader, make_loader
+from train.workers import StaysFailed
 
 SEED = 1
 RELEASES = ("current", "previous")
@@ -157,7 +158,7 @@ def test_a_failed_worker_stream_keeps_raising() -> None:
         yield 1
         raise ShardError("b00-000001.tar: xxh3_128 differs from the index")
 
-    failing = _StaysFailed(stream())
+    failing = StaysFailed(stream())
     assert next(failing) == 1
     for _ in range(3):
         with pytest.raises(ShardError, match=r"b00-000001\.tar: xxh3_128 differs"):

@@ -14,7 +14,7 @@ A :class:`Batch` holds ``mel`` float16 ``[B, T, n_mels]`` (T a multiple of ``pad
 padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, ``text`` int64
 ``[B, L]`` (UTF-8 bytes + 1 by default: vocabulary 257, 0 = padding), ``text_lengths``,
 ``keys``, ``speaker`` (``None`` where unknown) and ``bucket``. All samples of a batch come from
-one shard, hence one length bucket ``b``; ``B × T <= batch_frames`` (one number, or the table's
+one length bucket ``b`` (one shard, or two neighbours of a unit of small shards); ``B × T <= batch_frames`` (one number, or the table's
 entry for ``b``) and ``B <= max_batch_size``.
 
 Splitting: the schedule (``train/schedule.py``) picks each batch's sub-stream (one length
@@ -25,7 +25,7 @@ their weights. Each sub-stream reads every shard once per epoch across the job's
 
 Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
 worker's position after it in its sub-stream (``train/stream.py``); the loader records it as
-the batch is handed to the caller. A restore re-reads at most one shard per worker and
+the batch is handed to the caller. A restore re-reads at most one shard (or unit) per worker and
 sub-stream, skipping its consumed batches without decoding a mel. A state from a different
 world size, worker count, seed, cache, mix or batch budget is refused, naming the key.
 
@@ -40,33 +40,26 @@ Lifetime: an iterator holds its loader (the loader holds it only weakly), so an 
 the last iterator is dropped or at ``close()``. The stream is endless by contract: once
 stopped, ``next()`` raises :class:`LoaderClosed` saying why, never ``StopIteration``.
 
-Throughput: workers pad mels straight into shared-memory ring slots (``train/transport.py``,
-each the size of the largest batch any bucket can make)
-and DataLoader carries only the small rest; the consumer copies each mel out, into pinned
-memory when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.py`` measures it.
+Throughput: workers (``train/workers.py``) pad mels straight into shared-memory ring slots
+(``train/transport.py``, each the size of the largest batch any bucket can make) and
+DataLoader carries only the small rest; the consumer copies each mel out, into pinned memory
+when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.py`` measures it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
-import multiprocessing
-import os
-import shutil
-import signal
-import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from melcache.config import require
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
-from train.collate import BYTE_VOCAB_SIZE, PAD_ID, Batch, PackedBatch, utf8_tokens
+from train.collate import BYTE_VOCAB_SIZE, PAD_ID, Batch, utf8_tokens
 from train.config import DataConfig
 from train.schedule import make_schedule, substreams
 from train.sources import (
@@ -74,12 +67,11 @@ from train.sources import (
     OpenedMix,
     bucket_lengths,
     check_layout,
-    largest_batch,
     open_mix,
     shards_digest,
 )
-from train.stream import Cursor, StreamSpec, progress, worker_stream
-from train.transport import BatchRing
+from train.stream import Cursor, StreamSpec, progress
+from train.workers import check_shared_memory, worker_batches
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -97,74 +89,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 # Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
 # stream of data.sync_buckets = false over one cache, which continues it exactly.
 WHOLE_CACHE_VERSION = 1
-# Batches each worker keeps ready: a batch is ~1 MB-10 MB and costs one shard read at most,
-# 4 hides a shard boundary without holding much memory.
-PREFETCH_FACTOR = 4
-# prefetch_factor + 1 slots suffice (see train/transport.py); one more for margin.
-RING_SLOTS = PREFETCH_FACTOR + 2
-
-
-class _WorkerDataset(IterableDataset):
-    """Runs in each DataLoader worker: picks its logical worker and streams from its position.
-
-    DataLoader worker ``i`` plays logical worker ``(i + first) % n``: DataLoader always asks
-    its worker 0 first, while a restored stream must continue with whichever worker's turn
-    it was.
-    """
-
-    def __init__(
-        self,
-        spec: StreamSpec,
-        positions: list[list[tuple[int, ...]]],
-        batches: int,
-        rings: list[BatchRing],
-    ) -> None:
-        self.spec, self.positions, self.batches, self.rings = spec, positions, batches, rings
-
-    def __iter__(self) -> Iterator[tuple[PackedBatch, Cursor]]:
-        info, count = get_worker_info(), self.spec.workers_per_rank
-        first = self.batches % count  # whose turn it is: DataLoader asks its worker 0 first
-        worker = ((0 if info is None else info.id) + first) % count
-        step = self.batches // count + (1 if worker < first else 0)  # its batches so far
-        stream = worker_stream(self.spec, worker, step, self.positions[worker], self.rings[worker])
-        return _StaysFailed(stream)
-
-
-class _StaysFailed:
-    """A worker's stream that, once it has raised, raises the same error for every later batch.
-
-    A generator that raised is finished, and DataLoader gives a finished worker's share of
-    batches to the others at once; they would then run more batches ahead than their rings
-    hold, and the consumer would stop on a ring overrun before it reached, in order, the error
-    that names the shard.
-    """
-
-    def __init__(self, stream: Iterator[tuple[PackedBatch, Cursor]]) -> None:
-        self.stream = stream
-        self.error: Exception | None = None
-
-    def __iter__(self) -> _StaysFailed:
-        return self
-
-    def __next__(self) -> tuple[PackedBatch, Cursor]:
-        if self.error is not None:
-            raise self.error
-        try:
-            return next(self.stream)
-        except StopIteration:
-            raise
-        except Exception as exc:
-            self.error = exc
-            raise
-
-
-def _keep(item: Any) -> Any:
-    """DataLoader ``collate_fn`` for ready-made batches (module level: picklable)."""
-    return item
+# Version 2 (this release before units of shards and the frames each position ends with now)
+# continues exactly only where neither changed the stream: one cache, sync_buckets = false.
+NO_FRAMES_VERSION = 2
 
 
 class StreamLoader:
@@ -214,7 +145,7 @@ class StreamLoader:
     def __iter__(self) -> BatchIterator:
         self.close()  # one live stream at a time: it owns the state
         positions = [list(p) for p in self._positions]
-        stream = _stream(self.spec, positions, self._batches, self.pin_memory)
+        stream = worker_batches(self.spec, positions, self._batches, self.pin_memory)
         iterator = BatchIterator(self, stream)
         # Held weakly: the iterator keeps this loader alive, not the other way round, so the
         # workers stop as soon as the last iterator is dropped, whether or not the loader is.
@@ -245,7 +176,7 @@ class StreamLoader:
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has taken so far; plain ints/strs/lists/dicts, so it loads
         with ``torch.load(weights_only=True)``: per worker and sub-stream a position of one
-        integer (a bucket) or three (a whole cache)."""
+        integer (a bucket) or three (a whole cache), then the real frames taken from it."""
         return {
             "version": STATE_VERSION,
             **self._identity(),
@@ -266,15 +197,19 @@ class StreamLoader:
         self.close()
         version = state.get("version")
         identity = self._identity()
-        if version == WHOLE_CACHE_VERSION:
+        if version in (WHOLE_CACHE_VERSION, NO_FRAMES_VERSION):
             if len(self.spec.subs) != 1 or self.spec.subs[0].bucket >= 0:
                 raise UserError(
-                    "loader state was saved by the previous release's loader (version 1), "
-                    "whose stream is one cache with data.sync_buckets = false; resume with "
-                    "that setting (or start the data stream afresh without load_state_dict)"
+                    f"loader state was saved by an earlier loader (version {version}), whose "
+                    "stream continues here only as one cache with data.sync_buckets = false; "
+                    "resume with that setting (or start the data stream afresh without "
+                    "load_state_dict)"
                 )
-            identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
-            positions = [[list(p)] for p in state["positions"]]
+            if version == WHOLE_CACHE_VERSION:  # one position per worker, no sync_buckets/mix
+                identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
+                positions = [[[*p, 0]] for p in state["positions"]]
+            else:
+                positions = [[[*p, 0] for p in worker] for worker in state["positions"]]
         elif version == STATE_VERSION:
             positions = state["positions"]
         else:
@@ -357,45 +292,6 @@ class BatchIterator:
             self._stream.close()
 
 
-def _stream(
-    spec: StreamSpec, positions: list[list[tuple[int, ...]]], batches: int, pin_memory: bool
-) -> Iterator[tuple[Batch, Cursor]]:
-    """One rank's batches from DataLoader workers, each with the worker position after it."""
-    data = spec.data
-    rings = [
-        BatchRing(RING_SLOTS, largest_batch(spec.sources, data) * spec.n_mels)
-        for _ in range(spec.workers_per_rank)
-    ]
-    dataset = _WorkerDataset(spec, positions, batches, rings)
-    loader = DataLoader(
-        dataset,
-        batch_size=None,  # the dataset yields whole batches
-        collate_fn=_keep,
-        num_workers=data.num_workers,
-        # Pinning happens as the mel is copied out of the ring, not in DataLoader's
-        # pin thread: one copy instead of two.
-        pin_memory=False,
-        persistent_workers=data.num_workers > 0,
-        prefetch_factor=PREFETCH_FACTOR if data.num_workers > 0 else None,
-        # DataLoader draws its workers' base seed from this generator; the default would
-        # consume the global torch RNG, which belongs to the model (dropout on resume).
-        generator=torch.Generator().manual_seed(spec.seed),
-        worker_init_fn=_leave_process_group,
-    )
-    owner = os.getpid()
-    batches = iter(loader)
-    try:
-        for packed, cursor in batches:
-            mel = rings[cursor.worker].take(packed.seq, packed.mel_shape, pin_memory)
-            yield packed.unpack(mel, pin_memory), cursor
-    finally:
-        shutdown = getattr(batches, "_shutdown_workers", None)
-        # Only the process that started the workers stops them: a forked child (the next
-        # loader's worker) inherits this generator and may finalise it.
-        if shutdown is not None and os.getpid() == owner:
-            shutdown()
-
-
 def make_loader(
     cache: CacheArg,
     data: DataConfig,
@@ -438,7 +334,7 @@ def make_loader(
         pad_value=math.log(mix.features.log_floor),
         tokenizer=tokenizer or utf8_tokens,
     )
-    _check_shared_memory(spec)
+    check_shared_memory(spec)
     return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
 
 
@@ -448,53 +344,3 @@ def _resolve_pin_memory(requested: bool | None) -> bool:
         logger.warning("pin_memory=True without CUDA: batches stay in pageable memory")
         return False
     return torch.cuda.is_available() if requested is None else requested
-
-
-def ring_bytes(spec: StreamSpec) -> int:
-    """Shared memory one rank's batch rings take: a ring of float16 slots per worker, each
-    the size of the largest batch."""
-    return (
-        spec.workers_per_rank
-        * RING_SLOTS
-        * largest_batch(spec.sources, spec.data)
-        * spec.n_mels
-        * 2
-    )
-
-
-def _check_shared_memory(spec: StreamSpec, folder: str = "/dev/shm") -> None:
-    """Refuse to start when /dev/shm cannot hold the rings (Docker's default is 64 MB), rather
-    than fail at the first batch with a bus error."""
-    if not os.path.isdir(folder):
-        return  # not Linux: torch's shared memory lives elsewhere
-    needed, free = ring_bytes(spec), shutil.disk_usage(folder).free
-    if needed > free:
-        raise UserError(
-            f"the loader needs {needed / 2**20:.0f} MiB of shared memory per rank for its batch "
-            f"rings, {folder} has {free / 2**20:.0f} MiB free: give the container more "
-            "(docker run --shm-size=8g, or --ipc=host), or lower data.batch_frames or "
-            "data.num_workers"
-        )
-
-
-def _leave_process_group(worker_id: int) -> None:
-    """torchrun signals each rank's whole process group: a worker in its own group outlives
-    the SIGTERM so the rank can take its checkpoint, and the rank still stops it after.
-
-    Out of the group, a worker would also outlive a rank killed outright (``kill -9``, the
-    out-of-memory killer) wherever it blocks (a hung network read) where DataLoader's own
-    check for a dead parent never runs; so on Linux the kernel kills it with its parent
-    (strictly, with the thread that started iterating the loader: keep that thread alive).
-    """
-    os.setpgrp()
-    if not sys.platform.startswith("linux"):
-        return
-    # PR_SET_PDEATHSIG (1 in <linux/prctl.h>) has no Python binding: ctypes reaches prctl(2).
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
-        logger.warning(
-            "loader worker cannot ask to die with its rank: errno %d", ctypes.get_errno()
-        )
-    parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(0)  # the rank died before the request above: nobody is left to serve

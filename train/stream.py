@@ -12,14 +12,17 @@ worker's slot has taken, and any batch is located without reading (``schedule.lo
 whole-cache sub-stream (``sync_buckets = false``) is the stream of earlier releases: each
 epoch the cache's shards are dealt to the slots and cut greedily; its position is (epoch,
 shard in the slot's list, batches taken from it), the batching a pure function of
-``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard per
-sub-stream and skips its consumed batches without decoding their mels.
+``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard (a bucket
+sub-stream: one unit of its shards) per sub-stream and skips its consumed batches without decoding their mels. Each position ends
+with the real frames the worker has taken from the sub-stream: the schedule's choice of cache
+within a bucket follows them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Hashable, Iterator
 from typing import Any
 
@@ -40,8 +43,9 @@ from train.schedule import Schedule, SubStream, global_batch, locate
 from train.transport import BatchRing
 
 # A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
-# the reader's position after it, its samples, and the shard's source and index entry.
-Planned = tuple[Hashable, tuple[int, ...], list[RawSample], int, dict[str, Any]]
+# the reader's position after it, its samples, their source and their shards' index entries
+# (one, or two where a batch continues into the next shard of its unit).
+Planned = tuple[Hashable, tuple[int, ...], list[RawSample], int, tuple[dict[str, Any], ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +104,9 @@ class StreamSpec:
         return self.world_size * self.workers_per_rank
 
     def start(self, sub: SubStream) -> tuple[int, ...]:
-        """A reader's position before its first batch."""
-        return (0,) if sub.bucket >= 0 else (0, 0, 0)
+        """A worker's position in ``sub`` before its first batch: batches taken (a bucket) or
+        (epoch, shard, batch) (a whole cache), then the real frames taken."""
+        return (0, 0) if sub.bucket >= 0 else (0, 0, 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +205,7 @@ def whole_cache_batches(
             for number in range(visit.skip_batches, len(batches)):
                 after = visit.after(number + 1, len(batches))
                 picked = [samples[i] for i in batches[number]]
-                yield visit, (after.epoch, after.shard, after.batch), picked, source, entry
+                yield visit, (after.epoch, after.shard, after.batch), picked, source, (entry,)
         epoch, first = epoch + 1, 0
 
 
@@ -208,27 +213,35 @@ def bucket_batches(
     spec: StreamSpec, sub: SubStream, slot: int, taken: int, check: ShardCheck, skips: SkipLog
 ) -> Iterator[Planned]:
     """This slot's batches of one bucket sub-stream, from its ``taken``-th on: each located
-    in O(1) from the index, its shard read once for a run of its batches (slots that share a
-    shard each read it and decode only their own batches)."""
+    in O(1) from the index, its unit of shards read once for a run of its batches (slots that
+    share a unit each read it and decode only their own batches). A shard of the unit that
+    cannot be read is recorded and the unit cut from the others."""
     visit: tuple[int, int] | None = None
-    samples: list[RawSample] | None = None
+    samples: list[RawSample] = []
+    owners: list[dict[str, Any]] = []  # the index entry of each sample's shard
     plan: list[list[int]] = []
+    source = spec.sources[sub.source]
     while True:
         number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
         epoch, place, batch = locate(sub, seed=spec.seed, number=number)
         taken += 1
-        shard_id = sub.shards[place]
-        if visit != (epoch, shard_id):
-            visit = (epoch, shard_id)
-            samples = _read(spec, sub.source, shard_id, check, skips)
-            if samples is not None:
-                rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, shard_id)
-                plan = plan_even_batches(
-                    [s.frames for s in samples], rng=rng, count=sub.batches[place]
-                )
-        if samples is not None:
-            entry = spec.sources[sub.source].shards[shard_id]
-            yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entry
+        unit = sub.units[place]
+        if visit != (epoch, unit[0]):
+            visit, samples, owners = (epoch, unit[0]), [], []
+            for shard_id in unit:
+                read = _read(spec, sub.source, shard_id, check, skips) or []
+                samples += read
+                owners += [source.shards[shard_id]] * len(read)
+            rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
+            count = min(sub.batches[place], len(samples))
+            data, lengths = spec.data, [s.frames for s in samples]
+            plan = plan_even_batches(
+                lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
+                pad_multiple=data.pad_multiple,
+            ) if count else []  # fmt: skip
+        if batch < len(plan):
+            entries = tuple({owners[i]["name"]: owners[i] for i in plan[batch]}.values())
+            yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entries
 
 
 def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:
@@ -237,7 +250,7 @@ def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[l
     for worker, row in enumerate(positions):
         slot = spec.rank * spec.workers_per_rank + worker
         out.append([
-            p[0] + p[1] * spec.num_slots / len(sub.shards)  # (epoch, shard, batch)
+            p[0] + p[1] * spec.num_slots / len(sub.units)  # (epoch, shard, batch)
             if sub.bucket < 0
             else global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=p[0]) / sub.per_epoch
             for sub, p in zip(spec.subs, row, strict=True)
@@ -253,13 +266,27 @@ def open_readers(
     skips: SkipLog,
 ) -> list[Iterator[Planned]]:
     """Slot ``slot``'s reader of each sub-stream, from ``positions``: planned batches, no mel
-    decoded (also what benchmarks and tests plan whole jobs with)."""
+    decoded."""
     return [
         bucket_batches(spec, sub, slot, position[0], check, skips)
         if sub.bucket >= 0
-        else whole_cache_batches(spec, sub, slot, Position(*position), check, skips)
+        else whole_cache_batches(spec, sub, slot, Position(*position[:3]), check, skips)
         for sub, position in zip(spec.subs, positions, strict=True)
     ]
+
+
+def planned_stream(spec: StreamSpec, worker: int) -> Iterator[Planned]:
+    """Logical worker ``worker``'s batches from the start, in the schedule's order, planned
+    but no mel decoded (what benchmarks and tests plan whole jobs with)."""
+    slot = spec.rank * spec.workers_per_rank + worker
+    starts = [spec.start(sub) for sub in spec.subs]
+    readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1))
+    consumed = [0] * len(readers)
+    for step in itertools.count():
+        stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
+        planned = next(readers[stream])
+        consumed[stream] += sum(s.frames for s in planned[2])
+        yield planned
 
 
 def worker_stream(
@@ -272,16 +299,18 @@ def worker_stream(
     check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
     slot = spec.rank * spec.workers_per_rank + worker
     readers = open_readers(spec, slot, positions, check, skips)
+    consumed = [position[-1] for position in positions]
     failed: list[Hashable] = [None] * len(readers)
     seq = 0
     while True:
         rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
-        stream = spec.schedule.pick(rank_step, spec.rank, spec.world_size)
+        stream = spec.schedule.pick(rank_step, slot, consumed)
         packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
+        consumed[stream] += int(packed.mel_lengths.sum())
         ring.publish(seq)
         seq += 1
         step += 1
-        yield packed, Cursor(worker, stream, after, skips.take())
+        yield packed, Cursor(worker, stream, (*after, consumed[stream]), skips.take())
 
 
 def _collate_next(
@@ -295,10 +324,11 @@ def _collate_next(
 ) -> tuple[PackedBatch, tuple[int, ...]]:
     """Decode and pad the reader's next batch into ring slot ``seq``; a batch with a bad mel
     goes to the ``on_error`` policy and its shard visit loses its remaining batches."""
-    for visit, after, samples, source, entry in reader:
+    for visit, after, samples, source, entries in reader:
         if visit == failed[stream]:
             continue
         location = spec.sources[source].location
+        name = " + ".join(entry["name"] for entry in entries)
         try:
             packed = collate(
                 samples,
@@ -308,13 +338,13 @@ def _collate_next(
                 pad_multiple=spec.data.pad_multiple,
                 pad_value=spec.pad_value,
                 tokenizer=spec.tokenizer,
-                where=member_location(location, entry["name"]),
-                bucket=entry["bucket"],
+                where=" + ".join(member_location(location, e["name"]) for e in entries),
+                bucket=entries[0]["bucket"],
                 source=location,
             )
         except ShardError as exc:
             failed[stream] = visit
-            skips.record((source, entry["name"]), entry["name"], exc)
+            skips.record((source, name), name, exc)
             continue
         return packed, after
     raise AssertionError("a sub-stream reader is endless")
