@@ -23,6 +23,7 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 STRATEGIES = ("ddp", "fsdp2", "hsdp")
 ON_ERROR = ("raise", "skip")
+CLIPS = ("norm", "zclip", "autoclip")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,6 +164,13 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    # "norm": at grad_clip; "zclip" / "autoclip": adaptive limits under it (train/clipping.py).
+    clip: str = "norm"
+    zclip_alpha: float = 0.97  # EMA factor of the norms' mean and variance
+    zclip_z: float = 2.5  # z-score above which a norm is scaled down
+    zclip_warmup: int = 25  # steps that only collect norms
+    autoclip_percentile: float = 10.0  # of past norms: the limit
+    autoclip_window: int = 1_000  # past norms kept
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "optim.lr", self.lr, "a positive learning rate")
@@ -183,6 +191,17 @@ class OptimConfig:
         )
         require(self.eps > 0, "optim.eps", self.eps, "a small positive number")
         require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "0 (off) or a norm")
+        require(self.clip in CLIPS, "optim.clip", self.clip, " or ".join(CLIPS))
+        require(0 < self.zclip_alpha < 1, "optim.zclip_alpha", self.zclip_alpha, "in (0, 1)")
+        require(self.zclip_z > 0, "optim.zclip_z", self.zclip_z, "a positive z-score")
+        require(self.zclip_warmup >= 2, "optim.zclip_warmup", self.zclip_warmup, "2 or more")
+        require(
+            0 < self.autoclip_percentile <= 100,
+            "optim.autoclip_percentile",
+            self.autoclip_percentile,
+            "in (0, 100]",
+        )
+        require(self.autoclip_window >= 1, "optim.autoclip_window", self.autoclip_window, "≥ 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,6 +244,12 @@ class TrainConfig:
     find_unused_parameters: bool = False  # DDP's option, for models that skip parameters
     val_every: int = 0  # steps between validations (0: off; needs data.val_shards)
     val_batches: int = 4  # validation batches per rank, the same ones every time
+    # Skip a step whose loss or grad norm is spike_sigma σ above the last spike_window
+    # trained steps (once spike_min_history are in): train/spikes.py.
+    skip_spikes: bool = False
+    spike_sigma: float = 6.0
+    spike_window: int = 128
+    spike_min_history: int = 16
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
@@ -255,7 +280,26 @@ class TrainConfig:
             "0 or more",
         )
         self._check_strategy()
+        self._check_spikes()
         require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")
+
+    def _check_spikes(self) -> None:
+        require(isinstance(self.skip_spikes, bool), "train.skip_spikes", self.skip_spikes, "bool")
+        require(self.spike_sigma > 0, "train.spike_sigma", self.spike_sigma, "a positive σ")
+        require(self.spike_window >= 2, "train.spike_window", self.spike_window, "2 or more")
+        require(
+            2 <= self.spike_min_history <= self.spike_window,
+            "train.spike_min_history",
+            self.spike_min_history,
+            f"in [2, spike_window={self.spike_window}]",
+        )
+        if self.skip_spikes:  # GradScaler hands the fused AdamW its own found-inf flag
+            require(
+                self.precision != "fp16",
+                "train.precision",
+                self.precision,
+                "bf16, fp32 or auto with train.skip_spikes = true (fp16's scaler skips steps itself)",
+            )
 
     def _check_strategy(self) -> None:
         """FSDP2 has no DDP comm hooks and no sharded GradScaler here: refused by name."""

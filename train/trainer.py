@@ -29,6 +29,7 @@ import torch
 from melcache.errors import UserError
 from melcache.index import read_stats
 from train.checkpoint import Checkpointer
+from train.clipping import GradClip
 from train.config import Config
 from train.contract import (
     declared,
@@ -60,10 +61,11 @@ from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
 from train.oom import Budgets, no_recovery
 from train.optim import EMA, build_optimizer, build_scheduler
-from train.parallel import clip_grad_norm, load_weights, shard, sharded, weights_state
+from train.parallel import load_weights, shard, sharded, weights_state
 from train.powersgd import PowerSGD
 from train.prefetch import DeviceCopies
 from train.runfolder import owned_run_folder
+from train.spikes import SpikeSkipper
 from train.tokenizers import build_tokenizer
 from train.validation import build_validator
 
@@ -125,6 +127,8 @@ class Trainer:
             self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
         )
         self.vote = HostVote(env)
+        self.clipper = GradClip(cfg.optim, device, sharded=self.sharded)
+        self.spikes = SpikeSkipper(t, env) if t.skip_spikes else None
         self.budgets = Budgets(
             env,
             self.loader.spec.data.pad_multiple,
@@ -188,6 +192,8 @@ class Trainer:
                     if self.validator is not None and self.step % t.val_every == 0:
                         metrics.log(self.step, self.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
+                        for record in self._settle_spike(flush=True):
+                            metrics.event(self.step, record)
                         self.save()
                     if verdict.stop:
                         log.info(
@@ -205,9 +211,11 @@ class Trainer:
         inv_frames = self._inverse_global_frames(micro)
         # DDP averages gradients over ranks; × world size turns that mean into the sum.
         loss_sums = self._forward_backward(passes, inv_frames * self.env.world_size)
-        stop, lost = self.vote.sum([self.stop.local, float(self.budgets.lost)])
+        spiked = self.spikes.vote_value() if self.spikes is not None else 0.0
+        stop, lost, spiked = self.vote.sum([self.stop.local, float(self.budgets.lost), spiked])
+        records = self._settle_spike(spiked)  # the last step's, learnt a step late (no sync)
         if lost:
-            return Verdict(stop=stop > 0, skipped=True, records=self._skip_step())
+            return Verdict(stop=stop > 0, skipped=True, records=records + self._skip_step())
         self.first.gradients()  # the first step: every parameter got one
         for batch in micro:
             self.meter.add_batch(batch.mel_lengths, batch.mel.shape, batch.text_lengths)
@@ -219,12 +227,12 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         if inv_count is not inv_frames:
             rescale_gradients(self.raw_model, inv_count / inv_frames)
-        clip = self.cfg.optim.grad_clip or math.inf
-        norm = clip_grad_norm(self.raw_model, clip)
-        self.meter.add_device("grad_norm", norm, replicated=True)
+        skip, finite = self._clip(sum(s["loss_sum"] for s in loss_sums) * inv_count)
         if self.powersgd is not None:  # an fp16 overflow must not poison its memory
-            self.powersgd.settle(torch.isfinite(norm))
+            self.powersgd.settle(finite if skip is None else finite & ~skip)
         self._lr = self.optimizer.param_groups[0]["lr"]
+        if skip is not None:  # the fused AdamW skips the update (and its step count) on it
+            self.optimizer.found_inf = skip.float()
         # fp16: skips the step on inf/NaN gradients; the fused AdamW reads the found-inf flag
         # on the device, so GradScaler needs no host sync here.
         self.scaler.step(self.optimizer)
@@ -232,9 +240,33 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None:
-            self.ema.update()
+            self.ema.update(None if skip is None else ~skip)
         self.meter.end_step()
-        return Verdict(stop=stop > 0, skipped=False, records=[])
+        return Verdict(stop=stop > 0, skipped=False, records=records)
+
+    def _clip(self, loss_share: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Clip (``train/clipping.py``) and, with ``train.skip_spikes``, decide on the device
+        whether this step is a spike (the global loss: one all-reduce of a scalar, no host
+        read); that flag, or ``None``, and whether the norm is finite."""
+        norm = self.clipper.total_norm(self.raw_model)
+        self.meter.add_device("grad_norm", norm, replicated=True)
+        skip = None
+        if self.spikes is not None:
+            skip = self.spikes.decide(all_reduce_sum(loss_share.detach(), self.env), norm)
+        self.clipper.clip(self.raw_model, norm, skip)
+        return skip, torch.isfinite(norm)
+
+    def _settle_spike(self, votes: float = 0.0, *, flush: bool = False) -> list[dict[str, Any]]:
+        """The records of the last step's spike skip, if the ranks voted one (``flush``: vote
+        now, before a checkpoint, rather than with the next step); counted like a skip."""
+        if self.spikes is None:
+            return []
+        if flush:
+            (votes,) = self.vote.sum([self.spikes.vote_value()])
+        records = self.spikes.settle(votes, self.step)
+        for _ in records:
+            self.meter.skip_step()
+        return records
 
     def _inverse_global_frames(self, micro: list[Batch]) -> torch.Tensor:
         """1 / the valid mel frames of this step on all ranks, on the device."""
@@ -325,6 +357,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "budgets": self.budgets.state_dict(),
+                "clip": self.clipper.state_dict(),
+                **({} if self.spikes is None else {"spikes": self.spikes.state_dict()}),
                 **({} if self.sharded else weights),
             }
         local = {
@@ -401,6 +435,10 @@ class Trainer:
             self.scaler.load_state_dict(shared["scaler"])
             if "budgets" in shared:  # checkpoints from before per-bucket caps have none
                 self.budgets.load_state_dict(shared["budgets"])
+            if "clip" in shared:  # checkpoints from before adaptive clipping have none
+                self.clipper.load_state_dict(shared["clip"])
+            if self.spikes is not None and "spikes" in shared:
+                self.spikes.load_state_dict(shared["spikes"])
             self.loader.load_state_dict(local["loader"])
             if self.powersgd is not None and "powersgd" in local:
                 self.powersgd.load_state_dict(local["powersgd"])

@@ -1,0 +1,173 @@
+"""Training that adapts to what it measures: spike skips (``train/spikes.py``) and adaptive
+clipping (``train/clipping.py``), in one process and on 2-process gloo jobs, resumed bitwise."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
+
+from train.clipping import GradClip
+from train.config import OptimConfig, load_config
+from train.distributed import Env
+from train.trainer import Trainer
+
+CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+SPIKE_AT = 9
+# A window of 8 steps, judged from the 4th: the spike at step 9 needs the state of steps 1-6.
+SPIKES = [
+    "model.impl=tests._spike_model:SpikeAt",
+    f"model.args.at={SPIKE_AT}",
+    "train.skip_spikes=true",
+    "train.spike_window=8",
+    "train.spike_min_history=4",
+]
+ONE = [
+    "data.batch_frames=800",
+    "data.num_workers=0",
+    "model.args.dim=32",
+    "model.args.layers=1",
+    "train.precision=fp32",
+    "train.log_every=3",
+    "train.ckpt_every=6",
+    "train.ema_decay=0.99",
+]
+
+
+def trainer(cache: Path, out: Path, *extra: str) -> Trainer:
+    cfg = load_config(REPO / "configs" / "tiny.toml", [*ONE, *extra])
+    return Trainer(cfg, str(cache), out, CPU)
+
+
+def fit(cache: Path, out: Path, steps: int, *extra: str) -> Trainer:
+    t = trainer(cache, out, *extra)
+    try:
+        t.fit(max_steps=steps)
+    finally:
+        t.close()
+    return t
+
+
+def spikes(out: Path) -> list[dict]:
+    return [r for r in metrics(out) if r.get("event") == "spike"]
+
+
+def same_weights(a: Path, b: Path) -> None:
+    sa, sb = load(a), load(b)
+    for key, tensor in sa["model"].items():
+        assert torch.equal(tensor, sb["model"][key]), key
+    for name, tensor in sa["ema"]["shadow"].items():
+        assert torch.equal(tensor, sb["ema"]["shadow"][name]), name
+    for pid, moments in sa["optimizer"]["state"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(tensor, sb["optimizer"]["state"][pid][key]), (pid, key)
+    for part in ("clip", "spikes"):
+        for key, value in sa.get(part, {}).items():
+            other = sb[part][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+
+
+def test_a_loss_spike_is_skipped_and_a_resume_is_bitwise(train_cache: Path, tmp_path: Path) -> None:
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    t = fit(train_cache, straight, 12, *SPIKES)
+    (event,) = spikes(straight)
+    assert event["step"] == SPIKE_AT and t.spikes.skipped == 1
+    assert event["step_loss"] > event["loss_mean"] + 6 * event["loss_std"]
+    final = load(checkpoint(straight, 12))
+    # 12 steps, 11 updates: the fused AdamW skipped one on the device.
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {11}
+    assert final["spikes"]["skipped"] == 1 and final["spikes"]["count"] == 11
+    windows = [r for r in metrics(straight) if "loss" in r]
+    assert sum(r["skipped_steps"] for r in windows) == 1
+
+    fit(train_cache, halves, 6, *SPIKES)
+    fit(train_cache, halves, 12, *SPIKES)
+    assert [e["step"] for e in spikes(halves)] == [SPIKE_AT]
+    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
+
+
+def test_without_a_spike_nothing_is_skipped(train_cache: Path, tmp_path: Path) -> None:
+    t = fit(train_cache, tmp_path, 10, *SPIKES, "model.args.factor=1.0")
+    assert t.spikes.skipped == 0 and not spikes(tmp_path)
+    state = load(checkpoint(tmp_path, 10))["optimizer"]["state"]
+    assert {int(s["step"]) for s in state.values()} == {10}
+
+
+@pytest.mark.parametrize("rule", ["zclip", "autoclip"])
+def test_adaptive_clipping_resumes_exactly(train_cache: Path, tmp_path: Path, rule: str) -> None:
+    extra = [f"optim.clip={rule}", "optim.zclip_warmup=3", "optim.autoclip_window=5"]
+    fit(train_cache, tmp_path / "straight", 12, *extra)
+    fit(train_cache, tmp_path / "halves", 6, *extra)
+    fit(train_cache, tmp_path / "halves", 12, *extra)
+    same_weights(checkpoint(tmp_path / "straight", 12), checkpoint(tmp_path / "halves", 12))
+    state = load(checkpoint(tmp_path / "straight", 12))["clip"]
+    assert int(state["steps"]) == 12
+
+
+def clipped_norms(cfg: OptimConfig, norms: list[float]) -> list[float]:
+    """The norm after clipping of a one-parameter model whose gradient has each norm."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    model = torch.nn.ParameterList([param])
+    clip, out = GradClip(cfg, torch.device("cpu"), sharded=False), []
+    for norm in norms:
+        param.grad = torch.tensor([norm])
+        clip.clip(model, clip.total_norm(model), None)
+        out.append(float(param.grad.abs()))
+    return out
+
+
+def test_zclip_follows_the_papers_rule() -> None:
+    cfg = OptimConfig(clip="zclip", grad_clip=0, zclip_warmup=4, zclip_alpha=0.9, zclip_z=2.0)
+    norms = [1.0, 1.2, 0.8, 1.0, 1.1, 9.0, 1.0, 30.0]
+    got = clipped_norms(cfg, norms)
+    mean, var = np.mean(norms[:4]), np.var(norms[:4])  # the warm-up's, unclipped
+    want = list(norms[:4])
+    for g in norms[4:]:  # reference: ZClip's z-score with reciprocal clipping, EMA of the result
+        std = math.sqrt(var)
+        z = (g - mean) / (std + 1e-6)
+        c = mean + (2.0**2 / z) * std if z > 2.0 else g
+        want.append(c)
+        mean = 0.9 * mean + 0.1 * c
+        var = 0.9 * var + 0.1 * (c - mean) ** 2
+    assert got == pytest.approx(want, rel=1e-5)
+    assert got[5] < 2.0 and got[7] < 2.0  # the two outliers were cut, the rest kept
+
+
+def test_autoclip_clips_at_a_percentile_of_past_norms() -> None:
+    cfg = OptimConfig(clip="autoclip", grad_clip=5.0, autoclip_percentile=50, autoclip_window=4)
+    norms = [1.0, 3.0, 2.0, 10.0, 4.0, 0.5]
+    got = clipped_norms(cfg, norms)
+    want = []
+    for i, g in enumerate(norms):
+        limit = min(np.percentile(norms[max(0, i - 3) : i + 1], 50), 5.0)
+        want.append(min(g, limit))
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+# ---- a 2-process gloo job -----------------------------------------------------------------
+@pytest.mark.slow
+def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """Rank 1's loss spikes at step 9: both ranks see it in the global loss and skip that step,
+    no other; 12 steps straight equal 6 + resume + 6, bit for bit."""
+    extra = [*SPIKES, "model.args.rank=1", "train.ckpt_every=6", "train.log_every=3"]
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    run_ok(train_cmd(train_cache, straight, *extra, max_steps=12), timeout=600)
+    (event,) = spikes(straight)
+    assert event["step"] == SPIKE_AT
+    final = load(checkpoint(straight, 12))
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {11}
+    run_ok(train_cmd(train_cache, halves, *extra, max_steps=6), timeout=600)
+    done = run_ok(train_cmd(train_cache, halves, *extra, max_steps=12), timeout=600)
+    assert "resumed from" in done.stderr and f"step {SPIKE_AT} skipped: loss" in done.stderr
+    assert [e["step"] for e in spikes(halves)] == [SPIKE_AT]
+    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
+    for rank in (0, 1):
+        a = load(checkpoint(straight, 12), f"rank-{rank:05d}.pt")
+        b = load(checkpoint(halves, 12), f"rank-{rank:05d}.pt")
+        assert a["loader"] == b["loader"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
