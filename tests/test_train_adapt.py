@@ -3,6 +3,7 @@ clipping (``train/clipping.py``), in one process and on 2-process gloo jobs, res
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def same_weights(a: Path, b: Path) -> None:
     for pid, moments in sa["optimizer"]["state"].items():
         for key, tensor in moments.items():
             assert torch.equal(tensor, sb["optimizer"]["state"][pid][key]), (pid, key)
-    for part in ("clip", "spikes"):
+    for part in ("clip", "spikes", "noise_scale"):
         for key, value in sa.get(part, {}).items():
             other = sb[part][key]
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other
@@ -148,20 +149,42 @@ def test_autoclip_clips_at_a_percentile_of_past_norms() -> None:
     assert got == pytest.approx(want, rel=1e-5)
 
 
+def test_the_plot_draws_the_noise_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    from train.plot import plot_run
+
+    rows = [
+        {"step": s, "loss": 1.0 / s, "frames_per_s": 1e3, "step_time_s": 0.5, "data_wait_pct": 1}
+        | {"noise_scale": 900.0 + s, "noise_scale_lo": 800.0, "noise_scale_hi": 1e3 + s}
+        for s in (5, 10, 15)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import matplotlib.pyplot as plt
+
+    drawn, real_subplots = [], plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: drawn.append(a) or real_subplots(*a, **k))
+    png = plot_run(tmp_path)
+    assert png.read_bytes()[:4] == b"\x89PNG" and drawn == [(3, 1)]
+
+
 # ---- a 2-process gloo job -----------------------------------------------------------------
 @pytest.mark.slow
 def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
     train_cache: Path, tmp_path: Path
 ) -> None:
     """Rank 1's loss spikes at step 9: both ranks see it in the global loss and skip that step,
-    no other; 12 steps straight equal 6 + resume + 6, bit for bit."""
+    no other; 12 steps straight equal 6 + resume + 6, bit for bit (the noise scale's EMAs too)."""
     extra = [*SPIKES, "model.args.rank=1", "train.ckpt_every=6", "train.log_every=3"]
+    extra.append("train.noise_scale=true")
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     run_ok(train_cmd(train_cache, straight, *extra, max_steps=12), timeout=600)
     (event,) = spikes(straight)
     assert event["step"] == SPIKE_AT
     final = load(checkpoint(straight, 12))
     assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {11}
+    windows = [r for r in metrics(straight) if "loss" in r]
+    assert all(r["noise_scale_lo"] <= r["noise_scale"] <= r["noise_scale_hi"] for r in windows)
+    assert all(r["noise_trace"] > 0 for r in windows)
     run_ok(train_cmd(train_cache, halves, *extra, max_steps=6), timeout=600)
     done = run_ok(train_cmd(train_cache, halves, *extra, max_steps=12), timeout=600)
     assert "resumed from" in done.stderr and f"step {SPIKE_AT} skipped: loss" in done.stderr
@@ -171,3 +194,56 @@ def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
         a = load(checkpoint(straight, 12), f"rank-{rank:05d}.pt")
         b = load(checkpoint(halves, 12), f"rank-{rank:05d}.pt")
         assert a["loader"] == b["loader"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+
+@pytest.mark.slow
+def test_noise_scale_matches_brute_force_on_unequal_ranks() -> None:
+    """benchmarks/noise_scale_bench.py, shortened: exact per-example gradients of a linear
+    regression on 2 gloo ranks of 16 and 48 examples a step."""
+    from benchmarks import noise_scale_bench
+
+    row = noise_scale_bench.measure(2, steps=1500)
+    assert 0.9 < row["ratio"] < 1.1, row
+    assert 0.95 < row["trace_ratio"] < 1.05, row
+
+
+def test_the_fp16_scaler_backs_off_after_its_hysteresis_and_not_below_its_floor() -> None:
+    from train.scaler import HysteresisScaler
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.0)
+    scaler = HysteresisScaler(
+        "cpu", enabled=True, hysteresis=2, min_scale=2.0, init_scale=16.0, growth_interval=3
+    )
+    overflows = [1, 0, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+    scale, left, clean, want, got = 16.0, 2, 0, [], []
+    for inf in overflows:  # reference: Megatron-LM's DynamicGradScaler.update
+        if inf:
+            clean, left = 0, left - 1
+            if left <= 0:
+                scale = max(scale * 0.5, 2.0)
+        else:
+            clean += 1
+            if clean == 3:
+                clean, left, scale = 0, 2, scale * 2
+        want.append(scale)
+        scaler.scale(torch.ones(()))  # starts the scale on the first call
+        param.grad = torch.tensor([math.inf if inf else 1.0, 0.0])
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        got.append(scaler.get_scale())
+        assert float(scaler.overflow) == inf
+    assert got == want and min(got) == 2.0
+    resumed = HysteresisScaler("cpu", enabled=True, hysteresis=2, min_scale=2.0)
+    resumed.load_state_dict(scaler.state_dict())
+    assert resumed.state_dict() == scaler.state_dict()
+
+
+def test_fp16_on_cpu_logs_its_skip_rate(train_cache: Path, tmp_path: Path) -> None:
+    t = fit(train_cache, tmp_path, 6, "train.precision=fp16")
+    windows = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in windows] == [3, 6]
+    assert all(0 <= r["amp_skip_rate"] <= 1 for r in windows)
+    assert load(checkpoint(tmp_path, 6))["scaler"]["hysteresis_left"] <= 2
+    assert t.scaler.get_scale() >= 1.0

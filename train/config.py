@@ -250,6 +250,13 @@ class TrainConfig:
     spike_sigma: float = 6.0
     spike_window: int = 128
     spike_min_history: int = 16
+    # fp16 loss scaling (train/scaler.py): overflows before the scale backs off, its floor.
+    amp_hysteresis: int = 2
+    amp_min_scale: float = 1.0
+    # The gradient noise scale B_simple in metrics.jsonl (train/monitor.py; DDP, 2+ ranks),
+    # smoothed by an EMA of this decay (k-diffusion: 0.9998 for long runs).
+    noise_scale: bool = False
+    noise_scale_ema: float = 0.99
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
@@ -281,6 +288,9 @@ class TrainConfig:
         )
         self._check_strategy()
         self._check_spikes()
+        self._check_noise_scale()
+        require(self.amp_hysteresis >= 1, "train.amp_hysteresis", self.amp_hysteresis, "≥ 1")
+        require(self.amp_min_scale > 0, "train.amp_min_scale", self.amp_min_scale, "> 0")
         require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")
 
     def _check_spikes(self) -> None:
@@ -300,6 +310,17 @@ class TrainConfig:
                 self.precision,
                 "bf16, fp32 or auto with train.skip_spikes = true (fp16's scaler skips steps itself)",
             )
+
+    def _check_noise_scale(self) -> None:
+        require(isinstance(self.noise_scale, bool), "train.noise_scale", self.noise_scale, "bool")
+        require(
+            0 < self.noise_scale_ema < 1, "train.noise_scale_ema", self.noise_scale_ema, "in (0, 1)"
+        )
+        if self.noise_scale:  # its comm hook replaces DDP's; sharded gradients have none
+            why = "with train.noise_scale = true"
+            require(self.comm_hook == "none", "train.comm_hook", self.comm_hook, f'"none" {why}')
+            require(self.strategy == "ddp", "train.strategy", self.strategy, f'"ddp" {why}')
+            require(self.precision != "fp16", "train.precision", self.precision, f"not fp16 {why}")
 
     def _check_strategy(self) -> None:
         """FSDP2 has no DDP comm hooks and no sharded GradScaler here: refused by name."""

@@ -59,12 +59,14 @@ from train.distributed import (
 from train.guards import FirstStep, translate_ddp_error
 from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
+from train.monitor import NoiseScale
 from train.oom import Budgets, no_recovery
 from train.optim import EMA, build_optimizer, build_scheduler
 from train.parallel import load_weights, shard, sharded, weights_state
 from train.powersgd import PowerSGD
 from train.prefetch import DeviceCopies
 from train.runfolder import owned_run_folder
+from train.scaler import HIGH_SKIP_RATE, HysteresisScaler
 from train.spikes import SpikeSkipper
 from train.tokenizers import build_tokenizer
 from train.validation import build_validator
@@ -119,7 +121,12 @@ class Trainer:
         self.raw_model = shard(self.raw_model, env, t, param_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+        self.scaler = HysteresisScaler(
+            device.type,
+            enabled=self.precision == "fp16",
+            hysteresis=t.amp_hysteresis,
+            min_scale=t.amp_min_scale,
+        )
         # A skipped step (fp16 overflow, out of memory) is normal, not a misordered schedule.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
         self.ema = EMA(self.raw_model, t.ema_decay) if t.ema_decay > 0 else None
@@ -129,6 +136,7 @@ class Trainer:
         self.vote = HostVote(env)
         self.clipper = GradClip(cfg.optim, device, sharded=self.sharded)
         self.spikes = SpikeSkipper(t, env) if t.skip_spikes else None
+        self.monitor = NoiseScale(env, t.noise_scale_ema) if t.noise_scale else None
         self.budgets = Budgets(
             env,
             self.loader.spec.data.pad_multiple,
@@ -150,6 +158,8 @@ class Trainer:
         if t.activation_checkpointing:
             _enable_activation_checkpointing(self.raw_model, cfg.model.impl)
         self.model = wrap_model(self.raw_model, env, t, self.powersgd)
+        if self.monitor is not None and env.distributed:
+            self.monitor.register(self.model)
         self.meter = Meter(env)
         self.stop = StopFlag()
         self._lr = self.optimizer.param_groups[0]["lr"]
@@ -227,7 +237,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         if inv_count is not inv_frames:
             rescale_gradients(self.raw_model, inv_count / inv_frames)
-        skip, finite = self._clip(sum(s["loss_sum"] for s in loss_sums) * inv_count)
+        skip, finite = self._clip(sum(s["loss_sum"] for s in loss_sums) * inv_count, micro)
         if self.powersgd is not None:  # an fp16 overflow must not poison its memory
             self.powersgd.settle(finite if skip is None else finite & ~skip)
         self._lr = self.optimizer.param_groups[0]["lr"]
@@ -237,6 +247,8 @@ class Trainer:
         # on the device, so GradScaler needs no host sync here.
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.scaler.overflow is not None:  # equal on every rank: the gradients are
+            self.meter.add_device("amp_skip_rate", self.scaler.overflow, replicated=True)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None:
@@ -244,15 +256,26 @@ class Trainer:
         self.meter.end_step()
         return Verdict(stop=stop > 0, skipped=False, records=records)
 
-    def _clip(self, loss_share: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Clip (``train/clipping.py``) and, with ``train.skip_spikes``, decide on the device
-        whether this step is a spike (the global loss: one all-reduce of a scalar, no host
-        read); that flag, or ``None``, and whether the norm is finite."""
+    def _clip(
+        self, loss_share: torch.Tensor, micro: list[Batch]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Clip (``train/clipping.py``); with ``train.skip_spikes``, decide on the device
+        whether this step is a spike, and with ``train.noise_scale`` measure it (the global
+        loss and the per-rank noise terms: one all-reduce of a few scalars, no host read).
+        Returns that flag, or ``None``, and whether the norm is finite."""
         norm = self.clipper.total_norm(self.raw_model)
         self.meter.add_device("grad_norm", norm, replicated=True)
-        skip = None
-        if self.spikes is not None:
-            skip = self.spikes.decide(all_reduce_sum(loss_share.detach(), self.env), norm)
+        skip, scalars = None, [loss_share.detach().double().reshape(1)]
+        if self.monitor is not None:
+            frames = sum(int(b.mel_lengths.sum()) for b in micro)
+            scalars.append(self.monitor.local_terms(frames, self._global_frames))
+        if self.spikes is not None or self.monitor is not None:
+            summed = all_reduce_sum(torch.cat(scalars), self.env)
+            if self.spikes is not None:
+                skip = self.spikes.decide(summed[0], norm)
+            if self.monitor is not None:
+                keep = torch.isfinite(norm) if skip is None else ~skip
+                self.monitor.update(summed[1:], norm, self._global_frames, keep)
         self.clipper.clip(self.raw_model, norm, skip)
         return skip, torch.isfinite(norm)
 
@@ -275,6 +298,7 @@ class Trainer:
         if self.env.device.type == "cuda":  # a pageable source would serialise the copy
             counts = counts.pin_memory()
         counts = all_reduce_sum(counts.to(self.env.device, non_blocking=True), self.env)
+        self._global_frames = counts[0]  # float64, for the noise scale
         return (1.0 / counts[0]).float()
 
     def _forward_backward(
@@ -330,6 +354,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.powersgd is not None:
             self.powersgd.roll_back()
+        if self.monitor is not None:
+            self.monitor.discard()
         self.scheduler.step()
         self.budgets.skipped_steps += 1
         self.meter.skip_step()
@@ -359,6 +385,7 @@ class Trainer:
                 "budgets": self.budgets.state_dict(),
                 "clip": self.clipper.state_dict(),
                 **({} if self.spikes is None else {"spikes": self.spikes.state_dict()}),
+                **({} if self.monitor is None else {"noise_scale": self.monitor.state_dict()}),
                 **({} if self.sharded else weights),
             }
         local = {
@@ -384,8 +411,16 @@ class Trainer:
     def _summary(self) -> dict[str, float]:
         values = self.meter.summary()  # all ranks: one all-reduce, one host read
         values["lr"] = self._lr
+        if self.monitor is not None:
+            values.update(self.monitor.summary())  # a few more values in the same read
         for where, epochs in self.loader.epochs().items():  # per cache of the mix
             values[f"epochs {where}"] = epochs
+        if values.get("amp_skip_rate", 0.0) > HIGH_SKIP_RATE:
+            log.warning(
+                "%.0f %% of the steps logged at step %d skipped for fp16 overflow (scale now %g); "
+                "if it stays high, train in bf16 or lower optim.lr",
+                100 * values["amp_skip_rate"], self.step, self.scaler.get_scale(),
+            )  # fmt: skip
         # A window whose every step was skipped (out of memory) has no loss.
         if not math.isfinite(values.get("loss", 0.0)) and self.precision != "fp16":
             raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
@@ -439,6 +474,8 @@ class Trainer:
                 self.clipper.load_state_dict(shared["clip"])
             if self.spikes is not None and "spikes" in shared:
                 self.spikes.load_state_dict(shared["spikes"])
+            if self.monitor is not None and "noise_scale" in shared:
+                self.monitor.load_state_dict(shared["noise_scale"])
             self.loader.load_state_dict(local["loader"])
             if self.powersgd is not None and "powersgd" in local:
                 self.powersgd.load_state_dict(local["powersgd"])
