@@ -247,3 +247,35 @@ def test_fp16_on_cpu_logs_its_skip_rate(train_cache: Path, tmp_path: Path) -> No
     assert all(0 <= r["amp_skip_rate"] <= 1 for r in windows)
     assert load(checkpoint(tmp_path, 6))["scaler"]["hysteresis_left"] <= 2
     assert t.scaler.get_scale() >= 1.0
+
+
+# ---- a batch that grows ------------------------------------------------------------------
+def test_accumulation_rises_in_integer_factors_where_the_gain_is_worth_it() -> None:
+    from train.batchsize import chain, gain
+
+    assert chain(8) == [1, 2, 4, 8] and chain(6) == [1, 2, 6] and chain(1) == [1]
+    assert chain(12) == [1, 2, 4, 12] and chain(3) == [1, 3]
+    assert gain(100.0, 100.0) < 1 < gain(150.0, 100.0)  # doubling pays once B_noise > √2 B
+    assert gain(1e6, 1.0) == pytest.approx(2.0, rel=1e-3)  # at most the factor
+
+
+def batch_events(out: Path) -> list[dict]:
+    return [r for r in metrics(out) if r.get("event") == "batch_size"]
+
+
+def test_a_ramped_batch_raises_accumulation_and_lr_and_resumes_bitwise(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    extra = ["train.grad_accum=4", "train.batch_ramp_steps=6"]
+    t = fit(train_cache, tmp_path / "straight", 12, *extra)
+    events = batch_events(tmp_path / "straight")
+    # The line 1 + 3·s/6 crosses 2 at step 2 and 4 at step 6: the chain 1, 2, 4.
+    assert [(e["step"], e["accum_before"], e["accum"]) for e in events] == [(3, 1, 2), (7, 2, 4)]
+    assert t.scheduler.base_lrs == pytest.approx([2e-3, 2e-3])  # √(1/4) · √2 · √2 = 1
+    local = load(checkpoint(tmp_path / "straight", 12), "rank-00000.pt")
+    assert local["loader"]["batches"] == 2 * 1 + 4 * 2 + 6 * 4  # micro-batches drawn
+    fit(train_cache, tmp_path / "halves", 6, *extra)
+    resumed = fit(train_cache, tmp_path / "halves", 12, *extra)
+    assert resumed.batch.accum == 4
+    assert batch_events(tmp_path / "halves") == events
+    same_weights(checkpoint(tmp_path / "straight", 12), checkpoint(tmp_path / "halves", 12))

@@ -250,6 +250,14 @@ class TrainConfig:
     spike_sigma: float = 6.0
     spike_window: int = 128
     spike_min_history: int = 16
+    # A batch that grows (train/batchsize.py): accumulation ramped from 1 to grad_accum over
+    # batch_ramp_steps (0: off), and/or doubled at logging steps while the noise scale
+    # predicts a gain above batch_gain (needs noise_scale), batch_cooldown steps apart.
+    batch_ramp_steps: int = 0
+    batch_adaptive: bool = False
+    batch_max_accum: int = 64
+    batch_cooldown: int = 200
+    batch_gain: float = 1.05
     # fp16 loss scaling (train/scaler.py): overflows before the scale backs off, its floor.
     amp_hysteresis: int = 2
     amp_min_scale: float = 1.0
@@ -289,6 +297,7 @@ class TrainConfig:
         self._check_strategy()
         self._check_spikes()
         self._check_noise_scale()
+        self._check_batch()
         require(self.amp_hysteresis >= 1, "train.amp_hysteresis", self.amp_hysteresis, "≥ 1")
         require(self.amp_min_scale > 0, "train.amp_min_scale", self.amp_min_scale, "> 0")
         require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")
@@ -309,6 +318,24 @@ class TrainConfig:
                 "train.precision",
                 self.precision,
                 "bf16, fp32 or auto with train.skip_spikes = true (fp16's scaler skips steps itself)",
+            )
+
+    def _check_batch(self) -> None:
+        require(self.batch_ramp_steps >= 0, "train.batch_ramp_steps", self.batch_ramp_steps, "≥ 0")
+        require(
+            self.batch_max_accum >= self.grad_accum,
+            "train.batch_max_accum",
+            self.batch_max_accum,
+            f"at least train.grad_accum ({self.grad_accum})",
+        )
+        require(self.batch_cooldown >= 0, "train.batch_cooldown", self.batch_cooldown, "≥ 0")
+        require(self.batch_gain >= 1, "train.batch_gain", self.batch_gain, "1 or more")
+        if self.batch_adaptive:
+            require(
+                self.noise_scale,
+                "train.noise_scale",
+                self.noise_scale,
+                "true with train.batch_adaptive = true (it follows the noise scale)",
             )
 
     def _check_noise_scale(self) -> None:

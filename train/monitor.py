@@ -40,8 +40,8 @@ class NoiseScale:
         self.local_sq = torch.zeros(0, dtype=torch.float64, device=device)
         self.position: dict[int, int] = {}  # id(parameter) → its place in local_sq
         self._slots: dict[tuple[int, ...], torch.Tensor] = {}  # a bucket's places, on the device
-        # EMAs of Ŝ, |G|², Ŝ², |G|⁴, Ŝ·|G|² and the weight Σ decayᵏ (bias correction).
-        self.ema = torch.zeros(6, dtype=torch.float64, device=device)
+        # EMAs of Ŝ, |G|², Ŝ², |G|⁴, Ŝ·|G|², N and the weight Σ decayᵏ (bias correction).
+        self.ema = torch.zeros(7, dtype=torch.float64, device=device)
 
     def register(self, ddp: torch.nn.Module) -> None:
         """Hook the DDP model: each bucket's local squared norms are kept before its all-reduce."""
@@ -73,7 +73,7 @@ class NoiseScale:
         world, big_sq = self.env.world_size, big_norm.double() ** 2
         trace = (summed[0] - world * big_sq) / (summed[1] - world / global_frames)
         grad_sq = big_sq - trace / global_frames
-        now = torch.stack([trace, grad_sq, trace**2, grad_sq**2, trace * grad_sq])
+        now = torch.stack([trace, grad_sq, trace**2, grad_sq**2, trace * grad_sq, global_frames])
         now = torch.cat([now, torch.ones_like(now[:1])])
         blended = self.decay * self.ema + (1 - self.decay) * now
         keep = keep & torch.isfinite(now).all()
@@ -85,7 +85,7 @@ class NoiseScale:
 
     def summary(self) -> dict[str, float]:
         """tr(Σ), |G|², B_simple and its band (host values: call at logging steps only)."""
-        trace, grad_sq, trace2, grad2, cross, weight = self.ema.tolist()
+        trace, grad_sq, trace2, grad2, cross, frames, weight = self.ema.tolist()
         if weight == 0:
             return {}
         trace, grad_sq = trace / weight, grad_sq / weight
@@ -103,6 +103,7 @@ class NoiseScale:
             "noise_scale": scale,
             "noise_scale_lo": scale - band,
             "noise_scale_hi": scale + band,
+            "noise_batch": frames / weight,  # the frames per step it was measured at
         }
 
     def state_dict(self) -> dict[str, Any]:

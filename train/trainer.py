@@ -28,6 +28,7 @@ import torch
 
 from melcache.errors import UserError
 from melcache.index import read_stats
+from train.batchsize import BatchSchedule
 from train.checkpoint import Checkpointer
 from train.clipping import GradClip
 from train.config import Config
@@ -121,6 +122,7 @@ class Trainer:
         self.raw_model = shard(self.raw_model, env, t, param_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.batch = BatchSchedule(t, self.optimizer, self.scheduler)  # accumulation per step
         self.scaler = HysteresisScaler(
             device.type,
             enabled=self.precision == "fp16",
@@ -187,8 +189,10 @@ class Trainer:
         try:
             with self.stop.installed():
                 while self.step < max_steps:
+                    for record in self.batch.accum_for(self.step):  # the ramp
+                        metrics.event(self.step + 1, record)
                     t0 = time.perf_counter()
-                    micro = [next(batches) for _ in range(t.grad_accum)]
+                    micro = [next(batches) for _ in range(self.batch.accum)]
                     self.meter.add_wait(time.perf_counter() - t0)
                     verdict = self.train_step(micro)
                     self.step += 1
@@ -198,7 +202,10 @@ class Trainer:
                     if self.budgets.exhausted:  # the same on every rank
                         raise UserError(self.budgets.exhausted)
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
-                        metrics.log(self.step, self._summary())
+                        values = self._summary()
+                        metrics.log(self.step, values)
+                        for record in self.batch.observe(self.step, values):  # closed loop
+                            metrics.event(self.step, record)
                     if self.validator is not None and self.step % t.val_every == 0:
                         metrics.log(self.step, self.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
@@ -384,6 +391,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict(),
                 "budgets": self.budgets.state_dict(),
                 "clip": self.clipper.state_dict(),
+                "batch": self.batch.state_dict(),
                 **({} if self.spikes is None else {"spikes": self.spikes.state_dict()}),
                 **({} if self.monitor is None else {"noise_scale": self.monitor.state_dict()}),
                 **({} if self.sharded else weights),
@@ -472,6 +480,7 @@ class Trainer:
                 self.budgets.load_state_dict(shared["budgets"])
             if "clip" in shared:  # checkpoints from before adaptive clipping have none
                 self.clipper.load_state_dict(shared["clip"])
+                self.batch.load_state_dict(shared["batch"])
             if self.spikes is not None and "spikes" in shared:
                 self.spikes.load_state_dict(shared["spikes"])
             if self.monitor is not None and "noise_scale" in shared:
