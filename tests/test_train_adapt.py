@@ -154,7 +154,13 @@ def test_the_plot_draws_the_noise_scale(tmp_path: Path, monkeypatch: pytest.Monk
     from train.plot import plot_run
 
     rows = [
-        {"step": s, "loss": 1.0 / s, "frames_per_s": 1e3, "step_time_s": 0.5, "data_wait_pct": 1}
+        {
+            "step": s,
+            "loss": 1.0 / s,
+            "frames_per_s": 1e3,
+            "frames_per_step": 500,
+            "data_wait_pct": 1,
+        }
         | {"noise_scale": 900.0 + s, "noise_scale_lo": 800.0, "noise_scale_hi": 1e3 + s}
         for s in (5, 10, 15)
     ]
@@ -279,3 +285,32 @@ def test_a_ramped_batch_raises_accumulation_and_lr_and_resumes_bitwise(
     assert resumed.batch.accum == 4
     assert batch_events(tmp_path / "halves") == events
     same_weights(checkpoint(tmp_path / "straight", 12), checkpoint(tmp_path / "halves", 12))
+
+
+def test_the_closed_loop_doubles_only_upwards_after_its_cool_down() -> None:
+    from train.batchsize import BatchSchedule
+    from train.config import TrainConfig
+    from train.optim import build_optimizer, build_scheduler
+
+    model = torch.nn.Linear(2, 2)
+    optim_cfg = OptimConfig(lr=1e-3)
+    optimizer = build_optimizer(model, optim_cfg)
+    scheduler = build_scheduler(optimizer, optim_cfg)
+    cfg = TrainConfig(
+        noise_scale=True, batch_adaptive=True, batch_cooldown=10, batch_max_accum=4, log_every=5
+    )
+    batch = BatchSchedule(cfg, optimizer, scheduler)
+    noisy = {"noise_scale": 1e5, "noise_batch": 1e3}  # x = 100: doubling pays
+    quiet = {"noise_scale": 1e3, "noise_batch": 1e3}  # x = 1 < √2: it does not
+    assert batch.observe(5, quiet) == [] and batch.accum == 1
+    assert batch.observe(7, noisy) == []  # not a logging step
+    (rise,) = batch.observe(10, noisy)
+    assert (rise["accum_before"], rise["accum"], batch.accum) == (1, 2, 2)
+    assert rise["gain"] == pytest.approx(2 * 101**2 / 102**2)
+    assert scheduler.base_lrs[0] == pytest.approx(1e-3 * math.sqrt(2))
+    assert batch.observe(15, noisy) == []  # cooling down
+    assert batch.observe(20, noisy)[0]["accum"] == 4
+    assert batch.observe(30, noisy) == [] and batch.accum == 4  # at batch_max_accum
+    assert batch.observe(40, {"noise_scale": math.nan, "noise_batch": 1e3}) == []
+    assert scheduler.base_lrs[0] == pytest.approx(2e-3)  # √4
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * scheduler.lr_lambdas[0](0))

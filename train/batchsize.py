@@ -49,6 +49,15 @@ def gain(noise_scale: float, batch: float, factor: int = FACTOR) -> float:
     return factor * (1 + x) ** 2 / (x + factor) ** 2
 
 
+def ramp_accum(step: int, target: int, ramp_steps: int) -> int:
+    """The ramp's accumulation at 0-based step ``step``: the largest of :func:`chain` under
+    the line from 1 to ``target`` over ``ramp_steps`` (0: ``target`` from the start)."""
+    if ramp_steps == 0:
+        return target
+    line = 1 + (target - 1) * min(1.0, step / ramp_steps)
+    return max(a for a in chain(target) if a <= line + 1e-9)
+
+
 class BatchSchedule:
     """The accumulation of each step and the learning-rate rescaling that goes with it."""
 
@@ -59,7 +68,6 @@ class BatchSchedule:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
     ) -> None:
         self.cfg, self.optimizer, self.scheduler = cfg, optimizer, scheduler
-        self.chain = chain(cfg.grad_accum)
         self.accum = self._ramp(0)
         self.raised_at = 0  # the step of the closed loop's last rise
         self._scale_lr(self.accum / cfg.grad_accum)
@@ -89,10 +97,7 @@ class BatchSchedule:
         return [record]
 
     def _ramp(self, step: int) -> int:
-        if self.cfg.batch_ramp_steps == 0:
-            return self.cfg.grad_accum
-        line = 1 + (self.cfg.grad_accum - 1) * min(1.0, step / self.cfg.batch_ramp_steps)
-        return max(a for a in self.chain if a <= line + 1e-9)
+        return ramp_accum(step, self.cfg.grad_accum, self.cfg.batch_ramp_steps)
 
     def _change(self, step: int, accum: int, why: str) -> dict[str, Any]:
         before, self.accum = self.accum, accum

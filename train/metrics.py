@@ -101,6 +101,7 @@ class Meter:
         out.update(
             step_time_s=elapsed / max(self.steps + self.skipped, 1),
             skipped_steps=self.skipped,
+            frames_per_step=sums["frames"] / steps,  # valid frames, all ranks: the batch
             samples_per_s=sums["samples"] / elapsed,
             frames_per_s=sums["frames"] / elapsed,
             text_tokens_per_s=sums["text_tokens"] / elapsed,

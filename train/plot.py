@@ -66,9 +66,7 @@ def _noise_panel(ax: Any, steps: list[int], records: list[dict[str, Any]]) -> No
     ax.plot(steps, _values(records, "noise_scale"), label="B_simple (frames)")
     low, high = _values(records, "noise_scale_lo"), _values(records, "noise_scale_hi")
     ax.fill_between(steps, low, high, alpha=0.3)
-    rates, times = _values(records, "frames_per_s"), _values(records, "step_time_s")
-    batch = [f * t for f, t in zip(rates, times, strict=True)]
-    ax.plot(steps, batch, "--", label="frames per step")
+    ax.plot(steps, _values(records, "frames_per_step"), "--", label="frames per step")
     ax.set_ylabel("frames")
     ax.set_yscale("symlog")
     ax.legend()
