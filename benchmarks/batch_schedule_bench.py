@@ -1,6 +1,6 @@
 """A fixed batch against a ramped one and the noise-scale closed loop, for the same frames.
 
-    python -m benchmarks.batch_schedule_bench [--shards DIR] [--micro 120] [--json FILE]
+    python -m benchmarks.batch_schedule_bench [--shards DIR] [--micro 80] [--json FILE]
 
 Three 2-rank gloo jobs of the tiny config on the sample corpus (``torchrun``), each drawing
 ``--micro`` micro-batches per rank in all (the same frames, to within a step):
@@ -43,7 +43,6 @@ from train.trainer import Trainer
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.toml"
 COMMON = [
-    "data.batch_frames=800",
     "data.num_workers=1",
     "train.precision=fp32",
     "train.log_every=5",
@@ -57,7 +56,9 @@ def job(shards: str, out: Path, steps: int, extra: list[str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "train", "--shards", shards, "--config", str(TINY), "--out", str(out)]
     cmd += ["--max-steps", str(steps), *COMMON, *extra]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
 
 
 def drawn(out: Path) -> int:
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the three jobs and the overhead measurements; print one JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shards")
-    parser.add_argument("--micro", type=int, default=120)
+    parser.add_argument("--micro", type=int, default=80)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

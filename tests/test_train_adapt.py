@@ -76,7 +76,7 @@ def test_a_loss_spike_is_skipped_and_a_resume_is_bitwise(train_cache: Path, tmp_
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     t = fit(train_cache, straight, 12, *SPIKES)
     (event,) = spikes(straight)
-    assert event["step"] == SPIKE_AT and t.spikes.skipped == 1
+    assert event["step"] == SPIKE_AT and t.measures.spikes.skipped == 1
     assert event["step_loss"] > event["loss_mean"] + 6 * event["loss_std"]
     final = load(checkpoint(straight, 12))
     # 12 steps, 11 updates: the fused AdamW skipped one on the device.
@@ -93,7 +93,7 @@ def test_a_loss_spike_is_skipped_and_a_resume_is_bitwise(train_cache: Path, tmp_
 
 def test_without_a_spike_nothing_is_skipped(train_cache: Path, tmp_path: Path) -> None:
     t = fit(train_cache, tmp_path, 10, *SPIKES, "model.args.factor=1.0")
-    assert t.spikes.skipped == 0 and not spikes(tmp_path)
+    assert t.measures.spikes.skipped == 0 and not spikes(tmp_path)
     state = load(checkpoint(tmp_path, 10))["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {10}
 
@@ -314,3 +314,24 @@ def test_the_closed_loop_doubles_only_upwards_after_its_cool_down() -> None:
     assert batch.observe(40, {"noise_scale": math.nan, "noise_batch": 1e3}) == []
     assert scheduler.base_lrs[0] == pytest.approx(2e-3)  # √4
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * scheduler.lr_lambdas[0](0))
+
+
+@pytest.mark.slow
+def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> None:
+    """The noise-scale closed loop on 2 gloo ranks: 12 steps straight equal 6 + resume + 6,
+    the same rises at the same steps (the decision reads only checkpointed EMAs)."""
+    extra = ["train.noise_scale=true", "train.batch_adaptive=true", "train.batch_gain=1.0"]
+    extra += ["train.batch_cooldown=0", "train.log_every=2", "train.ckpt_every=6"]
+    extra += ["train.noise_scale_ema=0.5", "train.batch_max_accum=4"]
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    run_ok(train_cmd(train_cache, straight, *extra, max_steps=12), timeout=600)
+    run_ok(train_cmd(train_cache, halves, *extra, max_steps=6), timeout=600)
+    run_ok(train_cmd(train_cache, halves, *extra, max_steps=12), timeout=600)
+    assert batch_events(straight) == batch_events(halves)
+    a, b = load(checkpoint(straight, 12)), load(checkpoint(halves, 12))
+    assert a["batch"] == b["batch"] and a["scheduler"]["base_lrs"] == b["scheduler"]["base_lrs"]
+    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
+    accum = a["batch"]["accum"]
+    drawn = load(checkpoint(straight, 12), "rank-00001.pt")["loader"]["batches"]
+    assert accum == 2 ** len(batch_events(straight)) and drawn >= 12 * 1
+    print(f"closed loop: {batch_events(straight)}")

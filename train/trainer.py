@@ -28,9 +28,9 @@ import torch
 
 from melcache.errors import UserError
 from melcache.index import read_stats
+from train.adapt import StepMeasures
 from train.batchsize import BatchSchedule
 from train.checkpoint import Checkpointer
-from train.clipping import GradClip
 from train.config import Config
 from train.contract import (
     declared,
@@ -60,7 +60,6 @@ from train.distributed import (
 from train.guards import FirstStep, translate_ddp_error
 from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
-from train.monitor import NoiseScale
 from train.oom import Budgets, no_recovery
 from train.optim import EMA, build_optimizer, build_scheduler
 from train.parallel import load_weights, shard, sharded, weights_state
@@ -68,7 +67,6 @@ from train.powersgd import PowerSGD
 from train.prefetch import DeviceCopies
 from train.runfolder import owned_run_folder
 from train.scaler import HIGH_SKIP_RATE, HysteresisScaler
-from train.spikes import SpikeSkipper
 from train.tokenizers import build_tokenizer
 from train.validation import build_validator
 
@@ -136,9 +134,7 @@ class Trainer:
             self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
         )
         self.vote = HostVote(env)
-        self.clipper = GradClip(cfg.optim, device, sharded=self.sharded)
-        self.spikes = SpikeSkipper(t, env) if t.skip_spikes else None
-        self.monitor = NoiseScale(env, t.noise_scale_ema) if t.noise_scale else None
+        self.measures = StepMeasures(cfg, env, sharded=self.sharded)  # clipping, spikes, GNS
         self.budgets = Budgets(
             env,
             self.loader.spec.data.pad_multiple,
@@ -160,8 +156,7 @@ class Trainer:
         if t.activation_checkpointing:
             _enable_activation_checkpointing(self.raw_model, cfg.model.impl)
         self.model = wrap_model(self.raw_model, env, t, self.powersgd)
-        if self.monitor is not None and env.distributed:
-            self.monitor.register(self.model)
+        self.measures.register(self.model)
         self.meter = Meter(env)
         self.stop = StopFlag()
         self._lr = self.optimizer.param_groups[0]["lr"]
@@ -209,7 +204,7 @@ class Trainer:
                     if self.validator is not None and self.step % t.val_every == 0:
                         metrics.log(self.step, self.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
-                        for record in self._settle_spike(flush=True):
+                        for record in self._flush_spike():
                             metrics.event(self.step, record)
                         self.save()
                     if verdict.stop:
@@ -228,9 +223,10 @@ class Trainer:
         inv_frames = self._inverse_global_frames(micro)
         # DDP averages gradients over ranks; × world size turns that mean into the sum.
         loss_sums = self._forward_backward(passes, inv_frames * self.env.world_size)
-        spiked = self.spikes.vote_value() if self.spikes is not None else 0.0
-        stop, lost, spiked = self.vote.sum([self.stop.local, float(self.budgets.lost), spiked])
-        records = self._settle_spike(spiked)  # the last step's, learnt a step late (no sync)
+        votes = [self.stop.local, float(self.budgets.lost), self.measures.spike_vote()]
+        stop, lost, spiked = self.vote.sum(votes)
+        # The last step's spike, learnt a step late: no host read of a device value.
+        records = self.measures.settle(spiked, self.step, self.meter)
         if lost:
             return Verdict(stop=stop > 0, skipped=True, records=records + self._skip_step())
         self.first.gradients()  # the first step: every parameter got one
@@ -244,9 +240,12 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         if inv_count is not inv_frames:
             rescale_gradients(self.raw_model, inv_count / inv_frames)
-        skip, finite = self._clip(sum(s["loss_sum"] for s in loss_sums) * inv_count, micro)
-        if self.powersgd is not None:  # an fp16 overflow must not poison its memory
-            self.powersgd.settle(finite if skip is None else finite & ~skip)
+        frames = sum(int(b.mel_lengths.sum()) for b in micro)
+        loss_share = sum(s["loss_sum"] for s in loss_sums) * inv_count
+        norm, skip = self.measures.measure(self.raw_model, loss_share, frames, self._all_frames)
+        self.meter.add_device("grad_norm", norm, replicated=True)
+        if self.powersgd is not None:  # an fp16 overflow or a spike must not poison its memory
+            self.powersgd.settle(torch.isfinite(norm) if skip is None else ~skip)
         self._lr = self.optimizer.param_groups[0]["lr"]
         if skip is not None:  # the fused AdamW skips the update (and its step count) on it
             self.optimizer.found_inf = skip.float()
@@ -263,40 +262,10 @@ class Trainer:
         self.meter.end_step()
         return Verdict(stop=stop > 0, skipped=False, records=records)
 
-    def _clip(
-        self, loss_share: torch.Tensor, micro: list[Batch]
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Clip (``train/clipping.py``); with ``train.skip_spikes``, decide on the device
-        whether this step is a spike, and with ``train.noise_scale`` measure it (the global
-        loss and the per-rank noise terms: one all-reduce of a few scalars, no host read).
-        Returns that flag, or ``None``, and whether the norm is finite."""
-        norm = self.clipper.total_norm(self.raw_model)
-        self.meter.add_device("grad_norm", norm, replicated=True)
-        skip, scalars = None, [loss_share.detach().double().reshape(1)]
-        if self.monitor is not None:
-            frames = sum(int(b.mel_lengths.sum()) for b in micro)
-            scalars.append(self.monitor.local_terms(frames, self._global_frames))
-        if self.spikes is not None or self.monitor is not None:
-            summed = all_reduce_sum(torch.cat(scalars), self.env)
-            if self.spikes is not None:
-                skip = self.spikes.decide(summed[0], norm)
-            if self.monitor is not None:
-                keep = torch.isfinite(norm) if skip is None else ~skip
-                self.monitor.update(summed[1:], norm, self._global_frames, keep)
-        self.clipper.clip(self.raw_model, norm, skip)
-        return skip, torch.isfinite(norm)
-
-    def _settle_spike(self, votes: float = 0.0, *, flush: bool = False) -> list[dict[str, Any]]:
-        """The records of the last step's spike skip, if the ranks voted one (``flush``: vote
-        now, before a checkpoint, rather than with the next step); counted like a skip."""
-        if self.spikes is None:
-            return []
-        if flush:
-            (votes,) = self.vote.sum([self.spikes.vote_value()])
-        records = self.spikes.settle(votes, self.step)
-        for _ in records:
-            self.meter.skip_step()
-        return records
+    def _flush_spike(self) -> list[dict[str, Any]]:
+        """Vote the last step's spike flag now (before a checkpoint, which then holds it)."""
+        (votes,) = self.vote.sum([self.measures.spike_vote()])
+        return self.measures.settle(votes, self.step, self.meter)
 
     def _inverse_global_frames(self, micro: list[Batch]) -> torch.Tensor:
         """1 / the valid mel frames of this step on all ranks, on the device."""
@@ -305,7 +274,7 @@ class Trainer:
         if self.env.device.type == "cuda":  # a pageable source would serialise the copy
             counts = counts.pin_memory()
         counts = all_reduce_sum(counts.to(self.env.device, non_blocking=True), self.env)
-        self._global_frames = counts[0]  # float64, for the noise scale
+        self._all_frames = counts[0]  # float64, for the noise scale
         return (1.0 / counts[0]).float()
 
     def _forward_backward(
@@ -361,8 +330,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.powersgd is not None:
             self.powersgd.roll_back()
-        if self.monitor is not None:
-            self.monitor.discard()
+        self.measures.dropped()
         self.scheduler.step()
         self.budgets.skipped_steps += 1
         self.meter.skip_step()
@@ -390,10 +358,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "budgets": self.budgets.state_dict(),
-                "clip": self.clipper.state_dict(),
                 "batch": self.batch.state_dict(),
-                **({} if self.spikes is None else {"spikes": self.spikes.state_dict()}),
-                **({} if self.monitor is None else {"noise_scale": self.monitor.state_dict()}),
+                **self.measures.state_dict(),
                 **({} if self.sharded else weights),
             }
         local = {
@@ -419,8 +385,7 @@ class Trainer:
     def _summary(self) -> dict[str, float]:
         values = self.meter.summary()  # all ranks: one all-reduce, one host read
         values["lr"] = self._lr
-        if self.monitor is not None:
-            values.update(self.monitor.summary())  # a few more values in the same read
+        values.update(self.measures.summary())  # the noise scale: a few more values
         for where, epochs in self.loader.epochs().items():  # per cache of the mix
             values[f"epochs {where}"] = epochs
         if values.get("amp_skip_rate", 0.0) > HIGH_SKIP_RATE:
@@ -478,13 +443,9 @@ class Trainer:
             self.scaler.load_state_dict(shared["scaler"])
             if "budgets" in shared:  # checkpoints from before per-bucket caps have none
                 self.budgets.load_state_dict(shared["budgets"])
-            if "clip" in shared:  # checkpoints from before adaptive clipping have none
-                self.clipper.load_state_dict(shared["clip"])
+            if "batch" in shared:  # checkpoints from before the batch schedule have none
                 self.batch.load_state_dict(shared["batch"])
-            if self.spikes is not None and "spikes" in shared:
-                self.spikes.load_state_dict(shared["spikes"])
-            if self.monitor is not None and "noise_scale" in shared:
-                self.monitor.load_state_dict(shared["noise_scale"])
+            self.measures.load_state_dict(shared)
             self.loader.load_state_dict(local["loader"])
             if self.powersgd is not None and "powersgd" in local:
                 self.powersgd.load_state_dict(local["powersgd"])
