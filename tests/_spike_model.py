@@ -32,3 +32,24 @@ class SpikeAt(TextToMel):
         if mine and int(self.forwards) == self.at:  # a CPU test model: reading it is free
             out["loss_sum"] = out["loss_sum"] * self.factor
         return out
+
+
+class NoisyGradient(TextToMel):
+    """TextToMel whose training loss gets a random linear term, ``noise`` × ξ·w summed over the
+    output layer (ξ ~ N(0, 1) drawn per pass from the rank's own torch stream), × the pass's
+    valid frames: gradient noise far above the batch, so the noise scale is large and the
+    closed loop (``train.batch_adaptive``) has a reason to raise the batch."""
+
+    def __init__(self, *, n_mels: int, noise: float, **args):
+        super().__init__(n_mels=n_mels, **args)
+        self.noise = noise
+
+    def forward(self, mel, mel_lengths, text, text_lengths):
+        out = super().forward(mel, mel_lengths, text, text_lengths)
+        if self.training:
+            weights = [p for p in self.parameters() if p.dim() == 2][-1]
+            xi = torch.randn_like(weights)
+            out["loss_sum"] = (
+                out["loss_sum"] + self.noise * (xi * weights).sum() * mel_lengths.sum()
+            )
+        return out
