@@ -105,6 +105,8 @@ def side_by_side(shards: str, micro: int, root: Path) -> dict[str, Any]:
                 reached = {"step": r["step"], "frames": round(frames)}
         report[name] = {"steps": rs[-1]["step"], "frames": round(frames), "to_target": reached}
     report["closed loop"]["rises"] = [(r["step"], r["accum"]) for r in rises]
+    last = rows["closed loop"][-1]
+    report["closed loop"]["last_noise_scale"] = [last["noise_scale"], last["frames_per_step"]]
     return report
 
 
@@ -142,12 +144,16 @@ def schedule_overhead(shards: str, steps: int, root: Path) -> dict[str, float]:
 
 
 def monitor_overhead(shards: str, steps: int, root: Path) -> dict[str, float]:
-    """Steady step time of the fixed 2-rank job with and without the noise-scale monitor."""
-    times = {}
-    for name, extra in (("off", []), ("on", ["train.noise_scale=true"])):
-        job(shards, root / f"monitor-{name}", steps, [f"train.grad_accum={ACCUM}", *extra])
-        steady = windows(root / f"monitor-{name}")[1:]  # the first window holds start-up
-        times[name] = statistics.mean(r["step_time_s"] for r in steady)
+    """Steady step time of the fixed 2-rank job with and without the noise-scale monitor
+    (alternating, 2 rounds: the median of each)."""
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for round_ in range(2):
+        for name, extra in (("off", []), ("on", ["train.noise_scale=true"])):
+            out = root / f"monitor-{name}-{round_}"
+            job(shards, out, steps, [f"train.grad_accum={ACCUM}", *extra])
+            steady = windows(out)[1:]  # the first window holds start-up
+            times[name].extend(r["step_time_s"] for r in steady)
+    times = {name: statistics.median(values) for name, values in times.items()}
     return {"step_s_monitor_off": times["off"], "step_s_monitor_on": times["on"],
             "monitor_pct_of_step": 100 * (times["on"] / times["off"] - 1)}  # fmt: skip
 

@@ -15,7 +15,6 @@ from torch import nn
 from train.clipping import GradClip
 from train.config import Config
 from train.distributed import Env, all_reduce_sum
-from train.metrics import Meter
 from train.monitor import NoiseScale
 from train.spikes import SpikeSkipper
 
@@ -60,14 +59,10 @@ class StepMeasures:
         """This rank's share of the host vote: the last step's spike flag (0 without)."""
         return 0.0 if self.spikes is None else self.spikes.vote_value()
 
-    def settle(self, votes: float, step: int, meter: Meter) -> list[dict[str, Any]]:
-        """Count the last step's spike skip if the ranks voted one; its records."""
-        if self.spikes is None:
-            return []
-        records = self.spikes.settle(votes, step)
-        for _ in records:
-            meter.skip_step()
-        return records
+    def settle(self, votes: float, step: int) -> list[dict[str, Any]]:
+        """Count the last step's spike skip if the ranks voted one; its records (the
+        metrics window counted it on the device already: ``Meter.drop_step``)."""
+        return [] if self.spikes is None else self.spikes.settle(votes, step)
 
     def dropped(self) -> None:
         """A step every rank dropped (out of memory): forget its per-rank norms."""

@@ -226,24 +226,20 @@ class Trainer:
         votes = [self.stop.local, float(self.budgets.lost), self.measures.spike_vote()]
         stop, lost, spiked = self.vote.sum(votes)
         # The last step's spike, learnt a step late: no host read of a device value.
-        records = self.measures.settle(spiked, self.step, self.meter)
+        records = self.measures.settle(spiked, self.step)
         if lost:
             return Verdict(stop=stop > 0, skipped=True, records=records + self._skip_step())
         self.first.gradients()  # the first step: every parameter got one
         for batch in micro:
             self.meter.add_batch(batch.mel_lengths, batch.mel.shape, batch.text_lengths)
         inv_count = inverse_count(loss_sums, inv_frames, self.env)  # a model's own count
-        for sums in loss_sums:
-            for name, value in sums.items():
-                if name.endswith("_sum"):
-                    self.meter.add_device(name.removesuffix("_sum"), value * inv_count)
         self.scaler.unscale_(self.optimizer)
         if inv_count is not inv_frames:
             rescale_gradients(self.raw_model, inv_count / inv_frames)
         frames = sum(int(b.mel_lengths.sum()) for b in micro)
         loss_share = sum(s["loss_sum"] for s in loss_sums) * inv_count
         norm, skip = self.measures.measure(self.raw_model, loss_share, frames, self._all_frames)
-        self.meter.add_device("grad_norm", norm, replicated=True)
+        self._meter_step(loss_sums, inv_count, norm, skip)
         if self.powersgd is not None:  # an fp16 overflow or a spike must not poison its memory
             self.powersgd.settle(torch.isfinite(norm) if skip is None else ~skip)
         self._lr = self.optimizer.param_groups[0]["lr"]
@@ -262,10 +258,28 @@ class Trainer:
         self.meter.end_step()
         return Verdict(stop=stop > 0, skipped=False, records=records)
 
+    def _meter_step(
+        self,
+        loss_sums: list[dict[str, torch.Tensor]],
+        inv_count: torch.Tensor,
+        norm: torch.Tensor,
+        skip: torch.Tensor | None,
+    ) -> None:
+        """The step's losses and grad norm into the window; a spike's (``skip``) left out."""
+        kept = inv_count if skip is None else inv_count * (~skip).float()
+        for sums in loss_sums:
+            for name, value in sums.items():
+                if name.endswith("_sum"):
+                    self.meter.add_device(name.removesuffix("_sum"), value * kept)
+        if skip is not None:
+            norm = norm * (~skip).float()
+            self.meter.drop_step(skip.float())
+        self.meter.add_device("grad_norm", norm, replicated=True)
+
     def _flush_spike(self) -> list[dict[str, Any]]:
         """Vote the last step's spike flag now (before a checkpoint, which then holds it)."""
         (votes,) = self.vote.sum([self.measures.spike_vote()])
-        return self.measures.settle(votes, self.step, self.meter)
+        return self.measures.settle(votes, self.step)
 
     def _inverse_global_frames(self, micro: list[Batch]) -> torch.Tensor:
         """1 / the valid mel frames of this step on all ranks, on the device."""
