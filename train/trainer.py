@@ -7,8 +7,10 @@ run forward and backward of each pass, all but the last under ``no_sync`` so gra
 all-reduced once; the loss is Σ per-frame losses ÷ that global frame count, so every frame of
 every utterance weighs the same whatever the batching, accumulation or world size. Then the
 ranks vote on the host (a stop signal; a share of the step lost to an out-of-memory error,
-which drops the step everywhere); unscale (fp16), clip, step, schedule, EMA. Nothing in the
-step reads a device value on the host.
+which drops the step everywhere; a spike the device flagged the step before); unscale
+(fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt.py``); step,
+schedule, EMA. Nothing in the step reads a device value on the host. The number of
+micro-batches a step takes follows ``train/batchsize.py``.
 """
 
 from __future__ import annotations
