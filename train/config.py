@@ -258,8 +258,9 @@ class TrainConfig:
     batch_max_accum: int = 64
     batch_cooldown: int = 200
     batch_gain: float = 1.05
-    # fp16 loss scaling (train/scaler.py): overflows before the scale backs off, its floor.
-    amp_hysteresis: int = 2
+    # fp16 loss scaling (train/scaler.py): overflows before the scale backs off (1: torch's
+    # GradScaler, backing off at each; Megatron-LM uses 2), and the floor of the scale.
+    amp_hysteresis: int = 1
     amp_min_scale: float = 1.0
     # The gradient noise scale B_simple in metrics.jsonl (train/monitor.py; DDP, 2+ ranks),
     # smoothed by an EMA of this decay (k-diffusion: 0.9998 for long runs).
