@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -350,3 +351,31 @@ def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> N
     drawn = load(checkpoint(straight, 12), "rank-00001.pt")["loader"]["batches"]
     assert drawn == sum(accum_by_step(rises, 12))
     assert a["scheduler"]["base_lrs"][0] == pytest.approx(2e-3 * 2 ** (len(rises) / 2))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["train.skip_spikes=true", "train.precision=fp16"], "train.precision"),
+        (["train.noise_scale=true", "train.comm_hook=powersgd"], "train.comm_hook"),
+        (["train.batch_adaptive=true"], "train.noise_scale"),
+        (["train.spike_min_history=200"], "train.spike_min_history"),
+        (["optim.clip=zclip2"], "optim.clip"),
+        (["train.grad_accum=8", "train.batch_max_accum=4"], "train.batch_max_accum"),
+    ],
+)
+def test_adaptive_keys_that_cannot_work_are_refused_by_name(
+    overrides: list[str], named: str
+) -> None:
+    from melcache.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(named)) as refused:
+        load_config(REPO / "configs" / "tiny.toml", overrides)
+    assert "\n" not in str(refused.value)
+
+
+def test_adaptive_clipping_is_refused_with_sharded_gradients() -> None:
+    from melcache.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape('optim.clip = "zclip" is not available with')):
+        GradClip(OptimConfig(clip="zclip"), torch.device("cpu"), sharded=True)
