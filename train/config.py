@@ -258,6 +258,9 @@ class TrainConfig:
     batch_max_accum: int = 64
     batch_cooldown: int = 200
     batch_gain: float = 1.05
+    # Steps in a row without an out-of-memory error after which lowered budgets grow back by
+    # 1/0.9 (train/oom.py; 0: never).
+    budget_regrow_steps: int = 0
     # fp16 loss scaling (train/scaler.py): overflows before the scale backs off (1: torch's
     # GradScaler, backing off at each; Megatron-LM uses 2), and the floor of the scale.
     amp_hysteresis: int = 1
@@ -299,6 +302,12 @@ class TrainConfig:
         self._check_spikes()
         self._check_noise_scale()
         self._check_batch()
+        require(
+            self.budget_regrow_steps >= 0,
+            "train.budget_regrow_steps",
+            self.budget_regrow_steps,
+            "≥ 0",
+        )
         require(self.amp_hysteresis >= 1, "train.amp_hysteresis", self.amp_hysteresis, "≥ 1")
         require(self.amp_min_scale > 0, "train.amp_min_scale", self.amp_min_scale, "> 0")
         require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")

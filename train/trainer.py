@@ -258,6 +258,7 @@ class Trainer:
         if self.ema is not None:
             self.ema.update(None if skip is None else ~skip)
         self.meter.end_step()
+        records += self.budgets.clean_step(self.cfg.train.budget_regrow_steps)
         return Verdict(stop=stop > 0, skipped=False, records=records)
 
     def _meter_step(
