@@ -249,3 +249,31 @@ def test_ddp_oom_in_the_synchronised_backward_stops_cleanly_and_restarts_with_th
     for e in logged:
         assert caps[str(e["bucket"])] <= int(0.9 * e["rows"] * e["frames"])
     print(f"{stops} stops, job done in {time.monotonic() - start:.0f} s")
+
+
+def test_lowered_budgets_grow_back_after_clean_steps(train_cache: Path, tmp_path: Path) -> None:
+    trainer = oom_trainer(train_cache, tmp_path, 600, "train.budget_regrow_steps=3")
+    try:
+        trainer.fit(max_steps=16)
+    finally:
+        trainer.close()
+    records = [
+        r for r in metrics(tmp_path) if r.get("event") in ("out_of_memory", "budget_regrown")
+    ]
+    regrown = [r for r in records if r["event"] == "budget_regrown"]
+    assert regrown and any(r["event"] == "out_of_memory" for r in records)
+    caps: dict[int, int] = {}
+    last_change = regrown_at = 0
+    for r in records:  # each regrowth: 3 clean steps after the last change, every cap ÷ 0.9
+        if r["event"] == "out_of_memory":
+            caps[r["bucket"]], last_change = r["budget"], r["step"]
+            continue
+        assert r["budget_before"] == caps[r["bucket"]]
+        assert r["budget"] == int(caps[r["bucket"]] / 0.9)
+        assert r["step"] - last_change >= 3 or r["step"] == regrown_at  # every cap at once
+        caps[r["bucket"]] = r["budget"]
+        last_change = regrown_at = r["step"]
+    assert trainer.budgets.caps == caps
+    saved = load(checkpoint(tmp_path, 16))["budgets"]
+    assert saved["caps"] == {str(b): c for b, c in caps.items()}
+    assert saved["clean_steps"] == trainer.budgets.clean_steps

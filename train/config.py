@@ -23,6 +23,7 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 STRATEGIES = ("ddp", "fsdp2", "hsdp")
 ON_ERROR = ("raise", "skip")
+CLIPS = ("norm", "zclip", "autoclip")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,6 +164,13 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    # "norm": at grad_clip; "zclip" / "autoclip": adaptive limits under it (train/clipping.py).
+    clip: str = "norm"
+    zclip_alpha: float = 0.97  # EMA factor of the norms' mean and variance
+    zclip_z: float = 2.5  # z-score above which a norm is scaled down
+    zclip_warmup: int = 25  # steps that only collect norms
+    autoclip_percentile: float = 10.0  # of past norms: the limit
+    autoclip_window: int = 1_000  # past norms kept
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "optim.lr", self.lr, "a positive learning rate")
@@ -183,6 +191,17 @@ class OptimConfig:
         )
         require(self.eps > 0, "optim.eps", self.eps, "a small positive number")
         require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "0 (off) or a norm")
+        require(self.clip in CLIPS, "optim.clip", self.clip, " or ".join(CLIPS))
+        require(0 < self.zclip_alpha < 1, "optim.zclip_alpha", self.zclip_alpha, "in (0, 1)")
+        require(self.zclip_z > 0, "optim.zclip_z", self.zclip_z, "a positive z-score")
+        require(self.zclip_warmup >= 2, "optim.zclip_warmup", self.zclip_warmup, "2 or more")
+        require(
+            0 < self.autoclip_percentile <= 100,
+            "optim.autoclip_percentile",
+            self.autoclip_percentile,
+            "in (0, 100]",
+        )
+        require(self.autoclip_window >= 1, "optim.autoclip_window", self.autoclip_window, "≥ 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,6 +244,31 @@ class TrainConfig:
     find_unused_parameters: bool = False  # DDP's option, for models that skip parameters
     val_every: int = 0  # steps between validations (0: off; needs data.val_shards)
     val_batches: int = 4  # validation batches per rank, the same ones every time
+    # Skip a step whose loss or grad norm is spike_sigma σ above the last spike_window
+    # trained steps (once spike_min_history are in): train/spikes.py.
+    skip_spikes: bool = False
+    spike_sigma: float = 6.0
+    spike_window: int = 128
+    spike_min_history: int = 16
+    # A batch that grows (train/batchsize.py): accumulation ramped from 1 to grad_accum over
+    # batch_ramp_steps (0: off), and/or doubled at logging steps while the noise scale
+    # predicts a gain above batch_gain (needs noise_scale), batch_cooldown steps apart.
+    batch_ramp_steps: int = 0
+    batch_adaptive: bool = False
+    batch_max_accum: int = 64
+    batch_cooldown: int = 200
+    batch_gain: float = 1.05
+    # Steps in a row without an out-of-memory error after which lowered budgets grow back by
+    # 1/0.9 (train/oom.py; 0: never).
+    budget_regrow_steps: int = 0
+    # fp16 loss scaling (train/scaler.py): overflows before the scale backs off (1: torch's
+    # GradScaler, backing off at each; Megatron-LM uses 2), and the floor of the scale.
+    amp_hysteresis: int = 1
+    amp_min_scale: float = 1.0
+    # The gradient noise scale B_simple in metrics.jsonl (train/monitor.py; DDP, 2+ ranks),
+    # smoothed by an EMA of this decay (k-diffusion: 0.9998 for long runs).
+    noise_scale: bool = False
+    noise_scale_ema: float = 0.99
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
@@ -255,7 +299,65 @@ class TrainConfig:
             "0 or more",
         )
         self._check_strategy()
+        self._check_spikes()
+        self._check_noise_scale()
+        self._check_batch()
+        require(
+            self.budget_regrow_steps >= 0,
+            "train.budget_regrow_steps",
+            self.budget_regrow_steps,
+            "≥ 0",
+        )
+        require(self.amp_hysteresis >= 1, "train.amp_hysteresis", self.amp_hysteresis, "≥ 1")
+        require(self.amp_min_scale > 0, "train.amp_min_scale", self.amp_min_scale, "> 0")
         require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")
+
+    def _check_spikes(self) -> None:
+        require(isinstance(self.skip_spikes, bool), "train.skip_spikes", self.skip_spikes, "bool")
+        require(self.spike_sigma > 0, "train.spike_sigma", self.spike_sigma, "a positive σ")
+        require(self.spike_window >= 2, "train.spike_window", self.spike_window, "2 or more")
+        require(
+            2 <= self.spike_min_history <= self.spike_window,
+            "train.spike_min_history",
+            self.spike_min_history,
+            f"in [2, spike_window={self.spike_window}]",
+        )
+        if self.skip_spikes:  # GradScaler hands the fused AdamW its own found-inf flag
+            require(
+                self.precision != "fp16",
+                "train.precision",
+                self.precision,
+                "bf16, fp32 or auto with train.skip_spikes = true (fp16's scaler skips steps itself)",
+            )
+
+    def _check_batch(self) -> None:
+        require(self.batch_ramp_steps >= 0, "train.batch_ramp_steps", self.batch_ramp_steps, "≥ 0")
+        require(
+            self.batch_max_accum >= self.grad_accum,
+            "train.batch_max_accum",
+            self.batch_max_accum,
+            f"at least train.grad_accum ({self.grad_accum})",
+        )
+        require(self.batch_cooldown >= 0, "train.batch_cooldown", self.batch_cooldown, "≥ 0")
+        require(self.batch_gain >= 1, "train.batch_gain", self.batch_gain, "1 or more")
+        if self.batch_adaptive:
+            require(
+                self.noise_scale,
+                "train.noise_scale",
+                self.noise_scale,
+                "true with train.batch_adaptive = true (it follows the noise scale)",
+            )
+
+    def _check_noise_scale(self) -> None:
+        require(isinstance(self.noise_scale, bool), "train.noise_scale", self.noise_scale, "bool")
+        require(
+            0 < self.noise_scale_ema < 1, "train.noise_scale_ema", self.noise_scale_ema, "in (0, 1)"
+        )
+        if self.noise_scale:  # its comm hook replaces DDP's; sharded gradients have none
+            why = "with train.noise_scale = true"
+            require(self.comm_hook == "none", "train.comm_hook", self.comm_hook, f'"none" {why}')
+            require(self.strategy == "ddp", "train.strategy", self.strategy, f'"ddp" {why}')
+            require(self.precision != "fp16", "train.precision", self.precision, f"not fp16 {why}")
 
     def _check_strategy(self) -> None:
         """FSDP2 has no DDP comm hooks and no sharded GradScaler here: refused by name."""

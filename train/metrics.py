@@ -32,6 +32,7 @@ METRICS_NAME = "metrics.jsonl"
 METRICS_LIMIT = 2**30
 # Host counters summed over ranks; "wait_s" is the time this rank spent blocked on the loader.
 _HOST_KEYS = ("samples", "frames", "padded_frames", "text_tokens", "wait_s")
+_DROPPED = "_dropped_steps"  # device count of steps skipped on the device (spikes)
 
 
 class Meter:
@@ -77,6 +78,12 @@ class Meter:
         """Mark one optimizer step done."""
         self.steps += 1
 
+    def drop_step(self, dropped: torch.Tensor) -> None:
+        """A step the device may have skipped (``dropped``: a 0-d 1.0 or 0.0, equal on every
+        rank; a spike): counted as skipped, not trained, without a host read. Its values must
+        have been added × (1 − dropped)."""
+        self.add_device(_DROPPED, dropped, replicated=True)
+
     def skip_step(self) -> None:
         """Mark one step skipped by every rank (out of memory): it counts in the step time,
         not in the loss averages or the rates."""
@@ -96,11 +103,14 @@ class Meter:
             parts.append(torch.stack([self.device[n] for n in names]).double())
         totals = all_reduce_sum(torch.cat(parts), self.env).tolist()  # the one host sync
         sums = dict(zip([*_HOST_KEYS, *names], totals, strict=True))
-        steps = max(self.steps, 1)
-        out = {name: sums[name] / steps for name in names}
+        dropped = round(sums.pop(_DROPPED, 0.0))
+        steps = max(self.steps - dropped, 1)
+        out = {name: sums[name] / steps for name in names if name != _DROPPED}
         out.update(
             step_time_s=elapsed / max(self.steps + self.skipped, 1),
-            skipped_steps=self.skipped,
+            skipped_steps=self.skipped + dropped,
+            frames_per_step=sums["frames"]
+            / max(self.steps, 1),  # valid frames, all ranks: the batch
             samples_per_s=sums["samples"] / elapsed,
             frames_per_s=sums["frames"] / elapsed,
             text_tokens_per_s=sums["text_tokens"] / elapsed,

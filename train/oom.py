@@ -18,7 +18,11 @@ launched, so the rank it happens on knows at once, without waiting for the devic
    bucket is as small as that bucket gets: the run ends (:attr:`Budgets.exhausted`), naming
    the bucket and length.
 
-The caps are part of the checkpoint and every failure is a record in ``metrics.jsonl``.
+The caps are part of the checkpoint and every failure is a record in ``metrics.jsonl``. With
+``train.budget_regrow_steps`` = N, every N steps in a row without an error (on any rank) each
+lowered cap grows back by what one error took (÷ 0.9), a record each: a budget lowered by a rare
+long batch or a fragmented allocator may recover, and one that really was too large costs
+one skipped step per N to find out again.
 
 One case cannot be recovered: an error inside the synchronised backward, where the other ranks
 may already wait in DDP's gradient all-reduce and DDP's reducer is left mid-reduction (fairseq
@@ -88,6 +92,7 @@ class Budgets:
         self.caps: dict[int, int] = {}  # bucket → most padded frames per pass
         self.single_failures: dict[int, int] = {}  # bucket → OOMs of one utterance alone
         self.skipped_steps = 0
+        self.clean_steps = 0  # steps since the last error or regrowth
         self.failure: Failure | None = None  # this rank's, this step
         self.exhausted: str | None = None  # why the run must end: a bucket can get no smaller
         self.pending: list[Path] = []  # cut files applied at start, removed once checkpointed
@@ -179,6 +184,8 @@ class Budgets:
         list, so every rank ends with the same caps); one record per failure for the metrics.
         Sets :attr:`exhausted` when one utterance alone has failed twice in a bucket."""
         records = []
+        if failures:
+            self.clean_steps = 0
         for failure in sorted(failures, key=lambda f: f.rank):
             before = self.caps.get(failure.bucket)
             self.caps[failure.bucket] = self._cut(failure)
@@ -204,6 +211,23 @@ class Budgets:
                 )
         return records
 
+    def clean_step(self, regrow_steps: int) -> list[dict[str, Any]]:
+        """A step no rank lost: after ``regrow_steps`` in a row (0: never), every cap grows by
+        1 / CUT; one record per cap. The same on every rank (host counts only)."""
+        if regrow_steps == 0 or not self.caps:
+            return []
+        self.clean_steps += 1
+        if self.clean_steps < regrow_steps:
+            return []
+        self.clean_steps, records = 0, []
+        for bucket, cap in sorted(self.caps.items()):
+            self.caps[bucket] = int(cap / CUT)
+            records.append(
+                {"event": "budget_regrown", "bucket": bucket, "budget_before": cap,
+                 "budget": self.caps[bucket]}
+            )  # fmt: skip
+        return records
+
     def _cut(self, failure: Failure) -> int:
         return min(self.caps.get(failure.bucket, math.inf), int(CUT * failure.size))
 
@@ -221,6 +245,7 @@ class Budgets:
             "caps": {str(b): c for b, c in self.caps.items()},
             "single_failures": {str(b): n for b, n in self.single_failures.items()},
             "skipped_steps": self.skipped_steps,
+            "clean_steps": self.clean_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -228,6 +253,7 @@ class Budgets:
         self.caps = {int(b): int(c) for b, c in state["caps"].items()}
         self.single_failures = {int(b): int(n) for b, n in state["single_failures"].items()}
         self.skipped_steps = int(state["skipped_steps"])
+        self.clean_steps = int(state.get("clean_steps", 0))  # older checkpoints: none
 
     def apply_pending(self) -> list[dict[str, Any]]:
         """Apply the cuts a stopped run left in ``OUT`` (see :meth:`fatal`); they stay on disk

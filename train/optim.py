@@ -66,12 +66,14 @@ class EMA:
         self.updates = 0
 
     @torch.no_grad()
-    def update(self) -> None:
-        """Blend the current weights in; call after every optimizer step."""
+    def update(self, trained: torch.Tensor | None = None) -> None:
+        """Blend the current weights in; call after every optimizer step. ``trained``: a 0-d
+        bool on the device, false for a step the optimizer skipped there (no blend then)."""
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
         current = [p.detach().float() for p in self.params]
-        torch._foreach_lerp_(self.shadow, current, 1.0 - decay)
+        weight = 1.0 - decay if trained is None else trained.float() * (1.0 - decay)
+        torch._foreach_lerp_(self.shadow, current, weight)
 
     def state_dict(self) -> dict[str, Any]:
         """The averaged weights by parameter name, plus the update count."""

@@ -10,7 +10,7 @@ root holds the rest. Parameters are all-gathered and compute in bf16 under bf16 
 
 What the DDP path does differently (``train/distributed.py``): accumulation skips the
 reduce-scatter with ``set_requires_gradient_sync(False)``; clipping takes the norm of the
-DTensor gradients (the result is replicated); the weights are checkpointed in torch's
+DTensor gradients (the result is replicated, ``train/clipping.py``); the weights are checkpointed in torch's
 distributed checkpoint format, each rank writing its shards (``train/dcp.py``).
 """
 
@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from melcache.errors import UserError
 from train.config import TrainConfig
@@ -75,12 +74,6 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> bool:
         return False
     model.set_requires_gradient_sync(sync)
     return True
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm; the norm as a plain tensor (DTensor norms gathered)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def weights_state(

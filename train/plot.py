@@ -30,7 +30,9 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     if not records:
         raise UserError(f"{path} has no records yet")
     steps = [r["step"] for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    noise = any("noise_scale" in r for r in records)  # train.noise_scale: a third panel
+    fig, axes = plt.subplots(3 if noise else 2, 1, figsize=(8, 9 if noise else 6), sharex=True)
+    top, bottom = axes[0], axes[1]
     top.plot(steps, _values(records, "loss"), label="loss")
     for extra in ("mel_loss", "stop_loss"):
         if extra in records[0]:
@@ -48,13 +50,26 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     wait = bottom.twinx()
     wait.plot(steps, _values(records, "data_wait_pct"), color="tab:red", alpha=0.6)
     wait.set_ylabel("data wait %", color="tab:red")
-    bottom.set_xlabel("step")
+    if noise:
+        _noise_panel(axes[2], steps, records)
+    axes[-1].set_xlabel("step")
     fig.suptitle(Path(run).name)
     fig.tight_layout()
     output = Path(output) if output is not None else Path(run) / "metrics.png"
     fig.savefig(output, dpi=100)
     plt.close(fig)
     return output
+
+
+def _noise_panel(ax: Any, steps: list[int], records: list[dict[str, Any]]) -> None:
+    """B_simple with its band against the batch the run trains on (frames per step)."""
+    ax.plot(steps, _values(records, "noise_scale"), label="B_simple (frames)")
+    low, high = _values(records, "noise_scale_lo"), _values(records, "noise_scale_hi")
+    ax.fill_between(steps, low, high, alpha=0.3)
+    ax.plot(steps, _values(records, "frames_per_step"), "--", label="frames per step")
+    ax.set_ylabel("frames")
+    ax.set_yscale("symlog")
+    ax.legend()
 
 
 def _values(records: list[dict[str, Any]], key: str) -> list[float]:

@@ -7,8 +7,10 @@ run forward and backward of each pass, all but the last under ``no_sync`` so gra
 all-reduced once; the loss is Σ per-frame losses ÷ that global frame count, so every frame of
 every utterance weighs the same whatever the batching, accumulation or world size. Then the
 ranks vote on the host (a stop signal; a share of the step lost to an out-of-memory error,
-which drops the step everywhere); unscale (fp16), clip, step, schedule, EMA. Nothing in the
-step reads a device value on the host.
+which drops the step everywhere; a spike the device flagged the step before); unscale
+(fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt.py``); step,
+schedule, EMA. Nothing in the step reads a device value on the host. The number of
+micro-batches a step takes follows ``train/batchsize.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 
 from melcache.errors import UserError
 from melcache.index import read_stats
+from train.adapt import StepMeasures
+from train.batchsize import BatchSchedule
 from train.checkpoint import Checkpointer
 from train.config import Config
 from train.contract import (
@@ -60,10 +64,11 @@ from train.metrics import Meter, MetricsLog
 from train.model import build_model, describe
 from train.oom import Budgets, no_recovery
 from train.optim import EMA, build_optimizer, build_scheduler
-from train.parallel import clip_grad_norm, load_weights, shard, sharded, weights_state
+from train.parallel import load_weights, shard, sharded, weights_state
 from train.powersgd import PowerSGD
 from train.prefetch import DeviceCopies
 from train.runfolder import owned_run_folder
+from train.scaler import HIGH_SKIP_RATE, HysteresisScaler
 from train.tokenizers import build_tokenizer
 from train.validation import build_validator
 
@@ -117,7 +122,13 @@ class Trainer:
         self.raw_model = shard(self.raw_model, env, t, param_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+        self.batch = BatchSchedule(t, self.optimizer, self.scheduler)  # accumulation per step
+        self.scaler = HysteresisScaler(
+            device.type,
+            enabled=self.precision == "fp16",
+            hysteresis=t.amp_hysteresis,
+            min_scale=t.amp_min_scale,
+        )
         # A skipped step (fp16 overflow, out of memory) is normal, not a misordered schedule.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
         self.ema = EMA(self.raw_model, t.ema_decay) if t.ema_decay > 0 else None
@@ -125,6 +136,7 @@ class Trainer:
             self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
         )
         self.vote = HostVote(env)
+        self.measures = StepMeasures(cfg, env, sharded=self.sharded)  # clipping, spikes, GNS
         self.budgets = Budgets(
             env,
             self.loader.spec.data.pad_multiple,
@@ -146,6 +158,7 @@ class Trainer:
         if t.activation_checkpointing:
             _enable_activation_checkpointing(self.raw_model, cfg.model.impl)
         self.model = wrap_model(self.raw_model, env, t, self.powersgd)
+        self.measures.register(self.model)
         self.meter = Meter(env)
         self.stop = StopFlag()
         self._lr = self.optimizer.param_groups[0]["lr"]
@@ -173,8 +186,10 @@ class Trainer:
         try:
             with self.stop.installed():
                 while self.step < max_steps:
+                    for record in self.batch.accum_for(self.step):  # the ramp
+                        metrics.event(self.step + 1, record)
                     t0 = time.perf_counter()
-                    micro = [next(batches) for _ in range(t.grad_accum)]
+                    micro = [next(batches) for _ in range(self.batch.accum)]
                     self.meter.add_wait(time.perf_counter() - t0)
                     verdict = self.train_step(micro)
                     self.step += 1
@@ -184,10 +199,15 @@ class Trainer:
                     if self.budgets.exhausted:  # the same on every rank
                         raise UserError(self.budgets.exhausted)
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
-                        metrics.log(self.step, self._summary())
+                        values = self._summary()
+                        metrics.log(self.step, values)
+                        for record in self.batch.observe(self.step, values):  # closed loop
+                            metrics.event(self.step, record)
                     if self.validator is not None and self.step % t.val_every == 0:
                         metrics.log(self.step, self.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
+                        for record in self._flush_spike():
+                            metrics.event(self.step, record)
                         self.save()
                     if verdict.stop:
                         log.info(
@@ -205,36 +225,64 @@ class Trainer:
         inv_frames = self._inverse_global_frames(micro)
         # DDP averages gradients over ranks; × world size turns that mean into the sum.
         loss_sums = self._forward_backward(passes, inv_frames * self.env.world_size)
-        stop, lost = self.vote.sum([self.stop.local, float(self.budgets.lost)])
+        votes = [self.stop.local, float(self.budgets.lost), self.measures.spike_vote()]
+        stop, lost, spiked = self.vote.sum(votes)
+        # The last step's spike, learnt a step late: no host read of a device value.
+        records = self.measures.settle(spiked, self.step)
         if lost:
-            return Verdict(stop=stop > 0, skipped=True, records=self._skip_step())
+            return Verdict(stop=stop > 0, skipped=True, records=records + self._skip_step())
         self.first.gradients()  # the first step: every parameter got one
         for batch in micro:
             self.meter.add_batch(batch.mel_lengths, batch.mel.shape, batch.text_lengths)
         inv_count = inverse_count(loss_sums, inv_frames, self.env)  # a model's own count
-        for sums in loss_sums:
-            for name, value in sums.items():
-                if name.endswith("_sum"):
-                    self.meter.add_device(name.removesuffix("_sum"), value * inv_count)
         self.scaler.unscale_(self.optimizer)
         if inv_count is not inv_frames:
             rescale_gradients(self.raw_model, inv_count / inv_frames)
-        clip = self.cfg.optim.grad_clip or math.inf
-        norm = clip_grad_norm(self.raw_model, clip)
-        self.meter.add_device("grad_norm", norm, replicated=True)
-        if self.powersgd is not None:  # an fp16 overflow must not poison its memory
-            self.powersgd.settle(torch.isfinite(norm))
+        frames = sum(int(b.mel_lengths.sum()) for b in micro)
+        loss_share = sum(s["loss_sum"] for s in loss_sums) * inv_count
+        norm, skip = self.measures.measure(self.raw_model, loss_share, frames, self._all_frames)
+        self._meter_step(loss_sums, inv_count, norm, skip)
+        if self.powersgd is not None:  # an fp16 overflow or a spike must not poison its memory
+            self.powersgd.settle(torch.isfinite(norm) if skip is None else ~skip)
         self._lr = self.optimizer.param_groups[0]["lr"]
+        if skip is not None:  # the fused AdamW skips the update (and its step count) on it
+            self.optimizer.found_inf = skip.float()
         # fp16: skips the step on inf/NaN gradients; the fused AdamW reads the found-inf flag
         # on the device, so GradScaler needs no host sync here.
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.scaler.overflow is not None:  # equal on every rank: the gradients are
+            self.meter.add_device("amp_skip_rate", self.scaler.overflow, replicated=True)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None:
-            self.ema.update()
+            self.ema.update(None if skip is None else ~skip)
         self.meter.end_step()
-        return Verdict(stop=stop > 0, skipped=False, records=[])
+        records += self.budgets.clean_step(self.cfg.train.budget_regrow_steps)
+        return Verdict(stop=stop > 0, skipped=False, records=records)
+
+    def _meter_step(
+        self,
+        loss_sums: list[dict[str, torch.Tensor]],
+        inv_count: torch.Tensor,
+        norm: torch.Tensor,
+        skip: torch.Tensor | None,
+    ) -> None:
+        """The step's losses and grad norm into the window; a spike's (``skip``) left out."""
+        kept = inv_count if skip is None else inv_count * (~skip).float()
+        for sums in loss_sums:
+            for name, value in sums.items():
+                if name.endswith("_sum"):
+                    self.meter.add_device(name.removesuffix("_sum"), value * kept)
+        if skip is not None:
+            norm = norm * (~skip).float()
+            self.meter.drop_step(skip.float())
+        self.meter.add_device("grad_norm", norm, replicated=True)
+
+    def _flush_spike(self) -> list[dict[str, Any]]:
+        """Vote the last step's spike flag now (before a checkpoint, which then holds it)."""
+        (votes,) = self.vote.sum([self.measures.spike_vote()])
+        return self.measures.settle(votes, self.step)
 
     def _inverse_global_frames(self, micro: list[Batch]) -> torch.Tensor:
         """1 / the valid mel frames of this step on all ranks, on the device."""
@@ -243,6 +291,7 @@ class Trainer:
         if self.env.device.type == "cuda":  # a pageable source would serialise the copy
             counts = counts.pin_memory()
         counts = all_reduce_sum(counts.to(self.env.device, non_blocking=True), self.env)
+        self._all_frames = counts[0]  # float64, for the noise scale
         return (1.0 / counts[0]).float()
 
     def _forward_backward(
@@ -298,6 +347,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.powersgd is not None:
             self.powersgd.roll_back()
+        self.measures.dropped()
         self.scheduler.step()
         self.budgets.skipped_steps += 1
         self.meter.skip_step()
@@ -325,6 +375,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "budgets": self.budgets.state_dict(),
+                "batch": self.batch.state_dict(),
+                **self.measures.state_dict(),
                 **({} if self.sharded else weights),
             }
         local = {
@@ -350,8 +402,15 @@ class Trainer:
     def _summary(self) -> dict[str, float]:
         values = self.meter.summary()  # all ranks: one all-reduce, one host read
         values["lr"] = self._lr
+        values.update(self.measures.summary())  # the noise scale: a few more values
         for where, epochs in self.loader.epochs().items():  # per cache of the mix
             values[f"epochs {where}"] = epochs
+        if values.get("amp_skip_rate", 0.0) > HIGH_SKIP_RATE:
+            log.warning(
+                "%.0f %% of the steps logged at step %d skipped for fp16 overflow (scale now %g); "
+                "if it stays high, train in bf16 or lower optim.lr",
+                100 * values["amp_skip_rate"], self.step, self.scaler.get_scale(),
+            )  # fmt: skip
         # A window whose every step was skipped (out of memory) has no loss.
         if not math.isfinite(values.get("loss", 0.0)) and self.precision != "fp16":
             raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
@@ -401,6 +460,9 @@ class Trainer:
             self.scaler.load_state_dict(shared["scaler"])
             if "budgets" in shared:  # checkpoints from before per-bucket caps have none
                 self.budgets.load_state_dict(shared["budgets"])
+            if "batch" in shared:  # checkpoints from before the batch schedule have none
+                self.batch.load_state_dict(shared["batch"])
+            self.measures.load_state_dict(shared)
             self.loader.load_state_dict(local["loader"])
             if self.powersgd is not None and "powersgd" in local:
                 self.powersgd.load_state_dict(local["powersgd"])

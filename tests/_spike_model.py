@@ -1,0 +1,55 @@
+"""A plug-in model for the spike tests (``model.impl = "tests._spike_model:SpikeAt"``).
+
+The reference :class:`~train.model.TextToMel`, except that the loss of its training forward
+number ``at`` (counted in a buffer, so a resumed run counts on) is multiplied by ``factor``
+on rank ``rank`` (every rank if -1): a loss spike at a known step (with one micro-batch per
+step and no out-of-memory skip, forward n is step n).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from train.model import TextToMel
+
+
+class SpikeAt(TextToMel):
+    """TextToMel whose loss spikes at training forward ``at``."""
+
+    def __init__(self, *, n_mels: int, at: int, factor: float = 100.0, rank: int = -1, **args):
+        super().__init__(n_mels=n_mels, **args)
+        self.at, self.factor, self.rank = at, factor, rank
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def forward(self, mel, mel_lengths, text, text_lengths):
+        out = super().forward(mel, mel_lengths, text, text_lengths)
+        if not self.training:
+            return out
+        self.forwards += 1
+        mine = self.rank in (-1, int(os.environ.get("RANK", "0")))
+        if mine and int(self.forwards) == self.at:  # a CPU test model: reading it is free
+            out["loss_sum"] = out["loss_sum"] * self.factor
+        return out
+
+
+class NoisyGradient(TextToMel):
+    """TextToMel whose training loss gets a random linear term, ``noise`` × ξ·w summed over the
+    output layer (ξ ~ N(0, 1) drawn per pass from the rank's own torch stream), × the pass's
+    valid frames: gradient noise far above the batch, so the noise scale is large and the
+    closed loop (``train.batch_adaptive``) has a reason to raise the batch."""
+
+    def __init__(self, *, n_mels: int, noise: float, **args):
+        super().__init__(n_mels=n_mels, **args)
+        self.noise = noise
+
+    def forward(self, mel, mel_lengths, text, text_lengths):
+        out = super().forward(mel, mel_lengths, text, text_lengths)
+        if self.training:
+            weights = [p for p in self.parameters() if p.dim() == 2][-1]
+            xi = torch.randn_like(weights)
+            out["loss_sum"] = (
+                out["loss_sum"] + self.noise * (xi * weights).sum() * mel_lengths.sum()
+            )
+        return out

@@ -1,0 +1,381 @@
+"""Training that adapts to what it measures: spike skips (``train/spikes.py``) and adaptive
+clipping (``train/clipping.py``), in one process and on 2-process gloo jobs, resumed bitwise."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
+
+from train.clipping import GradClip
+from train.config import OptimConfig, load_config
+from train.distributed import Env
+from train.trainer import Trainer
+
+CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+SPIKE_AT = 9
+# A window of 8 steps, judged from the 4th: the spike at step 9 needs the state of steps 1-6.
+SPIKES = [
+    "model.impl=tests._spike_model:SpikeAt",
+    f"model.args.at={SPIKE_AT}",
+    "train.skip_spikes=true",
+    "train.spike_window=8",
+    "train.spike_min_history=4",
+]
+ONE = [
+    "data.batch_frames=800",
+    "data.num_workers=0",
+    "model.args.dim=32",
+    "model.args.layers=1",
+    "train.precision=fp32",
+    "train.log_every=3",
+    "train.ckpt_every=6",
+    "train.ema_decay=0.99",
+]
+
+
+def trainer(cache: Path, out: Path, *extra: str) -> Trainer:
+    cfg = load_config(REPO / "configs" / "tiny.toml", [*ONE, *extra])
+    return Trainer(cfg, str(cache), out, CPU)
+
+
+def fit(cache: Path, out: Path, steps: int, *extra: str) -> Trainer:
+    t = trainer(cache, out, *extra)
+    try:
+        t.fit(max_steps=steps)
+    finally:
+        t.close()
+    return t
+
+
+def spikes(out: Path) -> list[dict]:
+    return [r for r in metrics(out) if r.get("event") == "spike"]
+
+
+def same_weights(a: Path, b: Path) -> None:
+    sa, sb = load(a), load(b)
+    for key, tensor in sa["model"].items():
+        assert torch.equal(tensor, sb["model"][key]), key
+    for name, tensor in sa["ema"]["shadow"].items():
+        assert torch.equal(tensor, sb["ema"]["shadow"][name]), name
+    for pid, moments in sa["optimizer"]["state"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(tensor, sb["optimizer"]["state"][pid][key]), (pid, key)
+    for part in ("clip", "spikes", "noise_scale"):
+        for key, value in sa.get(part, {}).items():
+            other = sb[part][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+
+
+def test_a_loss_spike_is_skipped_and_a_resume_is_bitwise(train_cache: Path, tmp_path: Path) -> None:
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    t = fit(train_cache, straight, 12, *SPIKES)
+    (event,) = spikes(straight)
+    assert event["step"] == SPIKE_AT and t.measures.spikes.skipped == 1
+    assert event["step_loss"] > event["loss_mean"] + 6 * event["loss_std"]
+    final = load(checkpoint(straight, 12))
+    # 12 steps, 11 updates: the fused AdamW skipped one on the device.
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {11}
+    assert final["spikes"]["skipped"] == 1 and final["spikes"]["count"] == 11
+    windows = [r for r in metrics(straight) if "loss" in r]
+    assert [r["skipped_steps"] for r in windows] == [0, 0, 1, 0]  # steps 7-9 hold it
+    assert all(r["loss"] < 3 for r in windows)  # the spike's loss is not in its window
+
+    fit(train_cache, halves, 6, *SPIKES)
+    fit(train_cache, halves, 12, *SPIKES)
+    assert [e["step"] for e in spikes(halves)] == [SPIKE_AT]
+    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
+
+
+def test_without_a_spike_nothing_is_skipped(train_cache: Path, tmp_path: Path) -> None:
+    t = fit(train_cache, tmp_path, 10, *SPIKES, "model.args.factor=1.0")
+    assert t.measures.spikes.skipped == 0 and not spikes(tmp_path)
+    state = load(checkpoint(tmp_path, 10))["optimizer"]["state"]
+    assert {int(s["step"]) for s in state.values()} == {10}
+
+
+@pytest.mark.parametrize("rule", ["zclip", "autoclip"])
+def test_adaptive_clipping_resumes_exactly(train_cache: Path, tmp_path: Path, rule: str) -> None:
+    extra = [f"optim.clip={rule}", "optim.zclip_warmup=3", "optim.autoclip_window=5"]
+    fit(train_cache, tmp_path / "straight", 12, *extra)
+    fit(train_cache, tmp_path / "halves", 6, *extra)
+    fit(train_cache, tmp_path / "halves", 12, *extra)
+    same_weights(checkpoint(tmp_path / "straight", 12), checkpoint(tmp_path / "halves", 12))
+    state = load(checkpoint(tmp_path / "straight", 12))["clip"]
+    assert int(state["steps"]) == 12
+
+
+def clipped_norms(cfg: OptimConfig, norms: list[float]) -> list[float]:
+    """The norm after clipping of a one-parameter model whose gradient has each norm."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    model = torch.nn.ParameterList([param])
+    clip, out = GradClip(cfg, torch.device("cpu"), sharded=False), []
+    for norm in norms:
+        param.grad = torch.tensor([norm])
+        clip.clip(model, clip.total_norm(model), None)
+        out.append(float(param.grad.abs()))
+    return out
+
+
+def test_zclip_follows_the_papers_rule() -> None:
+    cfg = OptimConfig(clip="zclip", grad_clip=0, zclip_warmup=4, zclip_alpha=0.9, zclip_z=2.0)
+    norms = [1.0, 1.2, 0.8, 1.0, 1.1, 9.0, 1.0, 30.0]
+    got = clipped_norms(cfg, norms)
+    mean, var = np.mean(norms[:4]), np.var(norms[:4])  # the warm-up's, unclipped
+    want = list(norms[:4])
+    for g in norms[4:]:  # reference: ZClip's z-score with reciprocal clipping, EMA of the result
+        std = math.sqrt(var)
+        z = (g - mean) / (std + 1e-6)
+        c = mean + (2.0**2 / z) * std if z > 2.0 else g
+        want.append(c)
+        mean = 0.9 * mean + 0.1 * c
+        var = 0.9 * var + 0.1 * (c - mean) ** 2
+    assert got == pytest.approx(want, rel=1e-5)
+    assert got[5] < 2.0 and got[7] < 2.0  # the two outliers were cut, the rest kept
+
+
+def test_autoclip_clips_at_a_percentile_of_past_norms() -> None:
+    cfg = OptimConfig(clip="autoclip", grad_clip=5.0, autoclip_percentile=50, autoclip_window=4)
+    norms = [1.0, 3.0, 2.0, 10.0, 4.0, 0.5]
+    got = clipped_norms(cfg, norms)
+    want = []
+    for i, g in enumerate(norms):
+        limit = min(np.percentile(norms[max(0, i - 3) : i + 1], 50), 5.0)
+        want.append(min(g, limit))
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_the_plot_draws_the_noise_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    from train.plot import plot_run
+
+    rows = [
+        {
+            "step": s,
+            "loss": 1.0 / s,
+            "frames_per_s": 1e3,
+            "frames_per_step": 500,
+            "data_wait_pct": 1,
+        }
+        | {"noise_scale": 900.0 + s, "noise_scale_lo": 800.0, "noise_scale_hi": 1e3 + s}
+        for s in (5, 10, 15)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import matplotlib.pyplot as plt
+
+    drawn, real_subplots = [], plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: drawn.append(a) or real_subplots(*a, **k))
+    png = plot_run(tmp_path)
+    assert png.read_bytes()[:4] == b"\x89PNG" and drawn == [(3, 1)]
+
+
+# ---- a 2-process gloo job -----------------------------------------------------------------
+@pytest.mark.slow
+def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """Rank 1's loss spikes at step 9: both ranks see it in the global loss and skip that step,
+    no other; 12 steps straight equal 6 + resume + 6, bit for bit (the noise scale's EMAs too)."""
+    extra = [*SPIKES, "model.args.rank=1", "train.ckpt_every=6", "train.log_every=3"]
+    extra.append("train.noise_scale=true")
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    run_ok(train_cmd(train_cache, straight, *extra, max_steps=12), timeout=600)
+    (event,) = spikes(straight)
+    assert event["step"] == SPIKE_AT
+    final = load(checkpoint(straight, 12))
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {11}
+    windows = [r for r in metrics(straight) if "loss" in r]
+    assert all(r["noise_scale_lo"] <= r["noise_scale"] <= r["noise_scale_hi"] for r in windows)
+    assert all(r["noise_trace"] > 0 for r in windows)
+    run_ok(train_cmd(train_cache, halves, *extra, max_steps=6), timeout=600)
+    done = run_ok(train_cmd(train_cache, halves, *extra, max_steps=12), timeout=600)
+    assert "resumed from" in done.stderr and f"step {SPIKE_AT} skipped: loss" in done.stderr
+    assert [e["step"] for e in spikes(halves)] == [SPIKE_AT]
+    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
+    for rank in (0, 1):
+        a = load(checkpoint(straight, 12), f"rank-{rank:05d}.pt")
+        b = load(checkpoint(halves, 12), f"rank-{rank:05d}.pt")
+        assert a["loader"] == b["loader"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+
+@pytest.mark.slow
+def test_noise_scale_matches_brute_force_on_unequal_ranks() -> None:
+    """benchmarks/noise_scale_bench.py, shortened: exact per-example gradients of a linear
+    regression on 2 gloo ranks of 16 and 48 examples a step."""
+    from benchmarks import noise_scale_bench
+
+    row = noise_scale_bench.measure(2, steps=1500)
+    assert 0.9 < row["ratio"] < 1.1, row
+    assert 0.95 < row["trace_ratio"] < 1.05, row
+
+
+def test_the_fp16_scaler_backs_off_after_its_hysteresis_and_not_below_its_floor() -> None:
+    from train.scaler import HysteresisScaler
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.0)
+    scaler = HysteresisScaler(
+        "cpu", enabled=True, hysteresis=2, min_scale=2.0, init_scale=16.0, growth_interval=3
+    )
+    overflows = [1, 0, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+    scale, left, clean, want, got = 16.0, 2, 0, [], []
+    for inf in overflows:  # reference: Megatron-LM's DynamicGradScaler.update
+        if inf:
+            clean, left = 0, left - 1
+            if left <= 0:
+                scale = max(scale * 0.5, 2.0)
+        else:
+            clean += 1
+            if clean == 3:
+                clean, left, scale = 0, 2, scale * 2
+        want.append(scale)
+        scaler.scale(torch.ones(()))  # starts the scale on the first call
+        param.grad = torch.tensor([math.inf if inf else 1.0, 0.0])
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        got.append(scaler.get_scale())
+        assert float(scaler.overflow) == inf
+    assert got == want and min(got) == 2.0
+    resumed = HysteresisScaler("cpu", enabled=True, hysteresis=2, min_scale=2.0)
+    resumed.load_state_dict(scaler.state_dict())
+    assert resumed.state_dict() == scaler.state_dict()
+
+
+def test_fp16_on_cpu_logs_its_skip_rate(train_cache: Path, tmp_path: Path) -> None:
+    t = fit(train_cache, tmp_path, 6, "train.precision=fp16")
+    windows = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in windows] == [3, 6]
+    assert all(0 <= r["amp_skip_rate"] <= 1 for r in windows)
+    assert load(checkpoint(tmp_path, 6))["scaler"]["hysteresis_left"] <= 2
+    assert t.scaler.get_scale() >= 1.0
+
+
+# ---- a batch that grows ------------------------------------------------------------------
+def test_accumulation_rises_in_integer_factors_where_the_gain_is_worth_it() -> None:
+    from train.batchsize import chain, gain
+
+    assert chain(8) == [1, 2, 4, 8] and chain(6) == [1, 2, 6] and chain(1) == [1]
+    assert chain(12) == [1, 2, 4, 12] and chain(3) == [1, 3]
+    assert gain(100.0, 100.0) < 1 < gain(150.0, 100.0)  # doubling pays once B_noise > √2 B
+    assert gain(1e6, 1.0) == pytest.approx(2.0, rel=1e-3)  # at most the factor
+
+
+def batch_events(out: Path) -> list[dict]:
+    return [r for r in metrics(out) if r.get("event") == "batch_size"]
+
+
+def test_a_ramped_batch_raises_accumulation_and_lr_and_resumes_bitwise(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    extra = ["train.grad_accum=4", "train.batch_ramp_steps=6"]
+    t = fit(train_cache, tmp_path / "straight", 12, *extra)
+    events = batch_events(tmp_path / "straight")
+    # The line 1 + 3·s/6 crosses 2 at step 2 and 4 at step 6: the chain 1, 2, 4.
+    assert [(e["step"], e["accum_before"], e["accum"]) for e in events] == [(3, 1, 2), (7, 2, 4)]
+    assert t.scheduler.base_lrs == pytest.approx([2e-3, 2e-3])  # √(1/4) · √2 · √2 = 1
+    local = load(checkpoint(tmp_path / "straight", 12), "rank-00000.pt")
+    assert local["loader"]["batches"] == 2 * 1 + 4 * 2 + 6 * 4  # micro-batches drawn
+    fit(train_cache, tmp_path / "halves", 6, *extra)
+    resumed = fit(train_cache, tmp_path / "halves", 12, *extra)
+    assert resumed.batch.accum == 4
+    assert batch_events(tmp_path / "halves") == events
+    same_weights(checkpoint(tmp_path / "straight", 12), checkpoint(tmp_path / "halves", 12))
+
+
+def test_the_closed_loop_doubles_only_upwards_after_its_cool_down() -> None:
+    from train.batchsize import BatchSchedule
+    from train.config import TrainConfig
+    from train.optim import build_optimizer, build_scheduler
+
+    model = torch.nn.Linear(2, 2)
+    optim_cfg = OptimConfig(lr=1e-3)
+    optimizer = build_optimizer(model, optim_cfg)
+    scheduler = build_scheduler(optimizer, optim_cfg)
+    cfg = TrainConfig(
+        noise_scale=True, batch_adaptive=True, batch_cooldown=10, batch_max_accum=4, log_every=5
+    )
+    batch = BatchSchedule(cfg, optimizer, scheduler)
+    noisy = {"noise_scale": 1e5, "noise_batch": 1e3}  # x = 100: doubling pays
+    quiet = {"noise_scale": 1e3, "noise_batch": 1e3}  # x = 1 < √2: it does not
+    assert batch.observe(5, quiet) == [] and batch.accum == 1
+    assert batch.observe(7, noisy) == []  # not a logging step
+    (rise,) = batch.observe(10, noisy)
+    assert (rise["accum_before"], rise["accum"], batch.accum) == (1, 2, 2)
+    assert rise["gain"] == pytest.approx(2 * 101**2 / 102**2)
+    assert scheduler.base_lrs[0] == pytest.approx(1e-3 * math.sqrt(2))
+    assert batch.observe(15, noisy) == []  # cooling down
+    assert batch.observe(20, noisy)[0]["accum"] == 4
+    assert batch.observe(30, noisy) == [] and batch.accum == 4  # at batch_max_accum
+    assert batch.observe(40, {"noise_scale": math.nan, "noise_batch": 1e3}) == []
+    assert scheduler.base_lrs[0] == pytest.approx(2e-3)  # √4
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * scheduler.lr_lambdas[0](0))
+
+
+def accum_by_step(rises: list[dict], steps: int) -> list[int]:
+    """The accumulation of each step: a rise logged at step s holds from step s + 1."""
+    accum, out = 1, []
+    for step in range(1, steps + 1):
+        out.append(accum)
+        accum = next((r["accum"] for r in rises if r["step"] == step), accum)
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> None:
+    """The noise-scale closed loop on 2 gloo ranks, on a model with loud gradient noise: it
+    raises the batch; 12 steps straight equal 6 + resume + 6, the same rises at the same steps
+    (the decision reads only checkpointed EMAs)."""
+    extra = ["model.impl=tests._spike_model:NoisyGradient", "model.args.noise=1.0"]
+    extra += ["train.noise_scale=true", "train.batch_adaptive=true"]
+    extra += ["train.batch_cooldown=0", "train.log_every=2", "train.ckpt_every=6"]
+    extra += ["train.noise_scale_ema=0.5", "train.batch_max_accum=4"]
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    run_ok(train_cmd(train_cache, straight, *extra, max_steps=12), timeout=600)
+    run_ok(train_cmd(train_cache, halves, *extra, max_steps=6), timeout=600)
+    run_ok(train_cmd(train_cache, halves, *extra, max_steps=12), timeout=600)
+    assert batch_events(straight) == batch_events(halves)
+    a, b = load(checkpoint(straight, 12)), load(checkpoint(halves, 12))
+    assert a["batch"] == b["batch"] and a["scheduler"]["base_lrs"] == b["scheduler"]["base_lrs"]
+    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
+    rises = batch_events(straight)
+    assert rises and a["batch"]["accum"] == 2 ** len(rises) <= 4
+    assert all(r["gain"] > 1.05 and r["noise_scale"] > r["frames_per_step"] for r in rises)
+    assert [r["step"] for r in rises] == sorted({r["step"] for r in rises})  # one per step
+    drawn = load(checkpoint(straight, 12), "rank-00001.pt")["loader"]["batches"]
+    assert drawn == sum(accum_by_step(rises, 12))
+    assert a["scheduler"]["base_lrs"][0] == pytest.approx(2e-3 * 2 ** (len(rises) / 2))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["train.skip_spikes=true", "train.precision=fp16"], "train.precision"),
+        (["train.noise_scale=true", "train.comm_hook=powersgd"], "train.comm_hook"),
+        (["train.batch_adaptive=true"], "train.noise_scale"),
+        (["train.spike_min_history=200"], "train.spike_min_history"),
+        (["optim.clip=zclip2"], "optim.clip"),
+        (["train.grad_accum=8", "train.batch_max_accum=4"], "train.batch_max_accum"),
+    ],
+)
+def test_adaptive_keys_that_cannot_work_are_refused_by_name(
+    overrides: list[str], named: str
+) -> None:
+    from melcache.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(named)) as refused:
+        load_config(REPO / "configs" / "tiny.toml", overrides)
+    assert "\n" not in str(refused.value)
+
+
+def test_adaptive_clipping_is_refused_with_sharded_gradients() -> None:
+    from melcache.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape('optim.clip = "zclip" is not available with')):
+        GradClip(OptimConfig(clip="zclip"), torch.device("cpu"), sharded=True)
