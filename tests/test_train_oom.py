@@ -185,12 +185,11 @@ def test_ddp_forward_oom_on_one_rank_skips_exactly_those_steps_and_resumes(
     train_cache: Path, tmp_path: Path, accum: int
 ) -> None:
     out, record = tmp_path / "run", tmp_path / "rank1.jsonl"
-    extra = [*on_rank_1(record), f"train.grad_accum={accum}"]
+    # The whole-cache stream of seed 0 (greedy batches, some over the limit, first in their
+    # steps); bucket sub-streams (the default) cut and order them otherwise.
+    extra = [*on_rank_1(record), f"train.grad_accum={accum}", "data.sync_buckets=false"]
     if accum == 2:
         extra.append("model.args.stage=backward")  # the first pass's backward: no_sync
-        # The whole-cache stream of seed 0 puts the batches over the limit first in their
-        # steps; bucket sub-streams (the default) order them otherwise.
-        extra.append("data.sync_buckets=false")
     run_ok(train_cmd(train_cache, out, *extra), timeout=600)
     logged = events(out)
     assert logged and {e["rank"] for e in logged} == {1}
