@@ -12,7 +12,8 @@ import torch
 from melcache.errors import UserError
 from train.config import load_config
 from train.distributed import Env
-from train.trainer import Trainer, resolve_precision
+from train.precision import resolve_precision
+from train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -25,11 +25,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from melcache.errors import UserError
-from melcache.index import read_stats
 from train.adapt import StepMeasures
 from train.batchsize import BatchSchedule
 from train.checkpoint import Checkpointer
@@ -66,26 +64,15 @@ from train.oom import Budgets, no_recovery
 from train.optim import EMA, build_optimizer, build_scheduler
 from train.parallel import load_weights, shard, sharded, weights_state
 from train.powersgd import PowerSGD
+from train.precision import AMP_DTYPES, resolve_precision
 from train.prefetch import DeviceCopies
+from train.resume import mel_stats, warn_config_changes
 from train.runfolder import owned_run_folder
 from train.scaler import HIGH_SKIP_RATE, HysteresisScaler
 from train.tokenizers import build_tokenizer
 from train.validation import build_validator
 
 log = logging.getLogger(__name__)
-
-_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Config keys that may change between a run and its resumption without a warning.
-_RESUMABLE_CHANGES = {
-    "train.max_steps",
-    "train.log_every",
-    "train.ckpt_every",
-    "train.keep_checkpoints",
-    "train.async_checkpoint",
-    "train.val_every",
-    "train.val_batches",
-    "data.val_shards",
-}
 
 
 class Trainer:
@@ -118,7 +105,7 @@ class Trainer:
             cfg, self.spec, env, self.out, expect_features=features, tokenizer=tokenizer
         )
         self.sharded = sharded(t, env)  # FSDP2 / HSDP: DTensor parameters from here on
-        param_dtype = _AMP_DTYPES.get(self.precision, torch.float32)  # fp16 is refused
+        param_dtype = AMP_DTYPES.get(self.precision, torch.float32)  # fp16 is refused
         self.raw_model = shard(self.raw_model, env, t, param_dtype)
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
@@ -416,21 +403,8 @@ class Trainer:
             raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
         return values
 
-    def _mel_stats(self, shards: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel mean and std of the cache (float32 ``[n_mels]``) on the device; of a
-        mix, those of its caches pooled at their frame shares (what the model is fed)."""
-        try:
-            parts = [read_stats(where, self.loader.features.n_mels) for where in shards]
-            stats = parts[0] if len(parts) == 1 else _pooled(parts, self.loader.weights)
-        except UserError as exc:
-            raise UserError(
-                f"{exc}; data.mel_stats = true needs them: set data.mel_stats=false to train "
-                "on unnormalised log-mels"
-            ) from None
-        return tuple(torch.from_numpy(x).to(self.env.device) for x in stats)
-
     def _autocast(self) -> contextlib.AbstractContextManager:
-        dtype = _AMP_DTYPES.get(self.precision)
+        dtype = AMP_DTYPES.get(self.precision)
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.env.device.type, dtype=dtype)
@@ -441,7 +415,8 @@ class Trainer:
         restored = self.ckpt.restore()
         if restored is None:
             if self.cfg.data.mel_stats and hasattr(self.raw_model, "set_mel_stats"):
-                self.raw_model.set_mel_stats(*self._mel_stats(shards))
+                stats = mel_stats(shards, self.loader.features.n_mels, self.loader.weights)
+                self.raw_model.set_mel_stats(*(x.to(self.env.device) for x in stats))
             if self.env.is_main:
                 self.out.mkdir(parents=True, exist_ok=True)
                 (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
@@ -450,7 +425,7 @@ class Trainer:
             return 0
         latest, shared, local = restored
         try:
-            _warn_config_changes(shared["config"], self.cfg.to_dict(), latest)
+            warn_config_changes(shared["config"], self.cfg.to_dict(), latest)
             weights = shared
             if self.sharded:
                 weights = weights_state(self.raw_model, self.optimizer, self.ema, True)
@@ -487,25 +462,6 @@ class Verdict:
     records: list[dict[str, Any]]  # one per out-of-memory error, for metrics.jsonl
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """Turn ``"auto"`` into bf16 or fp32 for this device; refuse bf16 where CUDA lacks it."""
-    if device.type == "cuda":
-        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # pre-Ampere: emulated
-    else:  # without AVX-512 bf16 is emulated and slower than fp32 on CPU
-        try:
-            bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            bf16 = False
-    if precision == "auto":
-        return "bf16" if bf16 else "fp32"
-    if precision == "bf16" and device.type == "cuda" and not bf16:
-        raise UserError(
-            f"config key train.precision = 'bf16' is not supported on "
-            f"{torch.cuda.get_device_name(device)}: use fp16 (with loss scaling) or fp32"
-        )
-    return precision
-
-
 def _enable_activation_checkpointing(model: torch.nn.Module, impl: str) -> None:
     if not hasattr(model, "set_activation_checkpointing"):
         raise UserError(
@@ -513,37 +469,6 @@ def _enable_activation_checkpointing(model: torch.nn.Module, impl: str) -> None:
             "set_activation_checkpointing method"
         )
     model.set_activation_checkpointing(True)
-
-
-def _warn_config_changes(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
-    changed = sorted(set(_flatten(saved).items()) ^ set(_flatten(current).items()))
-    keys = sorted({k for k, _ in changed} - _RESUMABLE_CHANGES)
-    if keys:
-        log.warning(
-            "resuming %s with a changed config (%s); the optimizer and schedule state come "
-            "from the checkpoint",
-            where,
-            ", ".join(keys),
-        )
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = repr(value)
-    return out
-
-
-def _pooled(
-    parts: list[tuple[np.ndarray, np.ndarray]], weights: tuple[float, ...]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and std of a mixture of caches with these (mean, std) at these frame shares."""
-    mean = sum(w * m for w, (m, _) in zip(weights, parts, strict=True))
-    square = sum(w * (s**2 + m**2) for w, (m, s) in zip(weights, parts, strict=True))
-    return mean.astype(np.float32), np.sqrt(np.maximum(square - mean**2, 0.0)).astype(np.float32)
 
 
 def run(cfg: Config, shards: str | list[str], out: Path) -> str:
