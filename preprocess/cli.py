@@ -167,6 +167,15 @@ def _parser() -> argparse.ArgumentParser:
         help="processes (default: all cores)",
     )
 
+    _add_build(commands, pool)
+    _add_verify(commands, pool)
+    _add_inspect(commands)
+    _add_index_table(commands, pool)
+    return parser
+
+
+def _add_build(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:
+    """``build``: corpus in, cache out; every option of the build."""
     build = commands.add_parser(
         "build",
         parents=[pool],
@@ -239,6 +248,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     build.set_defaults(run=_build)
 
+
+def _add_verify(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:
+    """``verify``: re-check a cache against its index."""
     verify = commands.add_parser(
         "verify",
         parents=[pool],
@@ -250,6 +262,9 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("cache", type=Path, help="cache folder (OUT of build)")
     verify.set_defaults(run=_verify)
 
+
+def _add_inspect(commands: argparse._SubParsersAction) -> None:
+    """``inspect``: summarise a cache, or show one utterance."""
     inspect = commands.add_parser(
         "inspect",
         help="summarise a cache",
@@ -281,6 +296,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(run=_inspect)
 
+
+def _add_index_table(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:
+    """``index-table``: write the per-utterance table of an older cache."""
     table = commands.add_parser(
         "index-table",
         parents=[pool],
@@ -292,4 +310,3 @@ def _parser() -> argparse.ArgumentParser:
     )
     table.add_argument("cache", type=Path, help="cache folder (OUT of build)")
     table.set_defaults(run=_index_table)
-    return parser
