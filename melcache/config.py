@@ -47,8 +47,9 @@ def find_config(path: str | Path) -> Path:
     )
 
 
-def load_toml(path: str | Path, tables: Mapping[str, type]) -> dict[str, Any]:
-    """Parse the TOML file or preset ``path``; refuse a table not named in ``tables``."""
+def load_toml(path: str | Path, tables: Mapping[str, type] | None = None) -> dict[str, Any]:
+    """Parse the TOML file or preset ``path``; refuse a table not named in ``tables`` (when
+    given)."""
     path = find_config(path)
     try:
         data = tomllib.loads(read_limited(path).decode("utf-8"))
@@ -58,7 +59,8 @@ def load_toml(path: str | Path, tables: Mapping[str, type]) -> dict[str, Any]:
         raise UserError(f"config file {path} cannot be read: tables nested too deeply") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise UserError(f"config file {path} cannot be read: {exc}") from None
-    check_tables(data, tables, str(path))
+    if tables is not None:
+        check_tables(data, tables, str(path))
     return data
 
 

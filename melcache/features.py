@@ -8,13 +8,14 @@ the digest of these keys is stored with the cache and every reader compares it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from melcache.config import make_section, require
+from melcache.config import load_toml, make_section, preset_names, require
 from melcache.errors import UserError
 
 # Bounds that keep every derived size (ring slots, filterbanks) sane for any index read.
@@ -161,16 +162,13 @@ def check_features(
             )
 
 
-# Named extractors a model may declare (train/contract.py); configs/<name>.toml hold the same.
-PRESETS = {
-    "chattts": FeatureConfig(),  # ChatTTS's DVAE and F5-TTS's vocos mel (see configs/chattts.toml)
-    "hifigan": FeatureConfig(
-        sample_rate=22_050,
-        n_mels=80,
-        f_max=8_000.0,
-        mel_scale="slaney",
-        mel_norm="slaney",
-        center=False,
-        magnitude_eps=1e-9,
-    ),
-}
+@functools.cache
+def feature_presets() -> dict[str, FeatureConfig]:
+    """The installed presets that have a ``[features]`` table (``chattts``, ``hifigan``), by
+    name: the extractors a model may declare (train/contract.py), read from the preset files."""
+    tables = {name: load_toml(name) for name in preset_names()}
+    return {
+        name: make_section(FeatureConfig, table["features"], "features", name)
+        for name, table in tables.items()
+        if "features" in table
+    }

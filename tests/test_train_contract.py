@@ -11,9 +11,8 @@ import pytest
 import torch
 from helpers import REPO, metrics
 
-from melcache.config import load_toml
 from melcache.errors import UserError
-from melcache.features import PRESETS, FeatureConfig
+from melcache.features import FeatureConfig, feature_presets
 from train.config import load_config
 from train.distributed import Env
 from train.tokenizers import build_tokenizer
@@ -132,10 +131,14 @@ def test_declared_features_are_compared_key_by_key(train_cache: Path, tmp_path: 
     trainer(train_cache, tmp_path / "b", plugin("MadeForChatTTS")).close()
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
-def test_feature_presets_equal_the_build_configs(name: str) -> None:
-    table = load_toml(REPO / "configs" / f"{name}.toml", {"features": None, "build": None})
-    assert FeatureConfig(**table["features"]) == PRESETS[name]
+def test_feature_presets_are_read_from_the_build_presets() -> None:
+    """A model may declare the build presets' extractors by name; the default extractor is
+    ChatTTS's mel, and the HiFi-GAN preset is its 22.05 kHz, 80-band Slaney mel."""
+    presets = feature_presets()
+    assert sorted(presets) == ["chattts", "hifigan"]  # base and tiny are trainer configs
+    assert presets["chattts"] == FeatureConfig()
+    hifigan = presets["hifigan"]
+    assert (hifigan.sample_rate, hifigan.n_mels, hifigan.mel_scale) == (22_050, 80, "slaney")
 
 
 def test_tokenizers_by_config(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ optional, the defaults being the reference :class:`train.model.TextToMel`'s):
   to it on the device before the forward.
 - ``"pad"``: ``"multiple"`` (mel and text padded to ``data.pad_multiple``) or ``"longest"``
   (never past the longest utterance of the batch, for models that tie frames to positions).
-- ``"features"``: a preset name (``melcache.features.PRESETS``: ``"chattts"``, ``"hifigan"``) or
+- ``"features"``: a preset name (``melcache.features.feature_presets``: ``"chattts"``, ``"hifigan"``) or
   a table of feature keys; the cache must match every key, the log floor included.
 
 A constructor with a ``vocab_size`` parameter is given the tokenizer's vocabulary size.
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from melcache.errors import UserError
-from melcache.features import PRESETS
+from melcache.features import feature_presets
 from train.collate import Batch
 from train.config import DataConfig, ModelConfig
 from train.distributed import Env, all_reduce_sum
@@ -70,9 +70,10 @@ def declared(cls: type, impl: str) -> ModelSpec:
                 f"{impl}.melcache_contract[{key!r}] = {table[key]!r}: expected {' or '.join(choices)}"
             )
     features = table.get("features")
-    if isinstance(features, str) and features not in PRESETS:
+    if isinstance(features, str) and features not in feature_presets():
         raise UserError(
-            f"{impl}.melcache_contract['features'] = {features!r} is no preset: {', '.join(PRESETS)}"
+            f"{impl}.melcache_contract['features'] = {features!r} is no preset: "
+            f"{', '.join(feature_presets())}"
         )
     return ModelSpec(**table)
 
@@ -81,7 +82,9 @@ def expected_features(model: ModelConfig, spec: ModelSpec) -> dict[str, Any]:
     """Every feature key the cache must match: ``[model]``'s three and all the model declares."""
     keys = model.expected_features()
     features = spec.features
-    stated = PRESETS[features].to_dict() if isinstance(features, str) else dict(features or {})
+    stated = (
+        feature_presets()[features].to_dict() if isinstance(features, str) else dict(features or {})
+    )
     for key in set(keys) & set(stated):
         if stated[key] != keys[key]:
             raise UserError(
