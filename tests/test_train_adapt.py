@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
+from helpers import REPO, checkpoint, load, metrics, run_ok, tiny_fit, tiny_trainer, train_cmd
 
 from train.clipping import GradClip
 from train.config import OptimConfig, load_config
@@ -41,17 +41,11 @@ ONE = [
 
 
 def trainer(cache: Path, out: Path, *extra: str) -> Trainer:
-    cfg = load_config(REPO / "configs" / "tiny.toml", [*ONE, *extra])
-    return Trainer(cfg, str(cache), out, CPU)
+    return tiny_trainer(cache, out, [*ONE, *extra])
 
 
 def fit(cache: Path, out: Path, steps: int, *extra: str) -> Trainer:
-    t = trainer(cache, out, *extra)
-    try:
-        t.fit(max_steps=steps)
-    finally:
-        t.close()
-    return t
+    return tiny_fit(cache, out, steps, [*ONE, *extra])
 
 
 def spikes(out: Path) -> list[dict]:
