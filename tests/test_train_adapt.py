@@ -94,6 +94,57 @@ def test_without_a_spike_nothing_is_skipped(train_cache: Path, tmp_path: Path) -
     assert {int(s["step"]) for s in state.values()} == {10}
 
 
+def rewind_args(keys: Path, at: int, count: int, after: int) -> list[str]:
+    """A SpikeRun model spiking at ``count`` forwards from ``at``; a rewind after ``after``."""
+    return [
+        "model.impl=tests._spike_model:SpikeRun",
+        f"model.args.at={at}",
+        f"model.args.count={count}",
+        f"model.args.keys_log={str(keys)!r}",
+        "train.skip_spikes=true",
+        "train.spike_window=8",
+        "train.spike_min_history=4",
+        f"train.spike_rewind_after={after}",
+    ]
+
+
+def forward_keys(keys: Path, rank: int = 0) -> list[list[str]]:
+    """The batch keys of each training forward a SpikeRun model logged, in order."""
+    rows = [json.loads(line) for line in (keys / f"rank-{rank}.jsonl").read_text().splitlines()]
+    return [row["keys"] for row in rows]
+
+
+def test_spikes_in_a_row_rewind_to_the_start_and_skip_their_batches(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """No checkpoint yet: 2 spikes in a row (steps 5, 6, voted by step 7) send the run back
+    to step 0, saved at the start; steps 1-8 then train on batches 8-15, not 1-7 again, and
+    12 steps straight equal 8 + resume + 4, bitwise."""
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    extra = ["train.ckpt_every=100"]
+    t = fit(train_cache, straight, 12, *extra, *rewind_args(tmp_path / "k1", 5, 2, 2))
+    (rewound,) = [r for r in metrics(straight) if r.get("event") == "rewind"]
+    assert rewound == {
+        "step": 7, "event": "rewind", "to_step": 0, "spikes": 2, "batches_skipped": 7
+    }  # fmt: skip
+    assert [e["step"] for e in spikes(straight)] == [5, 6]
+    assert t.measures.spikes.rewinds == 1 and t.measures.spikes.streak == 0
+    assert [r["rewinds"] for r in metrics(straight) if "loss" in r][-1] == 1
+    seen = forward_keys(tmp_path / "k1")
+    assert len(seen) == 12 + 7  # every batch drawn once: the 7 before the rewind are skipped
+    assert seen[7:14] != seen[:7]  # a replay would have trained on batches 1-7 again
+    final = load(checkpoint(straight, 12))
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {12}
+    assert load(checkpoint(straight, 12), "rank-00000.pt")["loader"]["batches"] == 19
+    assert checkpoint(straight, 0).is_dir()
+
+    fit(train_cache, halves, 8, *extra, *rewind_args(tmp_path / "k2", 5, 2, 2))
+    fit(train_cache, halves, 12, *extra, *rewind_args(tmp_path / "k2", 5, 2, 2))
+    assert forward_keys(tmp_path / "k2") == seen  # a fresh process counts from 1: no spike
+    assert [r["step"] for r in metrics(halves) if r.get("event") == "rewind"] == [7]
+    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
+
+
 @pytest.mark.parametrize("rule", ["zclip", "autoclip"])
 def test_adaptive_clipping_resumes_exactly(train_cache: Path, tmp_path: Path, rule: str) -> None:
     extra = [f"optim.clip={rule}", "optim.zclip_warmup=3", "optim.autoclip_window=5"]
@@ -354,6 +405,7 @@ def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> N
         (["train.noise_scale=true", "train.comm_hook=powersgd"], "train.comm_hook"),
         (["train.batch_adaptive=true"], "train.noise_scale"),
         (["train.spike_min_history=200"], "train.spike_min_history"),
+        (["train.spike_rewind_after=3"], "train.skip_spikes"),
         (["optim.clip=zclip2"], "optim.clip"),
         (["train.grad_accum=8", "train.batch_max_accum=4"], "train.batch_max_accum"),
     ],

@@ -67,22 +67,50 @@ def save(parts: RunParts, step: int) -> None:
 
 def resume_or_start(parts: RunParts) -> int:
     """Restore the latest complete checkpoint in ``parts.out`` and return its step, or prepare
-    a fresh start (step 0)."""
+    a fresh start (step 0, saved as a checkpoint when spikes may rewind to it)."""
     p, env = parts, parts.env
     restored = p.ckpt.restore()
-    if restored is None:
-        if p.cfg.data.mel_stats and hasattr(p.raw_model, "set_mel_stats"):
-            stats = mel_stats(p.shards, p.loader.features.n_mels, p.loader.weights)
-            p.raw_model.set_mel_stats(*(x.to(env.device) for x in stats))
-        if env.is_main:
-            p.out.mkdir(parents=True, exist_ok=True)
-            (p.out / "config.json").write_text(json.dumps(p.cfg.to_dict(), indent=1))
-        # Dropout masks must differ between ranks: one stream per (seed, rank).
-        seed_all(derive_seed(p.cfg.train.seed, "train", env.rank))
-        return 0
-    latest, shared, local = restored
+    if restored is not None:
+        step = _restore(p, *restored, rewinding=False)
+        log.info("resumed from %s", restored[0])
+        return step
+    if p.cfg.data.mel_stats and hasattr(p.raw_model, "set_mel_stats"):
+        stats = mel_stats(p.shards, p.loader.features.n_mels, p.loader.weights)
+        p.raw_model.set_mel_stats(*(x.to(env.device) for x in stats))
+    if env.is_main:
+        p.out.mkdir(parents=True, exist_ok=True)
+        (p.out / "config.json").write_text(json.dumps(p.cfg.to_dict(), indent=1))
+    # Dropout masks must differ between ranks: one stream per (seed, rank).
+    seed_all(derive_seed(p.cfg.train.seed, "train", env.rank))
+    if p.cfg.train.spike_rewind_after:
+        save(p, 0)
+    return 0
+
+
+def rewind(parts: RunParts) -> tuple[int, int]:
+    """Go back to the latest checkpoint: weights, optimizer, schedules, RNG and every
+    adaptive state, but neither the loader, which goes on (the batches since are skipped, not
+    replayed), nor the out-of-memory budgets (facts about memory, not training state). Returns
+    the checkpoint's step and how many batches this rank's loader had drawn by then."""
+    p = parts
+    p.ckpt.wait()  # an async save in flight may be the latest checkpoint
+    restored = p.ckpt.restore()
+    if restored is None:  # a fresh start saves step 0 with spike_rewind_after on
+        raise RuntimeError(f"no checkpoint in {p.ckpt.folder} to rewind to")
+    rewinds = p.measures.spikes.rewinds
+    step = _restore(p, *restored, rewinding=True)
+    p.measures.spikes.rewound(rewinds)
+    return step, int(restored[2]["loader"]["batches"])
+
+
+def _restore(
+    p: RunParts, latest: Path, shared: dict[str, Any], local: dict[str, Any], *, rewinding: bool
+) -> int:
+    """Load checkpoint ``latest`` into the parts (not the loader and budgets when
+    ``rewinding``); its step. A checkpoint that does not fit is a one-line :class:`UserError`."""
     try:
-        warn_config_changes(shared["config"], p.cfg.to_dict(), latest)
+        if not rewinding:
+            warn_config_changes(shared["config"], p.cfg.to_dict(), latest)
         weights = shared
         if p.sharded:
             weights = weights_state(p.raw_model, p.optimizer, p.ema, True)
@@ -90,24 +118,23 @@ def resume_or_start(parts: RunParts) -> int:
         load_weights(p.raw_model, p.optimizer, p.ema, weights, p.sharded)
         p.scheduler.load_state_dict(shared["scheduler"])
         p.scaler.load_state_dict(shared["scaler"])
-        if "budgets" in shared:  # checkpoints from before per-bucket caps have none
+        if "budgets" in shared and not rewinding:  # none before per-bucket caps
             p.budgets.load_state_dict(shared["budgets"])
         if "batch" in shared:  # checkpoints from before the batch schedule have none
             p.batch.load_state_dict(shared["batch"])
         p.measures.load_state_dict(shared)
-        p.loader.load_state_dict(local["loader"])
+        if not rewinding:
+            p.loader.load_state_dict(local["loader"])
         if p.powersgd is not None and "powersgd" in local:
             p.powersgd.load_state_dict(local["powersgd"])
-        set_rng_state(local["rng"], env.device)
-        step = int(shared["step"])
+        set_rng_state(local["rng"], p.env.device)
+        return int(shared["step"])
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         detail = " ".join(str(exc).split())  # torch's messages span lines
         raise UserError(
             f"{latest} does not fit this config (model, optimizer, schedule, precision, "
             f"EMA or loader): {type(exc).__name__}: {detail}"
         ) from None
-    log.info("resumed from %s", latest)
-    return step
 
 
 def mel_stats(

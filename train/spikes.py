@@ -14,6 +14,10 @@ already hold (no extra synchronisation: the flag of step N is read after step N 
 backward was launched, by when the device is long done with step N); :meth:`flush` votes the
 last flag before a checkpoint. There the skip is counted and logged like an out-of-memory
 skip, and a vote that is not unanimous (ranks that disagree: a bug) ends the run.
+
+With ``train.spike_rewind_after = N``, N spike skips in a row (steps that ran out of memory
+in between do not break the streak) make :attr:`SpikeSkipper.rewind_due` true: the trainer
+then goes back to the last checkpoint (``train/resume.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class SpikeSkipper:
         self.values = torch.zeros(2, self.window, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.long, device=device)  # trained steps seen
         self.skipped = 0  # spikes voted (host)
+        self.rewind_after = cfg.spike_rewind_after
+        self.streak = 0  # spikes voted in a row
+        self.rewinds = 0
         self._pending: _HostCopy | None = None  # the last step's _FIELDS, on the host
 
     def decide(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
@@ -73,7 +80,10 @@ class SpikeSkipper:
         """Count the last step's spike if the ranks voted one (``votes``: flags summed over
         ranks, at ``step``, the step it was decided in); its record for metrics.jsonl."""
         pending, self._pending = self._pending, None
-        if votes == 0 or pending is None:
+        if pending is None:
+            return []
+        if votes == 0:
+            self.streak = 0
             return []
         if votes != self.env.world_size:
             raise RuntimeError(
@@ -81,6 +91,7 @@ class SpikeSkipper:
                 "ranks' losses and gradient norms should be equal (a bug)"
             )
         self.skipped += 1
+        self.streak += 1
         record = {"event": "spike", "step": step}
         record.update(zip(_FIELDS[1:], pending.read()[1:], strict=True))
         if self.env.is_main:
@@ -91,9 +102,25 @@ class SpikeSkipper:
             )  # fmt: skip
         return [record]
 
+    @property
+    def rewind_due(self) -> bool:
+        """Whether the spikes voted in a row reached ``train.spike_rewind_after``."""
+        return 0 < self.rewind_after <= self.streak
+
+    def rewound(self, rewinds: int) -> None:
+        """After a rewind restored this skipper from a checkpoint (``rewinds``: the count
+        before it): the streak is over, and the rewind counted."""
+        self.streak, self.rewinds = 0, rewinds + 1
+
     def state_dict(self) -> dict[str, Any]:
         """The windows and counters (equal on every rank); the caller flushes first."""
-        return {"values": self.values.cpu(), "count": int(self.count), "skipped": self.skipped}
+        return {
+            "values": self.values.cpu(),
+            "count": int(self.count),
+            "skipped": self.skipped,
+            "streak": self.streak,
+            "rewinds": self.rewinds,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` gave; the window length must match."""
@@ -105,6 +132,9 @@ class SpikeSkipper:
         self.values.copy_(values)
         self.count.fill_(int(state["count"]))
         self.skipped = int(state["skipped"])
+        # Checkpoints from before rewinds hold neither count.
+        self.streak, self.rewinds = int(state.get("streak", 0)), int(state.get("rewinds", 0))
+        self._pending = None  # a flag of a step the restored state never saw
 
 
 class _HostCopy:

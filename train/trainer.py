@@ -36,7 +36,7 @@ from train.metrics import Meter, MetricsLog
 from train.model import describe
 from train.parts import build_run_parts, wrap_for_training
 from train.precision import autocast
-from train.resume import resume_or_start, save
+from train.resume import resume_or_start, rewind, save
 from train.runfolder import owned_run_folder
 from train.scaler import HIGH_SKIP_RATE
 
@@ -93,16 +93,19 @@ class Trainer:
                         metrics.event(self.step, record)
                     if self.budgets.exhausted:  # the same on every rank
                         raise UserError(self.budgets.exhausted)
+                    if self.measures.rewind_due:  # spikes in a row: back to the last checkpoint
+                        self._rewind(metrics)
+                        continue
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
-                        values = self._summary()
-                        metrics.log(self.step, values)
-                        for record in self.batch.observe(self.step, values):  # closed loop
-                            metrics.event(self.step, record)
+                        self._log_window(metrics)
                     if self.validator is not None and self.step % t.val_every == 0:
                         metrics.log(self.step, self.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
                         for record in self._flush_spike():
                             metrics.event(self.step, record)
+                        if self.measures.rewind_due:  # that flush ended the streak
+                            self._rewind(metrics)  # a stop signal stays set for the next step
+                            continue
                         self.save()
                     if verdict.stop:
                         log.info(
@@ -173,6 +176,35 @@ class Trainer:
             norm = norm * (~skip).float()
             self.meter.drop_step(skip.float())
         self.meter.add_device("grad_norm", norm, replicated=True)
+
+    def _log_window(self, metrics: MetricsLog) -> None:
+        """The window's summary into metrics.jsonl; the closed loop reads it."""
+        values = self._summary()
+        metrics.log(self.step, values)
+        for record in self.batch.observe(self.step, values):
+            metrics.event(self.step, record)
+
+    def _rewind(self, metrics: MetricsLog) -> None:
+        """``train.spike_rewind_after`` spikes in a row: back to the last checkpoint, while
+        the loader goes on, so the batches drawn since are skipped, not replayed (PaLM)."""
+        start, drawn = self.step, self.loader.state_dict()["batches"]
+        self.step, drawn_then = rewind(self.parts)
+        record = {
+            "event": "rewind",
+            "to_step": self.step,
+            "spikes": self.cfg.train.spike_rewind_after,
+            "batches_skipped": drawn - drawn_then,  # on each rank
+        }
+        metrics.event(start, record)
+        metrics.advance(self.step - start)
+        self.meter = Meter(self.env)  # the window's steps are undone
+        self._lr = self.optimizer.param_groups[0]["lr"]
+        if self.env.is_main:
+            log.warning(
+                "step %d: %d loss spikes in a row; back to step %d, skipping the %d batches "
+                "drawn since on each rank",
+                start, record["spikes"], self.step, record["batches_skipped"],
+            )  # fmt: skip
 
     def _flush_spike(self) -> list[dict[str, Any]]:
         """Vote the last step's spike flag now (before a checkpoint, which then holds it)."""
