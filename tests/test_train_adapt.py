@@ -128,7 +128,11 @@ def test_spikes_in_a_row_rewind_to_the_start_and_skip_their_batches(
         "step": 7, "event": "rewind", "to_step": 0, "spikes": 2, "batches_skipped": 7
     }  # fmt: skip
     assert [e["step"] for e in spikes(straight)] == [5, 6]
-    assert t.measures.spikes.rewinds == 1 and t.measures.spikes.streak == 0
+    assert (t.measures.spikes.rewinds, t.measures.spikes.skipped, t.measures.spikes.streak) == (
+        1,
+        2,
+        0,
+    )
     assert [r["rewinds"] for r in metrics(straight) if "loss" in r][-1] == 1
     seen = forward_keys(tmp_path / "k1")
     assert len(seen) == 12 + 7  # every batch drawn once: the 7 before the rewind are skipped
@@ -246,6 +250,53 @@ def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
     for rank in (0, 1):
         a = load(checkpoint(straight, 12), f"rank-{rank:05d}.pt")
         b = load(checkpoint(halves, 12), f"rank-{rank:05d}.pt")
+        assert a["loader"] == b["loader"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+
+@pytest.mark.slow
+def test_ddp_spikes_in_a_row_rewind_once_skip_their_batches_and_resume_bitwise(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """Rank 1's loss spikes at steps 9-11: both ranks skip them, and with 3 in a row (voted
+    by step 12) go back to the checkpoint of step 8, once; the loaders go on, so steps 9-16
+    train on batches 13-20 and batches 9-12 are never trained on. 16 steps straight equal
+    12 (the rewind included) + resume + 4, bit for bit."""
+    extra = ["train.ckpt_every=4", "train.log_every=2", "model.args.rank=1"]
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    done = run_ok(
+        train_cmd(
+            train_cache, straight, *extra, *rewind_args(tmp_path / "k1", 9, 3, 3), max_steps=16
+        ),
+        timeout=600,
+    )
+    assert "3 loss spikes in a row; back to step 8" in done.stderr
+    (rewound,) = [r for r in metrics(straight) if r.get("event") == "rewind"]
+    assert rewound == {
+        "step": 12, "event": "rewind", "to_step": 8, "spikes": 3, "batches_skipped": 4
+    }  # fmt: skip
+    assert [e["step"] for e in spikes(straight)] == [9, 10, 11]
+    assert [r["rewinds"] for r in metrics(straight) if "loss" in r][-1] == 1
+    final = load(checkpoint(straight, 16))
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {16}
+    assert final["spikes"]["rewinds"] == 1 and final["spikes"]["skipped"] == 3
+    seen = [forward_keys(tmp_path / "k1", rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert len(seen[rank]) == 20  # every batch drawn, each forwarded once
+        assert seen[rank][12:16] != seen[rank][8:12]  # a replay would train 9-12 again
+        local = load(checkpoint(straight, 16), f"rank-{rank:05d}.pt")
+        assert local["loader"]["batches"] == 20
+
+    for steps in (12, 16):
+        cmd = train_cmd(
+            train_cache, halves, *extra, *rewind_args(tmp_path / "k2", 9, 3, 3), max_steps=steps
+        )
+        run_ok(cmd, timeout=600)
+    assert [r["to_step"] for r in metrics(halves) if r.get("event") == "rewind"] == [8]
+    assert [forward_keys(tmp_path / "k2", rank) for rank in (0, 1)] == seen
+    same_weights(checkpoint(straight, 16), checkpoint(halves, 16))
+    for rank in (0, 1):
+        a = load(checkpoint(straight, 16), f"rank-{rank:05d}.pt")
+        b = load(checkpoint(halves, 16), f"rank-{rank:05d}.pt")
         assert a["loader"] == b["loader"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
 
 

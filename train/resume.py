@@ -97,9 +97,10 @@ def rewind(parts: RunParts) -> tuple[int, int]:
     restored = p.ckpt.restore()
     if restored is None:  # a fresh start saves step 0 with spike_rewind_after on
         raise RuntimeError(f"no checkpoint in {p.ckpt.folder} to rewind to")
-    rewinds = p.measures.spikes.rewinds
+    spikes = p.measures.spikes
+    counts = spikes.skipped, spikes.rewinds  # what happened in the run: not undone
     step = _restore(p, *restored, rewinding=True)
-    p.measures.spikes.rewound(rewinds)
+    spikes.rewound(*counts)
     return step, int(restored[2]["loader"]["batches"])
 
 

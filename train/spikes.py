@@ -107,10 +107,10 @@ class SpikeSkipper:
         """Whether the spikes voted in a row reached ``train.spike_rewind_after``."""
         return 0 < self.rewind_after <= self.streak
 
-    def rewound(self, rewinds: int) -> None:
-        """After a rewind restored this skipper from a checkpoint (``rewinds``: the count
-        before it): the streak is over, and the rewind counted."""
-        self.streak, self.rewinds = 0, rewinds + 1
+    def rewound(self, skipped: int, rewinds: int) -> None:
+        """After a rewind restored this skipper from a checkpoint: the streak is over, and the
+        counts of the run go on from ``skipped`` and ``rewinds`` (before it), the rewind counted."""
+        self.streak, self.skipped, self.rewinds = 0, skipped, rewinds + 1
 
     def state_dict(self) -> dict[str, Any]:
         """The windows and counters (equal on every rank); the caller flushes first."""
