@@ -10,7 +10,8 @@ ranks vote on the host (a stop signal; a share of the step lost to an out-of-mem
 which drops the step everywhere; a spike the device flagged the step before); unscale
 (fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt.py``); step,
 schedule, EMA. Nothing in the step reads a device value on the host. The number of
-micro-batches a step takes follows ``train/batchsize.py``.
+micro-batches a step takes follows ``train/batchsize.py``; after ``train.spike_rewind_after``
+spike skips in a row the loop goes back to the last checkpoint (``train/resume.py``).
 """
 
 from __future__ import annotations
