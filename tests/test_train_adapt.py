@@ -344,6 +344,34 @@ def test_the_fp16_scaler_backs_off_after_its_hysteresis_and_not_below_its_floor(
     assert resumed.state_dict() == scaler.state_dict()
 
 
+def test_an_fp16_spike_skips_the_update_but_is_no_overflow() -> None:
+    from train.scaler import HysteresisScaler
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([param], lr=0.1, fused=True)
+    scaler = HysteresisScaler("cpu", enabled=True, hysteresis=1, min_scale=1.0, init_scale=8.0)
+    for spike, moved in ((True, False), (False, True)):
+        before = param.detach().clone()
+        scaler.scale(param.sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt, skip=torch.tensor(spike))
+        scaler.update()
+        opt.zero_grad()
+        assert (not torch.equal(param, before)) == moved
+        assert float(scaler.overflow) == 0 and scaler.get_scale() == 8.0  # no backoff
+    assert int(opt.state[param]["step"]) == 1
+
+
+def test_a_loss_spike_is_skipped_under_fp16(train_cache: Path, tmp_path: Path) -> None:
+    """× 3, not × 100: a loss that large overflows fp16, which the scaler skips itself."""
+    t = fit(train_cache, tmp_path, 12, *SPIKES, "train.precision=fp16", "model.args.factor=3.0")
+    assert [e["step"] for e in spikes(tmp_path)] == [SPIKE_AT] and t.measures.spikes.skipped == 1
+    assert all(r["amp_skip_rate"] == 0 for r in metrics(tmp_path) if "loss" in r)
+    final = load(checkpoint(tmp_path, 12))
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {11}
+    assert final["scaler"]["scale"] == 2.0**16  # the spike was no overflow: no backoff
+
+
 def test_fp16_on_cpu_logs_its_skip_rate(train_cache: Path, tmp_path: Path) -> None:
     t = fit(train_cache, tmp_path, 6, "train.precision=fp16")
     windows = [r for r in metrics(tmp_path) if "loss" in r]
@@ -452,7 +480,6 @@ def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["train.skip_spikes=true", "train.precision=fp16"], "train.precision"),
         (["train.noise_scale=true", "train.comm_hook=powersgd"], "train.comm_hook"),
         (["train.batch_adaptive=true"], "train.noise_scale"),
         (["train.spike_min_history=200"], "train.spike_min_history"),

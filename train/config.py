@@ -337,13 +337,6 @@ class TrainConfig:
                 f"true with train.spike_rewind_after = {self.spike_rewind_after}: a rewind "
                 "follows spike skips",
             )
-        if self.skip_spikes:  # GradScaler hands the fused AdamW its own found-inf flag
-            require(
-                self.precision != "fp16",
-                "train.precision",
-                self.precision,
-                "bf16, fp32 or auto with train.skip_spikes = true (fp16's scaler skips steps itself)",
-            )
 
     def _check_batch(self) -> None:
         require(self.batch_ramp_steps >= 0, "train.batch_ramp_steps", self.batch_ramp_steps, "≥ 0")

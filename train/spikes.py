@@ -7,7 +7,8 @@ gradient norm exceeds the mean of the last ``spike_window`` trained steps by mor
 non-finite loss or norm is a spike too (not with fp16, whose scaler skips those). Both
 inputs are equal on every rank, so every rank decides alike on its own device: the decision
 is a 0-d tensor handed to the fused AdamW as its ``found_inf`` flag (the update, and its step
-count, are skipped on the device) and to the EMA and PowerSGD, which keep their state.
+count, are skipped on the device; under fp16 through the scaler, ``train/scaler.py``) and to
+the EMA and PowerSGD, which keep their state.
 
 The host learns of the skip one step later, through the per-step :class:`HostVote` the ranks
 already hold (no extra synchronisation: the flag of step N is read after step N + 1's
@@ -43,6 +44,7 @@ class SpikeSkipper:
     def __init__(self, cfg: TrainConfig, env: Env) -> None:
         self.sigma, self.window = cfg.spike_sigma, cfg.spike_window
         self.min_history = cfg.spike_min_history
+        self.fp16 = cfg.precision == "fp16"  # "auto" is never fp16
         self.env = env
         device = env.device
         self.values = torch.zeros(2, self.window, dtype=torch.float64, device=device)
@@ -63,11 +65,15 @@ class SpikeSkipper:
         var = (((self.values - mean[:, None]) * valid) ** 2).sum(1) / (filled - 1).clamp(min=1)
         std = var.sqrt()
         ready = filled >= self.min_history
-        spike = (ready & (now > mean + self.sigma * std).any()) | ~torch.isfinite(now).all()
+        finite = torch.isfinite(now).all()
+        spike = ready & (now > mean + self.sigma * std).any()
+        # Not finite: fp16's overflow, which its scaler skips and counts; a spike otherwise.
+        spike = spike & finite if self.fp16 else spike | ~finite
+        trained = ~spike & finite
         slot = (self.count % self.window).reshape(1)
-        kept = torch.where(spike, self.values.index_select(1, slot)[:, 0], now)
+        kept = torch.where(trained, now, self.values.index_select(1, slot)[:, 0])
         self.values.index_copy_(1, slot, kept[:, None])
-        self.count += (~spike).long()
+        self.count += trained.long()
         fields = torch.stack([spike.double(), *now, mean[0], std[0], mean[1], std[1]])
         self._pending = _HostCopy(fields)
         return spike

@@ -142,13 +142,12 @@ class Trainer:
         norm, skip = self.measures.measure(self.raw_model, loss_share, frames, self._all_frames)
         self._meter_step(loss_sums, inv_count, norm, skip)
         if self.powersgd is not None:  # an fp16 overflow or a spike must not poison its memory
-            self.powersgd.settle(torch.isfinite(norm) if skip is None else ~skip)
+            finite = torch.isfinite(norm)
+            self.powersgd.settle(finite if skip is None else ~skip & finite)
         self._lr = self.optimizer.param_groups[0]["lr"]
-        if skip is not None:  # the fused AdamW skips the update (and its step count) on it
-            self.optimizer.found_inf = skip.float()
-        # fp16: skips the step on inf/NaN gradients; the fused AdamW reads the found-inf flag
-        # on the device, so GradScaler needs no host sync here.
-        self.scaler.step(self.optimizer)
+        # Skips the step on a spike and (fp16) on inf/NaN gradients; the fused AdamW reads the
+        # found-inf flag on the device (its step count too), so no host sync here.
+        self.scaler.step(self.optimizer, skip=skip)
         self.scaler.update()
         if self.scaler.overflow is not None:  # equal on every rank: the gradients are
             self.meter.add_device("amp_skip_rate", self.scaler.overflow, replicated=True)
