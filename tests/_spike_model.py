@@ -1,4 +1,4 @@
-"""A plug-in model for the spike tests (``model.impl = "tests._spike_model:SpikeAt"``).
+"""Plug-in models for the spike tests (``model.impl = "tests._spike_model:SpikeAt"``).
 
 The reference :class:`~train.model.TextToMel`, except that the loss of its training forward
 number ``at`` (counted in a buffer, so a resumed run counts on) is multiplied by ``factor``
@@ -8,7 +8,10 @@ step and no out-of-memory skip, forward n is step n).
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +34,34 @@ class SpikeAt(TextToMel):
         mine = self.rank in (-1, int(os.environ.get("RANK", "0")))
         if mine and int(self.forwards) == self.at:  # a CPU test model: reading it is free
             out["loss_sum"] = out["loss_sum"] * self.factor
+        return out
+
+
+class SpikeRun(TextToMel):
+    """TextToMel whose loss spikes at the ``count`` training forwards from ``at`` on, counted
+    in this process in a plain attribute that neither a checkpoint nor a rewind takes back:
+    with one micro-batch per step, forward n of a fresh run is the loader's n-th batch, so the
+    spikes belong to those batches (a replay would be new forwards, not spikes). Each forward
+    appends ``{"forward": n, "keys": [...]}`` to ``keys_log/rank-R.jsonl``."""
+
+    melcache_contract: ClassVar[dict] = {"inputs": "batch"}  # for the keys
+
+    def __init__(self, *, n_mels: int, at: int, count: int, keys_log: str, rank: int = -1, **args):
+        super().__init__(n_mels=n_mels, **args)
+        self.spiking = range(at, at + count)
+        self.rank, self.seen = rank, 0
+        self.log = Path(keys_log) / f"rank-{os.environ.get('RANK', '0')}.jsonl"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+
+    def forward(self, batch):
+        out = super().forward(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
+        if not self.training:
+            return out
+        self.seen += 1
+        with self.log.open("a") as f:
+            f.write(json.dumps({"forward": self.seen, "keys": list(batch.keys)}) + "\n")
+        if self.rank in (-1, int(os.environ.get("RANK", "0"))) and self.seen in self.spiking:
+            out["loss_sum"] = out["loss_sum"] * 100.0
         return out
 
 

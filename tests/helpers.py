@@ -330,6 +330,27 @@ def train_cmd(
     )
 
 
+def tiny_trainer(cache: Path, out: Path, overrides: list[str]):  # -> train.trainer.Trainer
+    """A :class:`~train.trainer.Trainer` of the tiny config with ``overrides``, in this process
+    on the CPU (imported here, not at the top: the build tests need no trainer)."""
+    from train.config import load_config
+    from train.distributed import Env
+    from train.trainer import Trainer
+
+    cfg = load_config(REPO / "configs" / "tiny.toml", overrides)
+    return Trainer(cfg, str(cache), out, Env(0, 1, 0, torch.device("cpu")))
+
+
+def tiny_fit(cache: Path, out: Path, steps: int, overrides: list[str]):
+    """:func:`tiny_trainer` trained to ``steps`` and closed."""
+    t = tiny_trainer(cache, out, overrides)
+    try:
+        t.fit(max_steps=steps)
+    finally:
+        t.close()
+    return t
+
+
 def run_ok(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
+from helpers import REPO, checkpoint, load, metrics, run_ok, tiny_fit, tiny_trainer, train_cmd
 
 from train.clipping import GradClip
 from train.config import OptimConfig, load_config
@@ -41,17 +41,11 @@ ONE = [
 
 
 def trainer(cache: Path, out: Path, *extra: str) -> Trainer:
-    cfg = load_config(REPO / "configs" / "tiny.toml", [*ONE, *extra])
-    return Trainer(cfg, str(cache), out, CPU)
+    return tiny_trainer(cache, out, [*ONE, *extra])
 
 
 def fit(cache: Path, out: Path, steps: int, *extra: str) -> Trainer:
-    t = trainer(cache, out, *extra)
-    try:
-        t.fit(max_steps=steps)
-    finally:
-        t.close()
-    return t
+    return tiny_fit(cache, out, steps, [*ONE, *extra])
 
 
 def spikes(out: Path) -> list[dict]:
@@ -98,6 +92,61 @@ def test_without_a_spike_nothing_is_skipped(train_cache: Path, tmp_path: Path) -
     assert t.measures.spikes.skipped == 0 and not spikes(tmp_path)
     state = load(checkpoint(tmp_path, 10))["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {10}
+
+
+def rewind_args(keys: Path, at: int, count: int, after: int) -> list[str]:
+    """A SpikeRun model spiking at ``count`` forwards from ``at``; a rewind after ``after``."""
+    return [
+        "model.impl=tests._spike_model:SpikeRun",
+        f"model.args.at={at}",
+        f"model.args.count={count}",
+        f"model.args.keys_log={str(keys)!r}",
+        "train.skip_spikes=true",
+        "train.spike_window=8",
+        "train.spike_min_history=4",
+        f"train.spike_rewind_after={after}",
+    ]
+
+
+def forward_keys(keys: Path, rank: int = 0) -> list[list[str]]:
+    """The batch keys of each training forward a SpikeRun model logged, in order."""
+    rows = [json.loads(line) for line in (keys / f"rank-{rank}.jsonl").read_text().splitlines()]
+    return [row["keys"] for row in rows]
+
+
+def test_spikes_in_a_row_rewind_to_the_start_and_skip_their_batches(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """No checkpoint yet: 2 spikes in a row (steps 5, 6, voted by step 7) send the run back
+    to step 0, saved at the start; steps 1-8 then train on batches 8-15, not 1-7 again, and
+    12 steps straight equal 8 + resume + 4, bitwise."""
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    extra = ["train.ckpt_every=100"]
+    t = fit(train_cache, straight, 12, *extra, *rewind_args(tmp_path / "k1", 5, 2, 2))
+    (rewound,) = [r for r in metrics(straight) if r.get("event") == "rewind"]
+    assert rewound == {
+        "step": 7, "event": "rewind", "to_step": 0, "spikes": 2, "batches_skipped": 7
+    }  # fmt: skip
+    assert [e["step"] for e in spikes(straight)] == [5, 6]
+    assert (t.measures.spikes.rewinds, t.measures.spikes.skipped, t.measures.spikes.streak) == (
+        1,
+        2,
+        0,
+    )
+    assert [r["rewinds"] for r in metrics(straight) if "loss" in r][-1] == 1
+    seen = forward_keys(tmp_path / "k1")
+    assert len(seen) == 12 + 7  # every batch drawn once: the 7 before the rewind are skipped
+    assert seen[7:14] != seen[:7]  # a replay would have trained on batches 1-7 again
+    final = load(checkpoint(straight, 12))
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {12}
+    assert load(checkpoint(straight, 12), "rank-00000.pt")["loader"]["batches"] == 19
+    assert checkpoint(straight, 0).is_dir()
+
+    fit(train_cache, halves, 8, *extra, *rewind_args(tmp_path / "k2", 5, 2, 2))
+    fit(train_cache, halves, 12, *extra, *rewind_args(tmp_path / "k2", 5, 2, 2))
+    assert forward_keys(tmp_path / "k2") == seen  # a fresh process counts from 1: no spike
+    assert [r["step"] for r in metrics(halves) if r.get("event") == "rewind"] == [7]
+    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
 
 
 @pytest.mark.parametrize("rule", ["zclip", "autoclip"])
@@ -205,6 +254,53 @@ def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
 
 
 @pytest.mark.slow
+def test_ddp_spikes_in_a_row_rewind_once_skip_their_batches_and_resume_bitwise(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """Rank 1's loss spikes at steps 9-11: both ranks skip them, and with 3 in a row (voted
+    by step 12) go back to the checkpoint of step 8, once; the loaders go on, so steps 9-16
+    train on batches 13-20 and batches 9-12 are never trained on. 16 steps straight equal
+    12 (the rewind included) + resume + 4, bit for bit."""
+    extra = ["train.ckpt_every=4", "train.log_every=2", "model.args.rank=1"]
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    done = run_ok(
+        train_cmd(
+            train_cache, straight, *extra, *rewind_args(tmp_path / "k1", 9, 3, 3), max_steps=16
+        ),
+        timeout=600,
+    )
+    assert "3 loss spikes in a row; back to step 8" in done.stderr
+    (rewound,) = [r for r in metrics(straight) if r.get("event") == "rewind"]
+    assert rewound == {
+        "step": 12, "event": "rewind", "to_step": 8, "spikes": 3, "batches_skipped": 4
+    }  # fmt: skip
+    assert [e["step"] for e in spikes(straight)] == [9, 10, 11]
+    assert [r["rewinds"] for r in metrics(straight) if "loss" in r][-1] == 1
+    final = load(checkpoint(straight, 16))
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {16}
+    assert final["spikes"]["rewinds"] == 1 and final["spikes"]["skipped"] == 3
+    seen = [forward_keys(tmp_path / "k1", rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert len(seen[rank]) == 20  # every batch drawn, each forwarded once
+        assert seen[rank][12:16] != seen[rank][8:12]  # a replay would train 9-12 again
+        local = load(checkpoint(straight, 16), f"rank-{rank:05d}.pt")
+        assert local["loader"]["batches"] == 20
+
+    for steps in (12, 16):
+        cmd = train_cmd(
+            train_cache, halves, *extra, *rewind_args(tmp_path / "k2", 9, 3, 3), max_steps=steps
+        )
+        run_ok(cmd, timeout=600)
+    assert [r["to_step"] for r in metrics(halves) if r.get("event") == "rewind"] == [8]
+    assert [forward_keys(tmp_path / "k2", rank) for rank in (0, 1)] == seen
+    same_weights(checkpoint(straight, 16), checkpoint(halves, 16))
+    for rank in (0, 1):
+        a = load(checkpoint(straight, 16), f"rank-{rank:05d}.pt")
+        b = load(checkpoint(halves, 16), f"rank-{rank:05d}.pt")
+        assert a["loader"] == b["loader"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+
+@pytest.mark.slow
 def test_noise_scale_matches_brute_force_on_unequal_ranks() -> None:
     """benchmarks/noise_scale_bench.py, shortened: exact per-example gradients of a linear
     regression on 2 gloo ranks of 16 and 48 examples a step."""
@@ -246,6 +342,34 @@ def test_the_fp16_scaler_backs_off_after_its_hysteresis_and_not_below_its_floor(
     resumed = HysteresisScaler("cpu", enabled=True, hysteresis=2, min_scale=2.0)
     resumed.load_state_dict(scaler.state_dict())
     assert resumed.state_dict() == scaler.state_dict()
+
+
+def test_an_fp16_spike_skips_the_update_but_is_no_overflow() -> None:
+    from train.scaler import HysteresisScaler
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([param], lr=0.1, fused=True)
+    scaler = HysteresisScaler("cpu", enabled=True, hysteresis=1, min_scale=1.0, init_scale=8.0)
+    for spike, moved in ((True, False), (False, True)):
+        before = param.detach().clone()
+        scaler.scale(param.sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt, skip=torch.tensor(spike))
+        scaler.update()
+        opt.zero_grad()
+        assert (not torch.equal(param, before)) == moved
+        assert float(scaler.overflow) == 0 and scaler.get_scale() == 8.0  # no backoff
+    assert int(opt.state[param]["step"]) == 1
+
+
+def test_a_loss_spike_is_skipped_under_fp16(train_cache: Path, tmp_path: Path) -> None:
+    """× 3, not × 100: a loss that large overflows fp16, which the scaler skips itself."""
+    t = fit(train_cache, tmp_path, 12, *SPIKES, "train.precision=fp16", "model.args.factor=3.0")
+    assert [e["step"] for e in spikes(tmp_path)] == [SPIKE_AT] and t.measures.spikes.skipped == 1
+    assert all(r["amp_skip_rate"] == 0 for r in metrics(tmp_path) if "loss" in r)
+    final = load(checkpoint(tmp_path, 12))
+    assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {11}
+    assert final["scaler"]["scale"] == 2.0**16  # the spike was no overflow: no backoff
 
 
 def test_fp16_on_cpu_logs_its_skip_rate(train_cache: Path, tmp_path: Path) -> None:
@@ -356,10 +480,10 @@ def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["train.skip_spikes=true", "train.precision=fp16"], "train.precision"),
         (["train.noise_scale=true", "train.comm_hook=powersgd"], "train.comm_hook"),
         (["train.batch_adaptive=true"], "train.noise_scale"),
         (["train.spike_min_history=200"], "train.spike_min_history"),
+        (["train.spike_rewind_after=3"], "train.skip_spikes"),
         (["optim.clip=zclip2"], "optim.clip"),
         (["train.grad_accum=8", "train.batch_max_accum=4"], "train.batch_max_accum"),
     ],

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, metrics
+from helpers import REPO, metrics, tiny_fit, tiny_trainer
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, feature_presets
-from train.config import load_config
 from train.distributed import Env
 from train.tokenizers import build_tokenizer
 from train.trainer import Trainer
@@ -33,17 +32,11 @@ SMALL = [
 
 
 def trainer(cache: Path, out: Path, *extra: str) -> Trainer:
-    cfg = load_config(REPO / "configs" / "tiny.toml", [*SMALL, *extra])
-    return Trainer(cfg, str(cache), out, CPU)
+    return tiny_trainer(cache, out, [*SMALL, *extra])
 
 
 def fit(cache: Path, out: Path, steps: int, *extra: str) -> Trainer:
-    t = trainer(cache, out, *extra)
-    try:
-        t.fit(steps)
-    finally:
-        t.close()
-    return t
+    return tiny_fit(cache, out, steps, [*SMALL, *extra])
 
 
 def plugin(name: str) -> str:

@@ -64,14 +64,23 @@ class StepMeasures:
         metrics window counted it on the device already: ``Meter.drop_step``)."""
         return [] if self.spikes is None else self.spikes.settle(votes, step)
 
+    @property
+    def rewind_due(self) -> bool:
+        """Whether ``train.spike_rewind_after`` spikes in a row call for a rewind."""
+        return self.spikes is not None and self.spikes.rewind_due
+
     def dropped(self) -> None:
         """A step every rank dropped (out of memory): forget its per-rank norms."""
         if self.monitor is not None:
             self.monitor.discard()
 
     def summary(self) -> dict[str, float]:
-        """The noise scale's logged values (host reads: logging steps only)."""
-        return {} if self.monitor is None else self.monitor.summary()
+        """The noise scale's logged values (host reads: logging steps only) and the rewinds
+        so far (with ``train.spike_rewind_after``)."""
+        values = {} if self.monitor is None else self.monitor.summary()
+        if self.spikes is not None and self.spikes.rewind_after:
+            values["rewinds"] = self.spikes.rewinds
+        return values
 
     def state_dict(self) -> dict[str, Any]:
         """Entries of the shared checkpoint (equal on every rank); flush the spike vote first."""

@@ -250,6 +250,10 @@ class TrainConfig:
     spike_sigma: float = 6.0
     spike_window: int = 128
     spike_min_history: int = 16
+    # After this many spike-skipped steps in a row, go back to the last checkpoint (weights
+    # and every adaptive state) while the loader goes on, skipping the batches since (PaLM's
+    # rewind). 0: never. A fresh start then saves step 0, the state a first rewind returns to.
+    spike_rewind_after: int = 0
     # A batch that grows (train/batchsize.py): accumulation ramped from 1 to grad_accum over
     # batch_ramp_steps (0: off), and/or doubled at logging steps while the noise scale
     # predicts a gain above batch_gain (needs noise_scale), batch_cooldown steps apart.
@@ -322,12 +326,16 @@ class TrainConfig:
             self.spike_min_history,
             f"in [2, spike_window={self.spike_window}]",
         )
-        if self.skip_spikes:  # GradScaler hands the fused AdamW its own found-inf flag
+        require(
+            self.spike_rewind_after >= 0, "train.spike_rewind_after", self.spike_rewind_after, "≥ 0"
+        )
+        if self.spike_rewind_after:  # the streak it counts is of skipped spikes
             require(
-                self.precision != "fp16",
-                "train.precision",
-                self.precision,
-                "bf16, fp32 or auto with train.skip_spikes = true (fp16's scaler skips steps itself)",
+                self.skip_spikes,
+                "train.skip_spikes",
+                self.skip_spikes,
+                f"true with train.spike_rewind_after = {self.spike_rewind_after}: a rewind "
+                "follows spike skips",
             )
 
     def _check_batch(self) -> None:

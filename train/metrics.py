@@ -147,10 +147,10 @@ class MetricsLog:
         # disable=None: a bar on a terminal, nothing in logs and test pipes.
         self.bar = tqdm(total=max_steps, initial=start_step, unit="step", disable=None)
 
-    def advance(self) -> None:
-        """One step done (host-only bookkeeping)."""
+    def advance(self, steps: int = 1) -> None:
+        """``steps`` steps done (host-only bookkeeping; negative after a rewind)."""
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(steps)
 
     def event(self, step: int, record: dict[str, Any]) -> None:
         """Append ``{"step": step, **record}`` (an out-of-memory error, say) to metrics.jsonl."""

@@ -1,6 +1,8 @@
-"""Training precision: what ``train.precision = "auto"`` means on a device, and its dtypes."""
+"""Training precision: what ``train.precision = "auto"`` means on a device, its dtypes, autocast."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -26,3 +28,11 @@ def resolve_precision(precision: str, device: torch.device) -> str:
             f"{torch.cuda.get_device_name(device)}: use fp16 (with loss scaling) or fp32"
         )
     return precision
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast to ``precision``'s dtype on ``device``; nothing for fp32."""
+    dtype = AMP_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)

@@ -6,7 +6,8 @@ again), and never below a minimum scale, so an isolated overflow costs its step 
 next 2,000 steps' precision, and a run of them cannot drive the scale to zero. This subclass
 keeps torch's unscale and skip logic and replaces only :meth:`update`, on the device as
 torch's is (no host read). Each step's overflow flag is handed to the metrics, where its
-window mean is the ``amp_skip_rate``; the trainer warns when it stays high.
+window mean is the ``amp_skip_rate``; the trainer warns when it stays high. A spike skip
+(``train/spikes.py``) rides on the same found-inf flag without counting as an overflow.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 # Share of a logging window's steps skipped for overflow above which the trainer warns.
 HIGH_SKIP_RATE = 0.05
+_SPIKE = "spike"  # the spike flag's key among the per-device overflow flags, for one step
 
 
 class HysteresisScaler(torch.amp.GradScaler):
@@ -33,6 +35,24 @@ class HysteresisScaler(torch.amp.GradScaler):
         self._left: torch.Tensor | None = None  # overflows still allowed before a backoff
         self._left_at_start = hysteresis  # until the first update puts it on the device
         self.overflow: torch.Tensor | None = None  # the last update's flag (0-d float)
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, *args: Any, skip: torch.Tensor | None = None
+    ) -> Any:
+        """torch's step, also skipped where ``skip`` (a spike: a 0-d bool on the device) is
+        true: the flag joins the overflow flags the optimizer reads (fp16), or becomes the fused
+        AdamW's found-inf flag (no scaling), but :meth:`update` never sees it as an overflow."""
+        if skip is None:
+            return super().step(optimizer, *args)
+        if not self._enabled:
+            optimizer.found_inf = skip.float()
+            return super().step(optimizer, *args)
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        found[_SPIKE] = skip.float()  # unscale_ filled the device entries before
+        try:
+            return super().step(optimizer, *args)
+        finally:
+            del found[_SPIKE]
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Megatron's rule: an overflow resets the growth count and spends one hysteresis;

@@ -7,13 +7,18 @@ gradient norm exceeds the mean of the last ``spike_window`` trained steps by mor
 non-finite loss or norm is a spike too (not with fp16, whose scaler skips those). Both
 inputs are equal on every rank, so every rank decides alike on its own device: the decision
 is a 0-d tensor handed to the fused AdamW as its ``found_inf`` flag (the update, and its step
-count, are skipped on the device) and to the EMA and PowerSGD, which keep their state.
+count, are skipped on the device; under fp16 through the scaler, ``train/scaler.py``) and to
+the EMA and PowerSGD, which keep their state.
 
 The host learns of the skip one step later, through the per-step :class:`HostVote` the ranks
 already hold (no extra synchronisation: the flag of step N is read after step N + 1's
 backward was launched, by when the device is long done with step N); :meth:`flush` votes the
 last flag before a checkpoint. There the skip is counted and logged like an out-of-memory
 skip, and a vote that is not unanimous (ranks that disagree: a bug) ends the run.
+
+With ``train.spike_rewind_after = N``, N spike skips in a row (steps that ran out of memory
+in between do not break the streak) make :attr:`SpikeSkipper.rewind_due` true: the trainer
+then goes back to the last checkpoint (``train/resume.py``).
 """
 
 from __future__ import annotations
@@ -39,11 +44,15 @@ class SpikeSkipper:
     def __init__(self, cfg: TrainConfig, env: Env) -> None:
         self.sigma, self.window = cfg.spike_sigma, cfg.spike_window
         self.min_history = cfg.spike_min_history
+        self.fp16 = cfg.precision == "fp16"  # "auto" is never fp16
         self.env = env
         device = env.device
         self.values = torch.zeros(2, self.window, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.long, device=device)  # trained steps seen
         self.skipped = 0  # spikes voted (host)
+        self.rewind_after = cfg.spike_rewind_after
+        self.streak = 0  # spikes voted in a row
+        self.rewinds = 0
         self._pending: _HostCopy | None = None  # the last step's _FIELDS, on the host
 
     def decide(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
@@ -56,11 +65,15 @@ class SpikeSkipper:
         var = (((self.values - mean[:, None]) * valid) ** 2).sum(1) / (filled - 1).clamp(min=1)
         std = var.sqrt()
         ready = filled >= self.min_history
-        spike = (ready & (now > mean + self.sigma * std).any()) | ~torch.isfinite(now).all()
+        finite = torch.isfinite(now).all()
+        spike = ready & (now > mean + self.sigma * std).any()
+        # Not finite: fp16's overflow, which its scaler skips and counts; a spike otherwise.
+        spike = spike & finite if self.fp16 else spike | ~finite
+        trained = ~spike & finite
         slot = (self.count % self.window).reshape(1)
-        kept = torch.where(spike, self.values.index_select(1, slot)[:, 0], now)
+        kept = torch.where(trained, now, self.values.index_select(1, slot)[:, 0])
         self.values.index_copy_(1, slot, kept[:, None])
-        self.count += (~spike).long()
+        self.count += trained.long()
         fields = torch.stack([spike.double(), *now, mean[0], std[0], mean[1], std[1]])
         self._pending = _HostCopy(fields)
         return spike
@@ -73,7 +86,10 @@ class SpikeSkipper:
         """Count the last step's spike if the ranks voted one (``votes``: flags summed over
         ranks, at ``step``, the step it was decided in); its record for metrics.jsonl."""
         pending, self._pending = self._pending, None
-        if votes == 0 or pending is None:
+        if pending is None:
+            return []
+        if votes == 0:
+            self.streak = 0
             return []
         if votes != self.env.world_size:
             raise RuntimeError(
@@ -81,6 +97,7 @@ class SpikeSkipper:
                 "ranks' losses and gradient norms should be equal (a bug)"
             )
         self.skipped += 1
+        self.streak += 1
         record = {"event": "spike", "step": step}
         record.update(zip(_FIELDS[1:], pending.read()[1:], strict=True))
         if self.env.is_main:
@@ -91,9 +108,25 @@ class SpikeSkipper:
             )  # fmt: skip
         return [record]
 
+    @property
+    def rewind_due(self) -> bool:
+        """Whether the spikes voted in a row reached ``train.spike_rewind_after``."""
+        return 0 < self.rewind_after <= self.streak
+
+    def rewound(self, skipped: int, rewinds: int) -> None:
+        """After a rewind restored this skipper from a checkpoint: the streak is over, and the
+        counts of the run go on from ``skipped`` and ``rewinds`` (before it), the rewind counted."""
+        self.streak, self.skipped, self.rewinds = 0, skipped, rewinds + 1
+
     def state_dict(self) -> dict[str, Any]:
         """The windows and counters (equal on every rank); the caller flushes first."""
-        return {"values": self.values.cpu(), "count": int(self.count), "skipped": self.skipped}
+        return {
+            "values": self.values.cpu(),
+            "count": int(self.count),
+            "skipped": self.skipped,
+            "streak": self.streak,
+            "rewinds": self.rewinds,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` gave; the window length must match."""
@@ -105,6 +138,9 @@ class SpikeSkipper:
         self.values.copy_(values)
         self.count.fill_(int(state["count"]))
         self.skipped = int(state["skipped"])
+        # Checkpoints from before rewinds hold neither count.
+        self.streak, self.rewinds = int(state.get("streak", 0)), int(state.get("rewinds", 0))
+        self._pending = None  # a flag of a step the restored state never saw
 
 
 class _HostCopy:

@@ -10,149 +10,58 @@ ranks vote on the host (a stop signal; a share of the step lost to an out-of-mem
 which drops the step everywhere; a spike the device flagged the step before); unscale
 (fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt.py``); step,
 schedule, EMA. Nothing in the step reads a device value on the host. The number of
-micro-batches a step takes follows ``train/batchsize.py``.
+micro-batches a step takes follows ``train/batchsize.py``; after ``train.spike_rewind_after``
+spike skips in a row the loop goes back to the last checkpoint (``train/resume.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
-import warnings
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from melcache.errors import UserError
-from train.adapt import StepMeasures
-from train.batchsize import BatchSchedule
-from train.checkpoint import Checkpointer
 from train.config import Config
-from train.contract import (
-    declared,
-    expected_features,
-    inverse_count,
-    loader_data,
-    model_inputs,
-    normalise,
-    rescale_gradients,
-)
-from train.data import Batch, make_loader
-from train.distributed import (
-    Env,
-    HostVote,
-    StopFlag,
-    all_reduce_sum,
-    derive_seed,
-    no_sync,
-    rng_state,
-    seed_all,
-    set_rng_state,
-    setup,
-    teardown,
-    use_deterministic_algorithms,
-    wrap_model,
-)
-from train.guards import FirstStep, translate_ddp_error
+from train.contract import inverse_count, model_inputs, normalise, rescale_gradients
+from train.data import Batch
+from train.distributed import Env, StopFlag, all_reduce_sum, no_sync, setup, teardown
+from train.guards import translate_ddp_error
 from train.metrics import Meter, MetricsLog
-from train.model import build_model, describe
-from train.oom import Budgets, no_recovery
-from train.optim import EMA, build_optimizer, build_scheduler
-from train.parallel import load_weights, shard, sharded, weights_state
-from train.powersgd import PowerSGD
-from train.precision import AMP_DTYPES, resolve_precision
-from train.prefetch import DeviceCopies
-from train.resume import mel_stats, warn_config_changes
+from train.model import describe
+from train.parts import build_run_parts, wrap_for_training
+from train.precision import autocast
+from train.resume import resume_or_start, rewind, save
 from train.runfolder import owned_run_folder
-from train.scaler import HIGH_SKIP_RATE, HysteresisScaler
-from train.tokenizers import build_tokenizer
-from train.validation import build_validator
+from train.scaler import HIGH_SKIP_RATE
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Model, loader, optimizer, checkpoints and metrics of one run in ``out``."""
+    """The parts of one run in ``out`` (``train/parts.py``), restored, and the loop over them."""
 
     def __init__(self, cfg: Config, shards: str | list[str], out: Path, env: Env) -> None:
         self.cfg, self.env, self.out = cfg, env, Path(out)
-        t, device = cfg.train, env.device
-        self.precision = resolve_precision(t.precision, device)
-        if device.type == "cuda":  # TF32 matmuls: ~fp32 accuracy at tensor-core speed
-            torch.set_float32_matmul_precision("high")
-        if t.deterministic:
-            use_deterministic_algorithms()
-        seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
-        shards = [shards] if isinstance(shards, str) else list(shards)
-        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab)
-        self.raw_model = build_model(cfg.model, tokenizer.vocab_size).to(device).train()
-        self.spec = declared(type(self.raw_model), cfg.model.impl)  # train/contract.py
-        features = expected_features(cfg.model, self.spec)
-        self.loader = make_loader(
-            shards[0] if len(shards) == 1 else shards,
-            loader_data(cfg.data, self.spec),
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=t.seed,
-            expect_features=features,
-            tokenizer=tokenizer,
-        )
-        self.validator = build_validator(  # None unless train.val_every (train/validation.py)
-            cfg, self.spec, env, self.out, expect_features=features, tokenizer=tokenizer
-        )
-        self.sharded = sharded(t, env)  # FSDP2 / HSDP: DTensor parameters from here on
-        param_dtype = AMP_DTYPES.get(self.precision, torch.float32)  # fp16 is refused
-        self.raw_model = shard(self.raw_model, env, t, param_dtype)
-        self.optimizer = build_optimizer(self.raw_model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
-        self.batch = BatchSchedule(t, self.optimizer, self.scheduler)  # accumulation per step
-        self.scaler = HysteresisScaler(
-            device.type,
-            enabled=self.precision == "fp16",
-            hysteresis=t.amp_hysteresis,
-            min_scale=t.amp_min_scale,
-        )
-        # A skipped step (fp16 overflow, out of memory) is normal, not a misordered schedule.
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
-        self.ema = EMA(self.raw_model, t.ema_decay) if t.ema_decay > 0 else None
-        self.ckpt = Checkpointer(
-            self.out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
-        )
-        self.vote = HostVote(env)
-        self.measures = StepMeasures(cfg, env, sharded=self.sharded)  # clipping, spikes, GNS
-        self.budgets = Budgets(
-            env,
-            self.loader.spec.data.pad_multiple,
-            self.out,
-            no_recovery=no_recovery(self.sharded, t.allow_forward_collectives),
-        )
-        self.first = FirstStep(
-            self.raw_model,
-            cfg.model.impl,
-            # FSDP2 all-gathers in every forward itself; it has no recovery for them to break.
-            allow_collectives=t.allow_forward_collectives or self.sharded,
-            unused=t.find_unused_parameters,
-            compiled=t.compile,
-        )
-        self.copies = DeviceCopies(device)
-        self.powersgd = PowerSGD.for_run(self.raw_model, env, t)
-        self.step = self._resume_or_start(shards)
+        self.parts = build_run_parts(cfg, shards, self.out, env)
+        # The loop reads self.optimizer, self.loader, ...: the parts are the trainer's fields.
+        vars(self).update({f.name: getattr(self.parts, f.name) for f in fields(self.parts)})
+        self.step = resume_or_start(self.parts)
         self._pending_records = self.budgets.apply_pending()  # cuts a stopped run left
-        if t.activation_checkpointing:
-            _enable_activation_checkpointing(self.raw_model, cfg.model.impl)
-        self.model = wrap_model(self.raw_model, env, t, self.powersgd)
-        self.measures.register(self.model)
+        self.model = wrap_for_training(self.parts)
         self.meter = Meter(env)
         self.stop = StopFlag()
         self._lr = self.optimizer.param_groups[0]["lr"]
         log.info(
             "model %s on %s × %d, %s, step %d",
             describe(self.raw_model),
-            device,
+            env.device,
             env.world_size,
             self.precision,
             self.step,
@@ -185,16 +94,19 @@ class Trainer:
                         metrics.event(self.step, record)
                     if self.budgets.exhausted:  # the same on every rank
                         raise UserError(self.budgets.exhausted)
+                    if self.measures.rewind_due:  # spikes in a row: back to the last checkpoint
+                        self._rewind(metrics)
+                        continue
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
-                        values = self._summary()
-                        metrics.log(self.step, values)
-                        for record in self.batch.observe(self.step, values):  # closed loop
-                            metrics.event(self.step, record)
+                        self._log_window(metrics)
                     if self.validator is not None and self.step % t.val_every == 0:
                         metrics.log(self.step, self.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
                         for record in self._flush_spike():
                             metrics.event(self.step, record)
+                        if self.measures.rewind_due:  # that flush ended the streak
+                            self._rewind(metrics)  # a stop signal stays set for the next step
+                            continue
                         self.save()
                     if verdict.stop:
                         log.info(
@@ -230,13 +142,12 @@ class Trainer:
         norm, skip = self.measures.measure(self.raw_model, loss_share, frames, self._all_frames)
         self._meter_step(loss_sums, inv_count, norm, skip)
         if self.powersgd is not None:  # an fp16 overflow or a spike must not poison its memory
-            self.powersgd.settle(torch.isfinite(norm) if skip is None else ~skip)
+            finite = torch.isfinite(norm)
+            self.powersgd.settle(finite if skip is None else ~skip & finite)
         self._lr = self.optimizer.param_groups[0]["lr"]
-        if skip is not None:  # the fused AdamW skips the update (and its step count) on it
-            self.optimizer.found_inf = skip.float()
-        # fp16: skips the step on inf/NaN gradients; the fused AdamW reads the found-inf flag
-        # on the device, so GradScaler needs no host sync here.
-        self.scaler.step(self.optimizer)
+        # Skips the step on a spike and (fp16) on inf/NaN gradients; the fused AdamW reads the
+        # found-inf flag on the device (its step count too), so no host sync here.
+        self.scaler.step(self.optimizer, skip=skip)
         self.scaler.update()
         if self.scaler.overflow is not None:  # equal on every rank: the gradients are
             self.meter.add_device("amp_skip_rate", self.scaler.overflow, replicated=True)
@@ -265,6 +176,35 @@ class Trainer:
             norm = norm * (~skip).float()
             self.meter.drop_step(skip.float())
         self.meter.add_device("grad_norm", norm, replicated=True)
+
+    def _log_window(self, metrics: MetricsLog) -> None:
+        """The window's summary into metrics.jsonl; the closed loop reads it."""
+        values = self._summary()
+        metrics.log(self.step, values)
+        for record in self.batch.observe(self.step, values):
+            metrics.event(self.step, record)
+
+    def _rewind(self, metrics: MetricsLog) -> None:
+        """``train.spike_rewind_after`` spikes in a row: back to the last checkpoint, while
+        the loader goes on, so the batches drawn since are skipped, not replayed (PaLM)."""
+        start, drawn = self.step, self.loader.state_dict()["batches"]
+        self.step, drawn_then = rewind(self.parts)
+        record = {
+            "event": "rewind",
+            "to_step": self.step,
+            "spikes": self.cfg.train.spike_rewind_after,
+            "batches_skipped": drawn - drawn_then,  # on each rank
+        }
+        metrics.event(start, record)
+        metrics.advance(self.step - start)
+        self.meter = Meter(self.env)  # the window's steps are undone
+        self._lr = self.optimizer.param_groups[0]["lr"]
+        if self.env.is_main:
+            log.warning(
+                "step %d: %d loss spikes in a row; back to step %d, skipping the %d batches "
+                "drawn since on each rank",
+                start, record["spikes"], self.step, record["batches_skipped"],
+            )  # fmt: skip
 
     def _flush_spike(self) -> list[dict[str, Any]]:
         """Vote the last step's spike flag now (before a checkpoint, which then holds it)."""
@@ -351,33 +291,7 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current step (every rank calls this at the same step)."""
-        shared: dict[str, Any] = {}
-        weights = {}  # model, optimizer, EMA: in shared.pt (DDP) or every rank's shards (FSDP2)
-        if self.env.is_main or self.sharded:
-            weights = weights_state(self.raw_model, self.optimizer, self.ema, self.sharded)
-        if self.env.is_main:
-            shared = {
-                "step": self.step,
-                "config": self.cfg.to_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "budgets": self.budgets.state_dict(),
-                "batch": self.batch.state_dict(),
-                **self.measures.state_dict(),
-                **({} if self.sharded else weights),
-            }
-        local = {
-            "step": self.step,
-            "rank": self.env.rank,
-            "rng": rng_state(self.env.device),
-            "loader": self.loader.state_dict(),
-        }
-        if self.powersgd is not None:
-            local["powersgd"] = self.powersgd.state_dict()
-        self.ckpt.save(self.step, shared, local, weights if self.sharded else None)
-        if self.budgets.pending:  # cuts a stopped run left: on disk until a checkpoint holds them
-            self.ckpt.wait()
-            self.budgets.checkpointed()
+        save(self.parts, self.step)
 
     def close(self) -> None:
         """Finish the checkpoint in flight and stop the loader's workers; call in a ``finally``."""
@@ -404,53 +318,7 @@ class Trainer:
         return values
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        dtype = AMP_DTYPES.get(self.precision)
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.env.device.type, dtype=dtype)
-
-    def _resume_or_start(self, shards: list[str]) -> int:
-        """Restore the latest complete checkpoint in ``out``, or prepare a fresh start."""
-        t = self.cfg.train
-        restored = self.ckpt.restore()
-        if restored is None:
-            if self.cfg.data.mel_stats and hasattr(self.raw_model, "set_mel_stats"):
-                stats = mel_stats(shards, self.loader.features.n_mels, self.loader.weights)
-                self.raw_model.set_mel_stats(*(x.to(self.env.device) for x in stats))
-            if self.env.is_main:
-                self.out.mkdir(parents=True, exist_ok=True)
-                (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
-            # Dropout masks must differ between ranks: one stream per (seed, rank).
-            seed_all(derive_seed(t.seed, "train", self.env.rank))
-            return 0
-        latest, shared, local = restored
-        try:
-            warn_config_changes(shared["config"], self.cfg.to_dict(), latest)
-            weights = shared
-            if self.sharded:
-                weights = weights_state(self.raw_model, self.optimizer, self.ema, True)
-                self.ckpt.load_sharded(latest, weights)
-            load_weights(self.raw_model, self.optimizer, self.ema, weights, self.sharded)
-            self.scheduler.load_state_dict(shared["scheduler"])
-            self.scaler.load_state_dict(shared["scaler"])
-            if "budgets" in shared:  # checkpoints from before per-bucket caps have none
-                self.budgets.load_state_dict(shared["budgets"])
-            if "batch" in shared:  # checkpoints from before the batch schedule have none
-                self.batch.load_state_dict(shared["batch"])
-            self.measures.load_state_dict(shared)
-            self.loader.load_state_dict(local["loader"])
-            if self.powersgd is not None and "powersgd" in local:
-                self.powersgd.load_state_dict(local["powersgd"])
-            set_rng_state(local["rng"], self.env.device)
-            step = int(shared["step"])
-        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            detail = " ".join(str(exc).split())  # torch's messages span lines
-            raise UserError(
-                f"{latest} does not fit this config (model, optimizer, schedule, precision, "
-                f"EMA or loader): {type(exc).__name__}: {detail}"
-            ) from None
-        log.info("resumed from %s", latest)
-        return step
+        return autocast(self.precision, self.env.device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,15 +328,6 @@ class Verdict:
     stop: bool  # a rank got SIGTERM/SIGINT: checkpoint and stop after this step
     skipped: bool  # a rank ran out of memory: no rank trained on this step
     records: list[dict[str, Any]]  # one per out-of-memory error, for metrics.jsonl
-
-
-def _enable_activation_checkpointing(model: torch.nn.Module, impl: str) -> None:
-    if not hasattr(model, "set_activation_checkpointing"):
-        raise UserError(
-            f"config key train.activation_checkpointing = true, but {impl} has no "
-            "set_activation_checkpointing method"
-        )
-    model.set_activation_checkpointing(True)
 
 
 def run(cfg: Config, shards: str | list[str], out: Path) -> str:
