@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, metrics, tiny_fit, tiny_trainer
+from helpers import metrics, tiny_fit, tiny_trainer
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, feature_presets
