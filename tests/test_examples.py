@@ -1,15 +1,21 @@
 """The README's plug-in examples with the real packages, from random init, on 2 gloo ranks:
 ``examples/f5tts`` (F5-TTS's CFM + DiT) and ``examples/chattts_dvae`` (ChatTTS's DVAE). Each
 trains with its loss falling, and a run stopped halfway resumes bitwise on CPU. Skipped where
-the extras are not installed (CI installs them: .ci/run)."""
+the extras are not installed (CI installs them: .ci/run). And the quick start's sample-corpus
+config gives batches of several utterances."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, checkpoint, load, metrics, run_ok, torchrun
+from helpers import REPO, build_cache, checkpoint, load, metrics, run_ok, torchrun
+
+from train.config import load_config
+from train.data import make_loader
 
 pytestmark = pytest.mark.slow
 
@@ -44,3 +50,24 @@ def test_example_trains_on_two_ranks_and_resumes_bitwise(
     split = load(checkpoint(tmp_path / "split", STEPS))["model"]
     for key, value in whole.items():
         assert torch.equal(value, split[key]), key
+
+
+def batch_sizes(cache: Path, steps: int) -> collections.Counter[int]:
+    """Utterances per batch of the tiny preset's ``[data]`` over ``steps`` steps of 2 ranks."""
+    data = dataclasses.replace(load_config(Path("tiny")).data, num_workers=0)
+    sizes: collections.Counter[int] = collections.Counter()
+    for rank in range(2):
+        loader = make_loader(cache, data, rank=rank, world_size=2)
+        stream = iter(loader)
+        sizes.update(len(next(stream)) for _ in range(steps))
+        loader.close()
+    return sizes
+
+
+def test_the_quick_start_cache_gives_batches_of_several_utterances(tmp_path: Path) -> None:
+    sample = build_cache(tmp_path / "sample", REPO / "examples" / "sample_corpus.toml")
+    chattts = build_cache(tmp_path / "chattts", Path("chattts"))
+    quick, default = batch_sizes(sample, 30), batch_sizes(chattts, 30)
+    print(f"utterances per batch: sample_corpus.toml {dict(quick)}, chattts {dict(default)}")
+    assert min(quick) >= 2 and len(quick) > 1
+    assert default[1] > 0  # what the quick start gave before: 10 buckets, 3 of one utterance
