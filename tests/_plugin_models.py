@@ -128,3 +128,26 @@ class UnusedAfterFirstStep(TextToMel):
         if self.forwards == 1:
             out["loss_sum"] = out["loss_sum"] + 0.0 * self.late_head(mel[:1, :1, :1].float()).sum()
         return out
+
+
+class LanguagePrompted(TextToMel):
+    """Asks for the cache's ``language`` field and a same-speaker reference: a language
+    embedding is added to the text, and the loss is also summed over each reference's mel."""
+
+    melcache_contract: ClassVar[dict] = {"inputs": "batch", "extras": ["language", "reference"]}
+
+    def __init__(self, **args) -> None:
+        super().__init__(**args)
+        self.languages = nn.Embedding(2, 1)
+        self.references_seen = 0
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        language, reference = batch.extras["language"], batch.extras["reference"]
+        if len(language) != len(batch) or reference.shape != (len(batch),):
+            raise AssertionError(f"extras {batch.extras} for a batch of {len(batch)}")
+        ids = torch.tensor([lang == "zh" for lang in language], dtype=torch.int64)
+        shift = self.languages(ids.to(batch.text.device)).squeeze(-1)
+        out = super().forward(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
+        out["loss_sum"] = out["loss_sum"] + 0.0 * shift.sum()
+        self.references_seen += int((reference >= 0).sum())
+        return out
