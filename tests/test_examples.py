@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import REPO, build_cache, checkpoint, load, metrics, run_ok, torchrun
 
-from train.config import load_config
+from train.config import DataConfig, load_config
 from train.data import make_loader
 
 pytestmark = pytest.mark.slow
@@ -71,3 +71,30 @@ def test_the_quick_start_cache_gives_batches_of_several_utterances(tmp_path: Pat
     print(f"utterances per batch: sample_corpus.toml {dict(quick)}, chattts {dict(default)}")
     assert min(quick) >= 2 and len(quick) > 1
     assert default[1] > 0  # what the quick start gave before: 10 buckets, 3 of one utterance
+
+
+def test_f5tts_predicts_the_rest_of_each_utterance_and_pictures_it(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("f5_tts")
+    from examples.f5tts.adapter import F5TTS
+
+    model = F5TTS(n_mels=100, vocab_size=257, dim=64, depth=2, heads=4, text_dim=32, conv_layers=1)
+    loader = make_loader(train_cache, DataConfig(batch_frames=2000, pad_multiple=1, num_workers=0))
+    try:
+        batch = next(iter(loader))
+    finally:
+        loader.close()
+    mel = batch.mel.float()
+    predicted = model.predict_mel(dataclasses.replace(batch, mel=mel))
+    assert predicted.shape == mel.shape and torch.isfinite(predicted).all()
+    for row, frames in enumerate(batch.mel_lengths.tolist()):
+        prompt = max(1, int(frames * 0.3))
+        assert torch.equal(predicted[row, :prompt], mel[row, :prompt])  # the prompt, as given
+        assert not torch.allclose(predicted[row, prompt:frames], mel[row, prompt:frames])
+    # in a run: the picture at every validation, on 2 ranks
+    val = ["--val-shards", str(train_cache), "train.val_every=2", "train.val_batches=1"]
+    train("f5tts", train_cache, tmp_path, 4, *val)
+    assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [2, 4]
+    for step in (2, 4):
+        assert (tmp_path / "val" / f"step-{step:08d}.png").stat().st_size > 1000
