@@ -19,6 +19,7 @@ from melcache.errors import UserError
 from melcache.format import REJECTED_NAME
 from melcache.reader import ShardCheck, read_shard
 from preprocess.inputs import key_base
+from train.collate import extras_rows, stand_in_extras
 from train.config import DataConfig
 from train.data import make_loader
 
@@ -145,6 +146,22 @@ def test_a_plugin_asking_for_extras_gets_them(cache: Path, train_cache: Path, tm
     assert t.loader.spec.data.extras == ("language", "reference")
     with pytest.raises(UserError, match=r"has no per-utterance field 'language'.*carries none"):
         trainer(train_cache, tmp_path / "lacking", plugin("LanguagePrompted"))
+
+
+def test_batches_cut_after_out_of_memory_keep_their_extras(cache: Path, tmp_path: Path) -> None:
+    t = fit(cache, tmp_path, 6, plugin("LanguagePrompted"), "model.args.limit_frames=300")
+    assert t.budgets.skipped_steps > 0 and t.budgets.caps  # it failed, then trained in pieces
+    assert t.step == 6 and t.raw_model.references_seen > 0 and min(t.raw_model.rows_seen) == 1
+
+
+def test_made_up_batches_carry_the_fields_asked_for() -> None:
+    """``train tune``'s worst batches and the out-of-memory stand-in pass."""
+    extras = stand_in_extras(["language", "reference"], 3)
+    assert extras["language"] == [None] * 3
+    assert extras["reference"].tolist() == [1, 2, 0]
+    assert stand_in_extras(["reference"], 1)["reference"].tolist() == [-1]
+    cut = extras_rows(extras, 1, 3)
+    assert cut["language"] == [None] * 2 and cut["reference"].tolist() == [1, -1]
 
 
 def test_extras_need_the_whole_batch() -> None:

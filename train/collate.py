@@ -183,3 +183,25 @@ def reference_rows(speakers: Sequence[str | None]) -> list[int]:
             for k, row in enumerate(same):
                 out[row] = same[(k + 1) % len(same)]
     return out
+
+
+def extras_rows(extras: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Rows ``start:stop`` of a batch's extras (a batch cut into pieces): references are
+    renumbered within the piece, and one to a row outside it becomes -1."""
+    out = {}
+    for name, values in extras.items():
+        if name == REFERENCE:
+            rows = values[start:stop]
+            inside = (rows >= start) & (rows < stop)
+            out[name] = torch.where(inside, rows - start, torch.full_like(rows, -1))
+        else:
+            out[name] = values[start:stop]
+    return out
+
+
+def stand_in_extras(names: Sequence[str], size: int) -> dict[str, Any]:
+    """Extras for a made-up batch of ``size`` rows (a stand-in pass, ``train tune``'s worst
+    batch): stored fields ``None``, and each row's reference the next row, as much as a model
+    can be asked to do."""
+    following = torch.roll(torch.arange(size), -1) if size > 1 else torch.full((size,), -1)
+    return {name: following if name == REFERENCE else [None] * size for name in names}
