@@ -13,7 +13,8 @@ Usage::
 A :class:`Batch` holds ``mel`` float16 ``[B, T, n_mels]`` (T a multiple of ``pad_multiple``,
 padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, ``text`` int64
 ``[B, L]`` (UTF-8 bytes + 1 by default: vocabulary 257, 0 = padding), ``text_lengths``,
-``keys``, ``speaker`` (``None`` where unknown) and ``bucket``. All samples of a batch come from
+``keys``, ``speaker`` (``None`` where unknown), ``bucket`` and ``extras`` (the per-utterance
+fields ``data.extras`` asks for: ``train/collate.py``). All samples of a batch come from
 one length bucket ``b`` (one shard, or two neighbours of a unit of small shards); ``B × T <= batch_frames`` (one number, or the table's
 entry for ``b``) and ``B <= max_batch_size``.
 
