@@ -74,8 +74,10 @@ class BuildConfig:
             " or ".join(map(repr, STORAGES)),
         )
 
-        problem = name_problem(self.extras)
-        require(problem is None, "build.extras", list(self.extras), problem or "")
+        extras = self.extras
+        problem = name_problem(extras) if isinstance(extras, tuple) else "a list of field names"
+        shown = list(extras) if isinstance(extras, tuple) else extras
+        require(problem is None, "build.extras", shown, problem or "")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict, the form stored in the index."""

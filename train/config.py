@@ -123,7 +123,7 @@ class DataConfig:
         require(
             isinstance(self.extras, tuple) and all(isinstance(n, str) and n for n in self.extras),
             "data.extras",
-            list(self.extras),
+            self.extras,
             "a list of field names",
         )
         require(
