@@ -4,7 +4,7 @@
 # Rerunning resumes: the build finds its shards done, the trainer its last checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m preprocess build --src examples/wavs --out shards --config chattts
+python3 -m preprocess build --src examples/wavs --out shards --config examples/sample_corpus.toml
 python3 -m preprocess verify shards
 python3 -m preprocess inspect shards --png runs/quickstart/cache --batch-frames 2000
 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m train \

@@ -6,7 +6,8 @@ Each shard holds utterances of one length bucket, one WebDataset sample per utte
 
 - ``<key>.mel.npy``: float16 ``[frames, n_mels]`` natural-log mel, ``np.save`` format, or
   ``<key>.mel.q5`` in a cache built with the compact storage (:mod:`melcache.storage`);
-- ``<key>.json``: UTF-8 metadata (text, speaker, seconds, frames, sample_rate, source, bucket);
+- ``<key>.json``: UTF-8 metadata (text, speaker, seconds, frames, sample_rate, source, bucket,
+  and ``extras`` in a cache built with ``[build] extras``: :mod:`melcache.extras`);
 - ``<key>.flac``: the resampled mono audio, only when built with ``--keep-audio``.
 
 Readers decode only these members, ``np.load(..., allow_pickle=False)`` for the mel, and

@@ -24,6 +24,7 @@ from typing import Any
 import xxhash
 
 from melcache.errors import ShardError
+from melcache.extras import sample_extras
 from melcache.format import (
     AUDIO_MEMBER,
     META_MEMBER,
@@ -48,6 +49,7 @@ class RawSample:
     frames: int
     bucket: int | None  # None only in hand-made shards; the build always records it
     audio: bytes | memoryview | None  # the FLAC member of a --keep-audio build
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)  # melcache/extras.py
 
 
 def load_shard(location: str) -> bytes | mmap.mmap:
@@ -181,6 +183,7 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
         frames=frames,
         bucket=bucket,
         audio=sample.get(AUDIO_MEMBER),
+        extras=sample_extras(meta, where),
     )
 
 

@@ -80,6 +80,11 @@ class Outcome:
 def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -> Outcome:
     """Build (or resume) this part of the cache; with ``dry_run``, scan and plan only."""
     corpus = open_corpus(options.src, options.out, options.where, options.columns)
+    if config.extras and corpus.kind in ("folder", "ljspeech"):
+        raise UserError(
+            f"build.extras = {list(config.extras)}: {options.src} is a {corpus.kind} corpus, "
+            "which has no per-utterance fields to carry; list them in a JSONL manifest"
+        )
     state = options.out / RECEIPTS
     state.mkdir(parents=True, exist_ok=True)
     meeting = Meeting(*options.part)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from melcache.config import load_toml, make_section, require
+from melcache.extras import name_problem
 from melcache.features import FeatureConfig
 from melcache.storage import FP16, STORAGES
 
@@ -30,6 +31,8 @@ class BuildConfig:
     min_shards: int = 64
     silence_dbfs: float = -70.0
     storage: str = FP16  # how mels are stored: melcache.storage.STORAGES
+    # Row fields each sample carries for models that ask (language, ...): melcache/extras.py
+    extras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         require(self.min_seconds > 0, "build.min_seconds", self.min_seconds, "a positive duration")
@@ -71,12 +74,21 @@ class BuildConfig:
             " or ".join(map(repr, STORAGES)),
         )
 
+        extras = self.extras
+        problem = name_problem(extras) if isinstance(extras, tuple) else "a list of field names"
+        shown = list(extras) if isinstance(extras, tuple) else extras
+        require(problem is None, "build.extras", shown, problem or "")
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict, the form stored in the index."""
         out = dataclasses.asdict(self)
         out["bucket_edges_seconds"] = list(self.bucket_edges_seconds)
         if self.storage == FP16:  # absent as before it existed: fp16 caches keep their digests
             del out["storage"]
+        if self.extras:  # likewise absent when empty
+            out["extras"] = list(self.extras)
+        else:
+            del out["extras"]
         return out
 
 

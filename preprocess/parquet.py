@@ -25,6 +25,7 @@ from typing import Any
 
 from melcache.bounded import open_regular
 from melcache.errors import UserError
+from melcache.extras import value_problem
 from preprocess.archives import TAR_AUDIO
 from preprocess.inputs import (
     FILTERED,
@@ -157,7 +158,14 @@ def _row(
         )
     except ValueError as exc:
         return Rejection(source, str(exc))
-    meta = {"text": text} if speaker is None else {"text": text, "speaker": speaker}
+    # The row's other scalar columns too: what [build] extras may ask the writer to carry.
+    meta = {
+        k: v
+        for k, v in record.items()
+        if k not in (text_column, speaker_column, "speaker")
+        if value_problem(v) is None
+    }
+    meta.update({"text": text} if speaker is None else {"text": text, "speaker": speaker})
     audio_at = _append(tar, f"{row}.{extension}", data)
     text_at = _append(tar, f"{row}.json", json.dumps(meta).encode())
     return found(number << 32 | row, source, text_at, text, speaker, samples, audio_at)

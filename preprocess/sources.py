@@ -343,15 +343,19 @@ def parse_manifest_line(
     return source, text if isinstance(text, str) else None, speaker, samples, entry
 
 
-def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str | None, str | None]:
-    """``(text, speaker)`` of an utterance, read again from the corpus when it is written
-    (check them with :func:`utterance_hash`); :class:`ValueError` when unreadable."""
+def read_transcript(
+    corpus: Corpus, source: str, locator: int
+) -> tuple[str | None, str | None, dict[str, Any]]:
+    """``(text, speaker, the row's metadata)`` of an utterance, read again from the corpus
+    when it is written (check text and speaker with :func:`utterance_hash`); the metadata is
+    ``{}`` for folders and LJSpeech, which have none; :class:`ValueError` when unreadable."""
+    row: dict[str, Any] = {}
     if corpus.kind == "folder":
         text = read_transcript_file(transcript_path(corpus, source, locator))
         speaker = os.path.dirname(source) or None
     elif corpus.kind in ("tars", "parquet"):  # a Parquet row's text is in its spool
         data, is_json = read_member(corpus, source, locator)
-        _, text, speaker = parse_text_member(data, is_json)
+        row, text, speaker = parse_text_member(data, is_json)
     else:
         assert corpus.listing is not None
         try:
@@ -364,8 +368,8 @@ def read_transcript(corpus: Corpus, source: str, locator: int) -> tuple[str | No
             text, speaker = parse_metadata_row(raw, 1 if locator == 0 else 2)[1], None
         else:
             try:
-                _, listed, speaker, _, _ = parse_manifest_line(raw, corpus.root, 1)
+                _, listed, speaker, _, row = parse_manifest_line(raw, corpus.root, 1)
             except LookupError as exc:
                 raise ValueError(exc.args[1]) from None
             text = listed
-    return text, speaker
+    return text, speaker, row

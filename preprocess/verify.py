@@ -21,6 +21,7 @@ from tqdm import tqdm
 from melcache.bounded import loads_json, open_regular
 from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
+from melcache.extras import cache_extras
 from melcache.format import AUDIO_MEMBER, REJECTED_NAME, finite_mel
 from melcache.index import index_storage, read_index, read_stats
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
@@ -30,13 +31,15 @@ from preprocess.table import table_problems
 
 
 @dataclasses.dataclass(frozen=True)
-class MelRules:
-    """What every mel of a cache must be: ``n_mels`` channels, stored as ``storage``, no value
-    below the log floor by more than the storage's rounding."""
+class SampleRules:
+    """What every sample of a cache must be: a mel of ``n_mels`` channels, stored as
+    ``storage``, no value below the log floor by more than the storage's rounding, and
+    exactly the index's ``extras`` fields."""
 
     n_mels: int
     storage: str
     lowest: float
+    extras: tuple[str, ...] = ()
 
 
 def verify(cache: Path, workers: int = 1) -> list[str]:
@@ -44,7 +47,7 @@ def verify(cache: Path, workers: int = 1) -> list[str]:
     index = read_index(cache)
     n_mels = index["features"]["n_mels"]
     floor = math.log(index["features"]["log_floor"])
-    rules = MelRules(n_mels, index_storage(index), floor - STEP / 2)
+    rules = SampleRules(n_mels, index_storage(index), floor - STEP / 2, cache_extras(index))
     buckets = {b["bucket"]: b for b in index["buckets"]}
     jobs = [
         (cache, shard, rules, buckets.get(shard["bucket"]), index["keep_audio"])
@@ -74,7 +77,7 @@ def verify(cache: Path, workers: int = 1) -> list[str]:
 
 
 def _check_shard_job(
-    job: tuple[Path, dict[str, Any], MelRules, dict[str, Any] | None, bool],
+    job: tuple[Path, dict[str, Any], SampleRules, dict[str, Any] | None, bool],
 ) -> tuple[list[str], list[str]]:
     return check_shard(*job)
 
@@ -82,7 +85,7 @@ def _check_shard_job(
 def check_shard(
     cache: Path,
     entry: dict[str, Any],
-    rules: MelRules,
+    rules: SampleRules,
     bucket: dict[str, Any] | None,
     keep_audio: bool,
 ) -> tuple[list[str], list[str]]:
@@ -121,7 +124,7 @@ def check_shard(
 def _check_sample(
     shard: str,
     sample: dict[str, Any],
-    rules: MelRules,
+    rules: SampleRules,
     bucket: dict[str, Any],
     keep_audio: bool,
     problems: list[str],
@@ -161,6 +164,11 @@ def _check_sample(
         problems.append(
             f"{where}: {frames} frames outside bucket {bucket['bucket']} "
             f"[{bucket['min_frames']}, {bucket['max_frames']}]"
+        )
+    if sorted(raw.extras) != sorted(rules.extras):
+        problems.append(
+            f"{where}: json extras {sorted(raw.extras)} != the index's build.extras "
+            f"{sorted(rules.extras)}"
         )
     if raw.bucket != bucket["bucket"]:
         problems.append(f"{where}: json bucket {raw.bucket} != shard bucket {bucket['bucket']}")

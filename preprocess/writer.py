@@ -22,6 +22,7 @@ import torch
 from melcache.bounded import read_json
 from melcache.codec import encode_mel
 from melcache.errors import UserError
+from melcache.extras import META_FIELD, value_problem
 from melcache.features import FeatureConfig
 from melcache.format import HashingStream, encode_sample, open_tar_writer, temp_path, write_atomic
 from melcache.storage import FP16, MEL_MEMBERS
@@ -117,8 +118,9 @@ def _write_utterance(
     tally: _Tally,
 ) -> None:
     assert _extractor is not None, "worker not initialised"  # internal invariant, not user input
+    row: dict[str, Any] = {}
     try:  # transcripts are read again here, not held for the whole corpus
-        text, speaker = read_transcript(corpus, item.source, item.locator)
+        text, speaker, row = read_transcript(corpus, item.source, item.locator)
         content = utterance_hash(item.source, text, speaker)
     except ValueError as exc:
         content = str(exc)
@@ -128,6 +130,12 @@ def _write_utterance(
             f"{corpus.audio_path(item.source)}: transcript or speaker changed since the corpus "
             f"was scanned{detail}; rerun with --rescan"
         )
+    extras = {name: row.get(name) for name in config.extras}
+    bad = next(((n, p) for n, v in extras.items() if (p := value_problem(v))), None)
+    if bad is not None:
+        reason = f"field {bad[0]!r} (build.extras) {bad[1]}"
+        tally.rejected.append({"source": item.source, "reason": reason, "stage": "decode"})
+        return
     try:
         audio = load_mono(
             audio_input(corpus, item.source, item.audio_at),
@@ -153,6 +161,7 @@ def _write_utterance(
         "sample_rate": features.sample_rate,
         "source": item.source,
         "bucket": bucket,
+        **({META_FIELD: extras} if extras else {}),  # absent without: old shards unchanged
     }
     flac = encode_flac(audio, features.sample_rate) if keep_audio else None
     stored = encode_mel(mel16 if config.storage == FP16 else mel32, config.storage)

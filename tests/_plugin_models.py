@@ -128,3 +128,37 @@ class UnusedAfterFirstStep(TextToMel):
         if self.forwards == 1:
             out["loss_sum"] = out["loss_sum"] + 0.0 * self.late_head(mel[:1, :1, :1].float()).sum()
         return out
+
+
+class LanguagePrompted(TextToMel):
+    """Asks for the cache's ``language`` field and a same-speaker reference, and checks them
+    row by row: a language embedding is added to the text's loss. A training pass of several
+    utterances above ``limit_frames`` padded frames runs out of memory, so the trainer cuts
+    batches into pieces, whose extras must still fit their rows."""
+
+    melcache_contract: ClassVar[dict] = {"inputs": "batch", "extras": ["language", "reference"]}
+
+    def __init__(self, *, limit_frames: int = 0, **args) -> None:
+        super().__init__(**args)
+        self.languages = nn.Embedding(2, 1)
+        self.limit = limit_frames
+        self.references_seen = 0
+        self.rows_seen: list[int] = []
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        language, reference = batch.extras["language"], batch.extras["reference"]
+        if len(language) != len(batch) or reference.shape != (len(batch),):
+            raise AssertionError(f"extras {batch.extras} for a batch of {len(batch)}")
+        for row, ref in enumerate(reference.tolist()):
+            if ref != -1 and (ref == row or batch.speaker[ref] != batch.speaker[row]):
+                raise AssertionError(f"row {row}'s reference {ref}: {batch.speaker}")
+        frames = batch.mel.shape[0] * batch.mel.shape[1]
+        if self.training and self.limit and len(batch) > 1 and frames > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (test model): > {self.limit}")
+        ids = torch.tensor([lang == "zh" for lang in language], dtype=torch.int64)
+        shift = self.languages(ids.to(batch.text.device)).squeeze(-1)
+        out = super().forward(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
+        out["loss_sum"] = out["loss_sum"] + 0.0 * shift.sum()
+        self.references_seen += int((reference >= 0).sum())
+        self.rows_seen.append(len(batch))
+        return out

@@ -84,7 +84,7 @@ def test_long_tar_names_are_read_by_their_real_name(tmp_path: Path, fmt: int) ->
     assert item.source == f"long.tar:{LONG_KEY}.wav"
     assert read_member(corpus, item.source, item.audio_at) == (audio, False)
     assert read_member(corpus, item.source, item.locator) == (meta("long"), True)
-    assert read_transcript(corpus, item.source, item.locator) == ("long", None)
+    assert read_transcript(corpus, item.source, item.locator) == ("long", None, {"text": "long"})
 
 
 def test_a_repeated_tar_key_is_a_rejection_not_a_lost_sample(tmp_path: Path) -> None:

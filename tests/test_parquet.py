@@ -125,6 +125,23 @@ def test_parquet_builds_the_cache_of_the_same_loose_files(tmp_path: Path) -> Non
     assert speakers(out) == {p.name for p in SAMPLE_CORPUS.iterdir() if p.is_dir()}
 
 
+@pytest.mark.slow
+def test_a_parquet_column_is_carried_as_an_extra(tmp_path: Path) -> None:
+    folder, _, good = hugging_face(tmp_path)
+    (tmp_path / "extras.toml").write_text('[build]\nextras = ["locale"]\n')
+    out = tmp_path / "out"
+    run_preprocess(*build_args(folder, out, *COLUMNS, "--config", str(tmp_path / "extras.toml")))
+    carried = []
+    for shard in sorted(out.glob("*.tar")):
+        with open(shard, "rb") as stream:
+            for sample in group_samples(iter_members(stream, shard.name), shard.name):
+                meta = decode_meta(sample["json"], shard.name)
+                carried.append((meta["speaker"], meta["extras"]))
+    assert len(carried) == good
+    assert all(extras == {"locale": "zh" if who == "zh" else "en"} for who, extras in carried)
+    assert run_preprocess("verify", str(out)).returncode == 0
+
+
 def speakers(cache: Path) -> set[str]:
     """The speakers a cache's samples record."""
     found = set()

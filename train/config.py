@@ -84,6 +84,9 @@ class DataConfig:
     )
     vocab: str = ""  # the "chars" tokenizer's file: one character per line
     val_shards: str = ""  # a second cache for validation (--val-shards): train/validation.py
+    # Per-utterance fields each batch carries in batch.extras ([build] extras of the cache, or
+    # "reference"): train/collate.py; a plug-in's melcache_contract "extras" adds its own.
+    extras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_frames, Mapping):
@@ -117,6 +120,12 @@ class DataConfig:
                 weight,
                 "a positive weight",
             )
+        require(
+            isinstance(self.extras, tuple) and all(isinstance(n, str) and n for n in self.extras),
+            "data.extras",
+            self.extras,
+            "a list of field names",
+        )
         require(
             self.mix_temperature >= 0, "data.mix_temperature", self.mix_temperature, "0 or more"
         )

@@ -12,6 +12,11 @@ optional, the defaults being the reference :class:`train.model.TextToMel`'s):
   (never past the longest utterance of the batch, for models that tie frames to positions).
 - ``"features"``: a preset name (``melcache.features.feature_presets``: ``"chattts"``, ``"hifigan"``) or
   a table of feature keys; the cache must match every key, the log floor included.
+- ``"extras"``: per-utterance fields the model needs in ``batch.extras`` (with ``"inputs":
+  "batch"``): fields the cache was built to carry (``[build] extras``, e.g. ``"language"``: a
+  list of ``B`` values) and ``"reference"`` (int64 ``[B]``: the row of another utterance of the
+  same speaker in the batch, or -1; ``train/collate.py``). A field a cache lacks is refused at
+  start, by name.
 
 A constructor with a ``vocab_size`` parameter is given the tokenizer's vocabulary size.
 
@@ -54,6 +59,7 @@ class ModelSpec:
     mel_dtype: str = "float16"
     pad: str = "multiple"
     features: str | Mapping[str, Any] | None = None
+    extras: tuple[str, ...] = ()
 
 
 def declared(cls: type, impl: str) -> ModelSpec:
@@ -75,7 +81,17 @@ def declared(cls: type, impl: str) -> ModelSpec:
             f"{impl}.melcache_contract['features'] = {features!r} is no preset: "
             f"{', '.join(feature_presets())}"
         )
-    return ModelSpec(**table)
+    extras = table.get("extras", ())
+    if not isinstance(extras, (list, tuple)) or not all(isinstance(n, str) for n in extras):
+        raise UserError(
+            f"{impl}.melcache_contract['extras'] = {extras!r}: expected a list of names"
+        )
+    if extras and table.get("inputs") != "batch":
+        raise UserError(
+            f"{impl}.melcache_contract asks for extras {list(extras)}, which only reach a model "
+            'given the whole batch: add "inputs": "batch"'
+        )
+    return ModelSpec(**{**table, "extras": tuple(extras)})
 
 
 def expected_features(model: ModelConfig, spec: ModelSpec) -> dict[str, Any]:
@@ -95,8 +111,11 @@ def expected_features(model: ModelConfig, spec: ModelSpec) -> dict[str, Any]:
 
 
 def loader_data(data: DataConfig, spec: ModelSpec) -> DataConfig:
-    """The ``[data]`` table the loader gets: padded only to the longest when the model says so."""
-    return dataclasses.replace(data, pad_multiple=1) if spec.pad == "longest" else data
+    """The ``[data]`` table the loader gets: padded only to the longest when the model says so,
+    with the extras the model asks for added to ``data.extras``."""
+    extras = tuple(dict.fromkeys((*data.extras, *spec.extras)))
+    pad_multiple = 1 if spec.pad == "longest" else data.pad_multiple
+    return dataclasses.replace(data, pad_multiple=pad_multiple, extras=extras)
 
 
 def construct(cls: type, impl: str, args: dict[str, Any], vocab_size: int) -> torch.nn.Module:

@@ -13,7 +13,8 @@ Usage::
 A :class:`Batch` holds ``mel`` float16 ``[B, T, n_mels]`` (T a multiple of ``pad_multiple``,
 padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, ``text`` int64
 ``[B, L]`` (UTF-8 bytes + 1 by default: vocabulary 257, 0 = padding), ``text_lengths``,
-``keys``, ``speaker`` (``None`` where unknown) and ``bucket``. All samples of a batch come from
+``keys``, ``speaker`` (``None`` where unknown), ``bucket`` and ``extras`` (the per-utterance
+fields ``data.extras`` asks for: ``train/collate.py``). All samples of a batch come from
 one length bucket ``b`` (one shard, or two neighbours of a unit of small shards); ``B × T <= batch_frames`` (one number, or the table's
 entry for ``b``) and ``B <= max_batch_size``.
 
@@ -66,6 +67,7 @@ from train.sources import (
     CacheArg,
     OpenedMix,
     bucket_lengths,
+    check_extras,
     check_layout,
     open_mix,
     shards_digest,
@@ -313,13 +315,15 @@ def make_loader(
     step in one bucket. ``tokenizer`` maps text to ids with 0 kept free for padding
     (default: UTF-8 bytes + 1, vocabulary 257). ``pin_memory`` defaults to whether CUDA is
     available. Raises :class:`UserError` for a bad argument, an unfinished cache, a feature
-    mismatch (with the model or between caches), a budget below the longest utterance, or,
+    mismatch (with the model or between caches), a ``data.extras`` field a cache lacks, a
+    budget below the longest utterance, or,
     with ``sync_buckets = false``, fewer shards than ``world_size × max(1, num_workers)``.
     """
     require(world_size >= 1, "loader world_size", world_size, "at least 1")
     require(0 <= rank < world_size, "loader rank", rank, f"in 0..{world_size - 1}")
     require(seed >= 0, "loader seed", seed, "a non-negative integer")
     mix = open_mix(cache, data, expect_features)
+    check_extras(mix, data.extras)
     check_layout(mix.sources, data, world_size * max(1, data.num_workers))
     subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
     spec = StreamSpec(

@@ -48,7 +48,7 @@ import torch
 
 from melcache.bounded import loads_json, read_limited
 from melcache.errors import UserError
-from train.collate import Batch
+from train.collate import Batch, extras_rows, stand_in_extras
 from train.distributed import Env
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,7 @@ class Budgets:
             keys=["stand-in"],
             speaker=[None],
             bucket=piece.bucket,
+            extras=stand_in_extras(list(piece.extras), 1),
         )
 
     def settle(self, failures: list[Failure]) -> list[dict[str, Any]]:
@@ -297,6 +298,7 @@ def _rows(batch: Batch, start: int, stop: int) -> Batch:
         text_lengths=batch.text_lengths[start:stop],
         keys=batch.keys[start:stop],
         speaker=batch.speaker[start:stop],
+        extras=extras_rows(batch.extras, start, stop),
     )
 
 

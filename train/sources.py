@@ -16,6 +16,7 @@ from typing import Any
 
 from melcache.batching import round_up
 from melcache.errors import UserError
+from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
 from melcache.index import read_index
 from train.config import DataConfig
@@ -77,6 +78,20 @@ def open_mix(
     )
     weights = tuple(mix_weights(hours, given, data.mix_temperature))
     return OpenedMix(sources, indexes, features, weights)
+
+
+def check_extras(mix: OpenedMix, asked: Sequence[str]) -> None:
+    """Refuse, naming the field, an extra asked for that a cache of the mix does not carry."""
+    for source, index in zip(mix.sources, mix.indexes, strict=True):
+        carried = cache_extras(index)
+        missing = next((name for name in asked if name not in (*carried, REFERENCE)), None)
+        if missing is not None:
+            raise UserError(
+                f"cache {source.location} has no per-utterance field {missing!r}, asked for by "
+                f"data.extras or the model's melcache_contract (it carries "
+                f"{', '.join(carried) or 'none'}): rebuild it from a manifest with "
+                f'[build] extras = ["{missing}"]'
+            )
 
 
 def check_layout(sources: Sequence[Source], data: DataConfig, num_slots: int) -> None:

@@ -341,6 +341,7 @@ def _collate_next(
                 where=" + ".join(member_location(location, e["name"]) for e in entries),
                 bucket=entries[0]["bucket"],
                 source=location,
+                extras=spec.data.extras,
             )
         except ShardError as exc:
             failed[stream] = visit

@@ -50,7 +50,7 @@ from melcache.errors import UserError
 from melcache.index import read_index
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
-from train.collate import Batch
+from train.collate import Batch, stand_in_extras
 from train.config import Config
 from train.data import bucket_lengths
 from train.distributed import Env
@@ -222,8 +222,9 @@ def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
     for bucket, max_frames in sorted(bucket_lengths(tuple(index["shards"])).items())[::-1]:
         tokens = _longest_text(shards, index, bucket, trainer.loader.spec.tokenizer)
         shape = _Shape(
-            bucket, max_frames, tokens, data.pad_multiple, trainer.loader.features.n_mels
-        )
+            bucket, max_frames, tokens, data.pad_multiple, trainer.loader.features.n_mels,
+            trainer.loader.spec.data.extras,
+        )  # fmt: skip
         peaks: dict[int, int] = {}  # batch size → peak memory of a step that fitted
         fits = functools.partial(_fits, trainer, probe, shape, peaks)
         size = largest_fitting(fits, start=fits_at_least, most=data.max_batch_size)
@@ -248,6 +249,7 @@ class _Shape:
     tokens: int
     pad_multiple: int
     n_mels: int
+    extras: tuple[str, ...] = ()  # the fields the model asks for
 
     def batch(self, size: int) -> Batch:
         frames = round_up(self.frames, self.pad_multiple)
@@ -260,6 +262,7 @@ class _Shape:
             keys=[f"tune-{i}" for i in range(size)],
             speaker=[None] * size,
             bucket=self.bucket,
+            extras=stand_in_extras(self.extras, size),
         )
 
 
