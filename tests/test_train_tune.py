@@ -5,15 +5,16 @@ tuned table stays under it."""
 from __future__ import annotations
 
 import gc
+import json
 import math
 import tomllib
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, SAMPLE_CORPUS, build_cache
+from _train_probe import worst_batch
+from helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
 
-from melcache.batching import round_up
 from train.collate import Batch
 from train.config import load_config
 from train.distributed import Env
@@ -56,19 +57,6 @@ def test_the_search_is_exact_for_every_limit() -> None:
 
             assert largest_fitting(fits, start=start, most=64) == min(limit, 64), (limit, start)
             assert len(tried) <= 2 * math.ceil(math.log2(64)) + 2, tried
-
-
-def worst_batch(size: int, frames: int, tokens: int, bucket: int) -> Batch:
-    """``size`` utterances as long as ``frames``, with ``tokens`` of text: a bucket's worst."""
-    return Batch(
-        mel=torch.zeros(size, round_up(frames, 8), 100, dtype=torch.float16),
-        mel_lengths=torch.full((size,), frames),
-        text=torch.ones(size, round_up(tokens, 8), dtype=torch.int64),
-        text_lengths=torch.full((size,), tokens),
-        keys=["k"] * size,
-        speaker=[None] * size,
-        bucket=bucket,
-    )
 
 
 @pytest.mark.slow
@@ -143,3 +131,28 @@ def test_tune_on_cpu_needs_a_memory_limit(
     command = ["tune", "--shards", str(train_cache), "--config", str(TINY), "--output", str(output)]
     assert main(command) == 2 and not output.exists()
     assert "--memory-limit-mib" in caplog.text
+
+
+@pytest.mark.slow
+def test_tune_under_fsdp2_searches_with_every_rank_in_step(
+    tune_cache: Path, tmp_path: Path
+) -> None:
+    """2 gloo ranks: every rank tries the same batch at the same time and a memory error is
+    raised on every rank at once (``MemoryCap(agree=...)``), so no rank hangs (run_ok's
+    timeout is the watchdog); each row is the largest batch that fits on every rank."""
+    output, fsdp2 = tmp_path / "budgets.toml", [*OVERRIDES, "train.strategy=fsdp2"]
+    command = ["-m", "train", "tune", "--shards", str(tune_cache), "--config", str(TINY)]
+    command += ["--memory-limit-mib", str(LIMIT_MIB), "--output", str(output), *fsdp2]
+    done = run_ok(torchrun(*command), timeout=180)
+    assert done.stdout.count("| bucket | max length (frames) |") == 1  # rank 0 prints
+    assert "fsdp2 on 2 ranks" in output.read_text()
+    table = tomllib.loads(output.read_text())["data"]["batch_frames"]
+    assert load_config([TINY, output], fsdp2).data.batch_frames == table
+
+    check = [str(PROBE), "tune-check", str(tune_cache), str(output), str(LIMIT_MIB)]
+    run_ok(torchrun(*check, str(tmp_path), *fsdp2), timeout=180)
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"tune-check-rank{rank}.json").read_text())
+        assert found["budgets"] == table  # the same answer again
+        assert found["verdicts"] == {bucket: [True, False] for bucket in table}, found
+    print(f"fsdp2 budgets {table}")
