@@ -16,8 +16,8 @@ steps changed the weights, the loss scale after each, whether PowerSGD's memory 
 ``tune-check CACHE BUDGETS LIMIT_MIB OUT [key=value ...]``: search the budgets again with
 ``train.tune.tune`` on every rank of the job (FSDP2), then check each row independently: a
 real training step on its bucket's worst batch of B utterances fits 90 % of the limit on
-every rank, one of B + 1 runs out of memory on some rank, and every rank agrees. Write
-``OUT/tune-check-rank{R}.json``.
+every rank, one of B + 1 runs out of memory on some rank, and every rank agrees, also when
+only rank 1 runs out (its limit halved). Write ``OUT/tune-check-rank{R}.json``.
 
 ``slow-ckpt STEP MARKER -- ARGS``: run ``python -m train ARGS``, but stall forever halfway
 through writing checkpoint STEP after touching MARKER, so the test can kill -9 mid-write.
@@ -265,6 +265,11 @@ def tune_check_main(cache: str, budgets: Path, limit_mib: float, out: Path, over
                 for r in rows
             },
         }  # fmt: skip
+        # Ranks that disagree: rank 1 alone has half the memory. It runs out mid-forward;
+        # rank 0, which would fit, must raise with it rather than wait in the next all-gather.
+        cap.limit /= 1 + env.rank
+        first = rows[0]
+        result["uneven"] = fits(worst_batch(first.samples, first.max_frames, first.text_tokens, 0))
         trainer.close()
         (out / f"tune-check-rank{env.rank}.json").write_text(json.dumps(result))
     finally:

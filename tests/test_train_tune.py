@@ -155,4 +155,5 @@ def test_tune_under_fsdp2_searches_with_every_rank_in_step(
         found = json.loads((tmp_path / f"tune-check-rank{rank}.json").read_text())
         assert found["budgets"] == table  # the same answer again
         assert found["verdicts"] == {bucket: [True, False] for bucket in table}, found
+        assert found["uneven"] is False  # rank 1 ran out alone: both ranks raised
     print(f"fsdp2 budgets {table}")
