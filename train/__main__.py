@@ -60,7 +60,8 @@ def _tune_parser() -> argparse.ArgumentParser:
         prog="python -m train tune",
         description="Find, per length bucket, the largest batch budget whose training step fits "
         "train.memory_target of this device's memory (a GPU tool; see train/tune.py), print a "
-        "table and write a [data.batch_frames] table to pass as a second --config.",
+        "table and write a [data.batch_frames] table to pass as a second --config. Under torchrun "
+        "it searches train.strategy = fsdp2/hsdp with every rank in step.",
     )
     p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
     p.add_argument("--config", type=Path, action="append", help="trainer TOML, as for training")

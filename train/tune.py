@@ -2,7 +2,8 @@
 
 A GPU tool, after NeMo's OOMptimizer: on the device it runs on, with the real model, precision,
 activation checkpointing, optimizer, EMA and loss scaler (a :class:`~train.trainer.Trainer` of
-the given config, in one process), each bucket, longest first, gets a bisection of real
+the given config: in one process, or under torchrun for ``train.strategy = "fsdp2" |
+"hsdp"``, every rank trying the same batch at the same time), each bucket, longest first, gets a bisection of real
 training steps (``Trainer.train_step``: forward, backward, optimizer step) on a batch of ``B``
 utterances all as long as the bucket's longest, with text as long as the longest text of the
 shard that holds it. ``B`` doubles from the previous bucket's answer until a step runs out of
@@ -19,6 +20,11 @@ freed, plus the model, optimizer and EMA tensors there before) and raises
 ``torch.OutOfMemoryError`` past the cap, as a GPU would. That is what
 ``torch.cuda.max_memory_allocated`` counts, without the allocator's rounding, caching and
 kernel workspaces: the CPU numbers test the search, they do not size a GPU.
+
+Under torchrun (sharded strategies) every rank counts with :class:`MemoryCap`, on CUDA too,
+and the ranks agree: a rank past its cap raises only before the next collective or at the
+end of the step, and then every rank raises, so none is left waiting in an all-gather for a
+rank that gave up on the step. A batch fits when it fits on every rank.
 
 It prints a table and writes a TOML snippet for the trainer::
 
