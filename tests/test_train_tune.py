@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -57,6 +58,33 @@ def test_the_search_is_exact_for_every_limit() -> None:
 
             assert largest_fitting(fits, start=start, most=64) == min(limit, 64), (limit, start)
             assert len(tried) <= 2 * math.ceil(math.log2(64)) + 2, tried
+
+
+def test_an_agreed_cap_raises_only_where_every_rank_is_at_the_same_point() -> None:
+    """Under torchrun (``agree``: the largest of every rank's flag) the cap does not raise at
+    the op that passes it, but before the next collective or at ``settle()``, and also when
+    only another rank is over."""
+    flags: list[float] = []
+    mine = MemoryCap(1000, agree=lambda flag: flags.append(flag) or flag)
+    with mine:
+        tensor = torch.zeros(1000)  # 4,000 bytes: past the cap, no error yet
+        assert mine.over and not mine.raised
+        with pytest.raises(torch.OutOfMemoryError, match="on some rank"):
+            torch.ops._c10d_functional.wait_tensor(tensor)
+    assert mine.raised and flags == [1.0]
+
+    others_over = MemoryCap(2**30, agree=lambda flag: 1.0)
+    with others_over:
+        torch.zeros(10)
+    with pytest.raises(torch.OutOfMemoryError):
+        others_over.settle()
+    assert others_over.raised and not others_over.over
+
+    nobody_over = MemoryCap(2**30, agree=lambda flag: flag)
+    with nobody_over:
+        torch.ops._c10d_functional.wait_tensor(torch.zeros(10))
+    nobody_over.settle()
+    assert not nobody_over.raised
 
 
 @pytest.mark.slow
@@ -157,3 +185,17 @@ def test_tune_under_fsdp2_searches_with_every_rank_in_step(
         assert found["verdicts"] == {bucket: [True, False] for bucket in table}, found
         assert found["uneven"] is False  # rank 1 ran out alone: both ranks raised
     print(f"fsdp2 budgets {table}")
+
+
+@pytest.mark.slow
+def test_tune_under_torchrun_with_ddp_is_refused_in_one_line(train_cache: Path, tmp_path: Path):
+    output = tmp_path / "budgets.toml"
+    command = ["-m", "train", "tune", "--shards", str(train_cache), "--config", str(TINY)]
+    command += ["--memory-limit-mib", "64", "--output", str(output), *OVERRIDES]
+    done = subprocess.run(torchrun(*command), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and not output.exists()  # each rank exits 2 (torchrun: 1)
+    lines = [x for x in done.stderr.splitlines() if "train tune under torchrun" in x]
+    assert len(lines) == 2 and all(
+        'searches train.strategy = "fsdp2" or "hsdp"' in x for x in lines
+    )
+    assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr
