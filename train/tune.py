@@ -2,14 +2,14 @@
 
 A GPU tool, after NeMo's OOMptimizer: on the device it runs on, with the real model, precision,
 activation checkpointing, optimizer, EMA and loss scaler (a :class:`~train.trainer.Trainer` of
-the given config: in one process, or under torchrun for ``train.strategy = "fsdp2" |
-"hsdp"``, every rank trying the same batch at the same time), each bucket, longest first, gets a bisection of real
-training steps (``Trainer.train_step``: forward, backward, optimizer step) on a batch of ``B``
-utterances all as long as the bucket's longest, with text as long as the longest text of the
-shard that holds it. ``B`` doubles from the previous bucket's answer until a step runs out of
-memory, then bisects to the largest ``B`` that fits (exact: the search is over whole
-utterances). The budget is ``B × padded length``: shorter utterances of the bucket pack more
-of them into it, and their attention costs less.
+the given config: in one process, or under torchrun for ``train.strategy = "fsdp2" | "hsdp"``,
+every rank trying the same batch at the same time), each bucket, longest first, gets a
+bisection of real training steps (``Trainer.train_step``: forward, backward, optimizer step) on
+a batch of ``B`` utterances all as long as the bucket's longest, with text as long as the
+longest text of the shard that holds it. ``B`` doubles from the previous bucket's answer until
+a step runs out of memory, then bisects to the largest ``B`` that fits (exact: the search is
+over whole utterances). The budget is ``B × padded length``: shorter utterances of the bucket
+pack more of them into it, and their attention costs less.
 
 "Fits" means the step raises no ``torch.OutOfMemoryError`` with memory capped at
 ``train.memory_target`` (default 90 %) of the device: on CUDA, torch's caching allocator is
