@@ -1,4 +1,4 @@
-"""Helper run under ``torchrun`` by tests/test_train_ddp.py (not collected by pytest).
+"""Helper run under ``torchrun`` by the 2-rank tests (not collected by pytest).
 
 ``ddp CACHE OUT [key=value ...]``: inside one 2-rank job, check the DDP properties that
 need a look inside the loop, and write ``OUT/probe-rank{R}.json``:
@@ -13,6 +13,12 @@ need a look inside the loop, and write ``OUT/probe-rank{R}.json``:
 rank 0's loss is multiplied by inf in step 5. Write ``OUT/overflow-rank{R}.json``: which
 steps changed the weights, the loss scale after each, whether PowerSGD's memory is finite.
 
+``tune-check CACHE BUDGETS LIMIT_MIB OUT [key=value ...]``: search the budgets again with
+``train.tune.tune`` on every rank of the job (FSDP2), then check each row independently: a
+real training step on its bucket's worst batch of B utterances fits 90 % of the limit on
+every rank, one of B + 1 runs out of memory on some rank, and every rank agrees, also when
+only rank 1 runs out (its limit halved). Write ``OUT/tune-check-rank{R}.json``.
+
 ``slow-ckpt STEP MARKER -- ARGS``: run ``python -m train ARGS``, but stall forever halfway
 through writing checkpoint STEP after touching MARKER, so the test can kill -9 mid-write.
 """
@@ -20,6 +26,7 @@ through writing checkpoint STEP after touching MARKER, so the test can kill -9 m
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import sys
@@ -33,11 +40,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from melcache.batching import round_up  # noqa: E402
+from melcache.errors import UserError  # noqa: E402
 from train import checkpoint  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.data import Batch  # noqa: E402
 from train.distributed import setup, teardown  # noqa: E402
+from train.parallel import abandon_step  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
+from train.tune import MemoryCap, agreement, tensor_bytes, tune  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.toml"
 
@@ -209,6 +220,62 @@ def powersgd_overflow_main(cache: str, out: Path, overrides: list[str]) -> None:
         teardown(env)
 
 
+def worst_batch(size: int, frames: int, tokens: int, bucket: int) -> Batch:
+    """``size`` utterances as long as ``frames``, with ``tokens`` of text: a bucket's worst."""
+    return Batch(
+        mel=torch.zeros(size, round_up(frames, 8), 100, dtype=torch.float16),
+        mel_lengths=torch.full((size,), frames),
+        text=torch.ones(size, round_up(tokens, 8), dtype=torch.int64),
+        text_lengths=torch.full((size,), tokens),
+        keys=["k"] * size,
+        speaker=[None] * size,
+        bucket=bucket,
+    )
+
+
+def tune_check_main(cache: str, budgets: Path, limit_mib: float, out: Path, overrides: list[str]):
+    env = setup()
+    try:
+        cfg = load_config([TINY, budgets], overrides)
+        rows, _ = tune(cfg, cache, memory_limit_mib=limit_mib, env=env)
+        trainer = Trainer(cfg, cache, out / f"check-{env.rank}", env)
+        baseline = tensor_bytes(trainer.raw_model.state_dict().values())
+        cap = MemoryCap(0.9 * limit_mib * 2**20, baseline, agree=agreement(env))
+
+        def fits(batch: Batch) -> bool:
+            gc.collect()
+            cap.reset_peak()
+            try:
+                with cap:
+                    verdict = trainer.train_step([batch])
+                cap.settle()
+                return not verdict.skipped
+            except (torch.OutOfMemoryError, UserError):  # FSDP2's trainer: a UserError
+                if not cap.raised:
+                    raise
+                abandon_step(trainer.raw_model)
+                return False
+
+        assert fits(worst_batch(1, 29, 8, 0))  # the optimizer state, as in one process
+        result = {
+            "budgets": {str(r.bucket): r.budget for r in rows},
+            "verdicts": {
+                str(r.bucket): [fits(worst_batch(n, r.max_frames, r.text_tokens, 0)) for n in
+                                (r.samples, r.samples + 1)]
+                for r in rows
+            },
+        }  # fmt: skip
+        # Ranks that disagree: rank 1 alone has half the memory. It runs out mid-forward;
+        # rank 0, which would fit, must raise with it rather than wait in the next all-gather.
+        cap.limit /= 1 + env.rank
+        first = rows[0]
+        result["uneven"] = fits(worst_batch(first.samples, first.max_frames, first.text_tokens, 0))
+        trainer.close()
+        (out / f"tune-check-rank{env.rank}.json").write_text(json.dumps(result))
+    finally:
+        teardown(env)
+
+
 def slow_checkpoint_main(step: int, marker: Path, argv: list[str]) -> int:
     """``python -m train`` whose write of checkpoint ``step`` stalls halfway."""
     real_write = checkpoint._write
@@ -243,6 +310,8 @@ if __name__ == "__main__":
         ddp_main(rest[0], Path(rest[1]), rest[2:])
     elif mode == "powersgd-overflow":
         powersgd_overflow_main(rest[0], Path(rest[1]), rest[2:])
+    elif mode == "tune-check":
+        tune_check_main(rest[0], Path(rest[1]), float(rest[2]), Path(rest[3]), rest[4:])
     elif mode == "slow-ckpt":
         sys.exit(slow_checkpoint_main(int(rest[0]), Path(rest[1]), rest[3:]))
     else:

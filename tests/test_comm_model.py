@@ -38,3 +38,18 @@ def test_model_favours_big_buckets_for_powersgd_and_nvlink_for_hsdp() -> None:
     assert big < small < comm_model.step_comm_s("ddp-fp32", model, 1024, thin)
     assert comm_model.memory_gb("ddp-fp32", model, 8) == pytest.approx(16 * 1.012, rel=0.01)
     assert comm_model.memory_gb("hsdp", model, 1024) == comm_model.memory_gb("fsdp2", model, 8)
+
+
+@pytest.mark.slow
+def test_hook_overlap_times_both_hooks_on_several_buckets(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "benchmarks.hook_overlap", "--dim", "64", "--layers", "2"]
+    cmd += ["--bucket-mb", "0.1", "--steps", "2", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["hook"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == ["allreduce", "powersgd-r4"]
+    assert all(
+        r["buckets"] >= 2 and r["in_hook_ms"] > 0 and r["compute_ms"] > 0 for r in rows.values()
+    )
+    assert "| powersgd-r4 |" in done.stdout and "in the hook ms" in done.stdout

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,11 +13,17 @@ import torch
 from helpers import small_tmpfs
 
 from melcache.errors import UserError
-from train import checkpoint
+from train import checkpoint, dcp
 from train.checkpoint import MARKER, SHARED, Checkpointer, rank_file
+from train.dcp import WEIGHTS
 from train.distributed import Env
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def weights(step: int) -> dict:
+    """What a sharded run writes in DCP format (here from one process, so unsharded)."""
+    return {"model": {"w": torch.full((64,), float(step))}, "optimizer": {"step": step}}
 
 
 def state(step: int) -> tuple[dict, dict]:
@@ -100,6 +108,8 @@ def replace_with(make: Callable[[Path], None]) -> Callable[[Path], None]:
     return damage
 
 
+SHARD = f"{WEIGHTS}/__0_0.distcp"  # the one DCP shard file one process writes
+METADATA = f"{WEIGHTS}/.metadata"
 # Each way a checkpoint file can be damaged: the file it hits, the damage, the reason named.
 DAMAGE = {
     "empty shared.pt": (SHARED, lambda p: p.write_bytes(b""), "EOFError"),
@@ -113,6 +123,15 @@ DAMAGE = {
     "marker without world_size": (MARKER, lambda p: p.write_text("{}"), "no world_size"),
     "string world_size": (MARKER, lambda p: p.write_text('{"world_size": "1"}'), "no world_size"),
     "deep marker": (MARKER, lambda p: p.write_text("[" * 100_000), "nested too deeply"),
+    "missing DCP folder": (WEIGHTS, shutil.rmtree, "is missing"),
+    "missing DCP shard": (SHARD, Path.unlink, "is missing"),
+    "truncated DCP shard": (SHARD, cut_in_half, "is cut short"),
+    "FIFO for a DCP shard": (SHARD, replace_with(os.mkfifo), "is a FIFO"),
+    "missing DCP metadata": (METADATA, Path.unlink, "is missing"),
+    "truncated DCP metadata": (METADATA, cut_in_half, "not readable DCP metadata"),
+    "garbage DCP metadata": (METADATA, lambda p: p.write_bytes(b"\x80\x05junk"), "DCP metadata"),
+    "foreign DCP metadata": (METADATA, lambda p: p.write_bytes(pickle.dumps(print)), "refused"),
+    "FIFO for DCP metadata": (METADATA, replace_with(os.mkfifo), "is a FIFO"),
 }
 
 
@@ -123,11 +142,12 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_restored(
     target, damage, reason = DAMAGE[case]
     ckpt = Checkpointer(tmp_path, CPU, keep=3, async_save=False)
     for step in (1, 2):
-        ckpt.save(step, *state(step))
+        ckpt.save(step, *state(step), weights(step))
     damage(tmp_path / "step-00000002" / target)
 
     path, shared, _ = ckpt.restore()
     assert path.name == "step-00000001" and shared["step"] == 1
+    assert torch.equal(dcp.read_full(path / WEIGHTS)["model"]["w"], weights(1)["model"]["w"])
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert str(tmp_path / "step-00000002" / target) in warning and reason in warning
     assert warning.endswith(f"falling back to {tmp_path / 'step-00000001'}")

@@ -4,6 +4,7 @@ jobs: the loss follows DDP's, checkpoints are DCP shards, and a resume is bitwis
 from __future__ import annotations
 
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,15 +59,68 @@ def test_sharded_run_follows_ddp_and_resumes_bitwise(
     assert sharded_loss == pytest.approx(ddp_loss, rel=1e-3), (sharded_loss, ddp_loss)
     assert sharded_loss[-1] < 0.9 * sharded_loss[0], sharded_loss
     assert "model" not in load(checkpoint(straight, 12))  # the weights are in DCP shards
-    a, b = weights(straight, 12), weights(resumed, 12)
+    assert_same_run(straight, resumed, 12)
+
+
+def assert_same_run(a_out: Path, b_out: Path, step: int) -> None:
+    """Runs ``a_out`` and ``b_out`` hold bitwise the same DCP weights at ``step`` (model,
+    AdamW, EMA) and logged the same metrics."""
+    a, b = weights(a_out, step), weights(b_out, step)
     assert sorted(a) == sorted(b) and {"model", "optimizer", "ema"} <= {k.split(".")[0] for k in a}
+    differ = []
     for key, value in a.items():
         same = torch.equal(value, b[key]) if isinstance(value, torch.Tensor) else value == b[key]
-        assert same, f"{key} differs"
+        if not same:
+            gap = (
+                (value.float() - b[key].float()).abs().max().item()
+                if value.is_floating_point()
+                else None
+            )
+            differ.append(f"{key} ({value.dtype}, max gap {gap})")
+    assert not differ, f"{len(differ)} of {len(a)} differ: {differ[:8]}"
     keys = ("step", "loss", "grad_norm", "lr")
-    assert [{k: r[k] for k in keys} for r in metrics(resumed)] == [
-        {k: r[k] for k in keys} for r in metrics(straight)
+    assert [{k: r[k] for k in keys} for r in metrics(b_out)] == [
+        {k: r[k] for k in keys} for r in metrics(a_out)
     ]
+
+
+BF16 = ("train.strategy=fsdp2", "train.precision=bf16", *TWELVE)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(train_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """fsdp2 + bf16 on 2 ranks: 12 steps straight, and 6 + resume + 6."""
+    root = tmp_path_factory.mktemp("fsdp_bf16")
+    straight, resumed = root / "straight", root / "resumed"
+    run_ok(train_cmd(train_cache, straight, *BF16, max_steps=12))
+    run_ok(train_cmd(train_cache, resumed, *BF16, max_steps=6))
+    assert "resumed from" in run_ok(train_cmd(train_cache, resumed, *BF16, max_steps=12)).stderr
+    return straight, resumed
+
+
+@pytest.mark.slow
+def test_fsdp2_bf16_resumes_bitwise(bf16_runs: tuple[Path, Path]) -> None:
+    straight, resumed = bf16_runs
+    losses = [r["loss"] for r in metrics(straight)]
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert_same_run(straight, resumed, 12)
+
+
+@pytest.mark.slow
+def test_a_damaged_dcp_folder_falls_back_to_the_previous_checkpoint(
+    bf16_runs: tuple[Path, Path], train_cache: Path, tmp_path: Path
+) -> None:
+    straight, _ = bf16_runs
+    damaged = tmp_path / "damaged"
+    shutil.copytree(straight, damaged)
+    shard = checkpoint(damaged, 12) / dcp.WEIGHTS / "__1_0.distcp"  # rank 1's shards
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    done = run_ok(train_cmd(train_cache, damaged, *BF16, max_steps=12))
+    (warning,) = [line for line in done.stderr.splitlines() if "falling back" in line]
+    assert f"{shard} is cut short" in warning, warning
+    assert warning.endswith(f"falling back to {checkpoint(damaged, 6)}"), warning
+    assert f"resumed from {checkpoint(damaged, 6)}" in done.stderr
+    assert_same_run(straight, damaged, 12)  # steps 7-12 again, from step 6: the same weights
 
 
 def test_dcp_metadata_is_read_without_running_pickled_code(tmp_path: Path) -> None:

@@ -5,15 +5,17 @@ tuned table stays under it."""
 from __future__ import annotations
 
 import gc
+import json
 import math
+import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, SAMPLE_CORPUS, build_cache
+from _train_probe import worst_batch
+from helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
 
-from melcache.batching import round_up
 from train.collate import Batch
 from train.config import load_config
 from train.distributed import Env
@@ -58,17 +60,31 @@ def test_the_search_is_exact_for_every_limit() -> None:
             assert len(tried) <= 2 * math.ceil(math.log2(64)) + 2, tried
 
 
-def worst_batch(size: int, frames: int, tokens: int, bucket: int) -> Batch:
-    """``size`` utterances as long as ``frames``, with ``tokens`` of text: a bucket's worst."""
-    return Batch(
-        mel=torch.zeros(size, round_up(frames, 8), 100, dtype=torch.float16),
-        mel_lengths=torch.full((size,), frames),
-        text=torch.ones(size, round_up(tokens, 8), dtype=torch.int64),
-        text_lengths=torch.full((size,), tokens),
-        keys=["k"] * size,
-        speaker=[None] * size,
-        bucket=bucket,
-    )
+def test_an_agreed_cap_raises_only_where_every_rank_is_at_the_same_point() -> None:
+    """Under torchrun (``agree``: the largest of every rank's flag) the cap does not raise at
+    the op that passes it, but before the next collective or at ``settle()``, and also when
+    only another rank is over."""
+    flags: list[float] = []
+    mine = MemoryCap(1000, agree=lambda flag: flags.append(flag) or flag)
+    with mine:
+        tensor = torch.zeros(1000)  # 4,000 bytes: past the cap, no error yet
+        assert mine.over and not mine.raised
+        with pytest.raises(torch.OutOfMemoryError, match="on some rank"):
+            torch.ops._c10d_functional.wait_tensor(tensor)
+    assert mine.raised and flags == [1.0]
+
+    others_over = MemoryCap(2**30, agree=lambda flag: 1.0)
+    with others_over:
+        torch.zeros(10)
+    with pytest.raises(torch.OutOfMemoryError):
+        others_over.settle()
+    assert others_over.raised and not others_over.over
+
+    nobody_over = MemoryCap(2**30, agree=lambda flag: flag)
+    with nobody_over:
+        torch.ops._c10d_functional.wait_tensor(torch.zeros(10))
+    nobody_over.settle()
+    assert not nobody_over.raised
 
 
 @pytest.mark.slow
@@ -143,3 +159,43 @@ def test_tune_on_cpu_needs_a_memory_limit(
     command = ["tune", "--shards", str(train_cache), "--config", str(TINY), "--output", str(output)]
     assert main(command) == 2 and not output.exists()
     assert "--memory-limit-mib" in caplog.text
+
+
+@pytest.mark.slow
+def test_tune_under_fsdp2_searches_with_every_rank_in_step(
+    tune_cache: Path, tmp_path: Path
+) -> None:
+    """2 gloo ranks: every rank tries the same batch at the same time and a memory error is
+    raised on every rank at once (``MemoryCap(agree=...)``), so no rank hangs (run_ok's
+    timeout is the watchdog); each row is the largest batch that fits on every rank."""
+    output, fsdp2 = tmp_path / "budgets.toml", [*OVERRIDES, "train.strategy=fsdp2"]
+    command = ["-m", "train", "tune", "--shards", str(tune_cache), "--config", str(TINY)]
+    command += ["--memory-limit-mib", str(LIMIT_MIB), "--output", str(output), *fsdp2]
+    done = run_ok(torchrun(*command), timeout=180)
+    assert done.stdout.count("| bucket | max length (frames) |") == 1  # rank 0 prints
+    assert "fsdp2 on 2 ranks" in output.read_text()
+    table = tomllib.loads(output.read_text())["data"]["batch_frames"]
+    assert load_config([TINY, output], fsdp2).data.batch_frames == table
+
+    check = [str(PROBE), "tune-check", str(tune_cache), str(output), str(LIMIT_MIB)]
+    run_ok(torchrun(*check, str(tmp_path), *fsdp2), timeout=180)
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"tune-check-rank{rank}.json").read_text())
+        assert found["budgets"] == table  # the same answer again
+        assert found["verdicts"] == {bucket: [True, False] for bucket in table}, found
+        assert found["uneven"] is False  # rank 1 ran out alone: both ranks raised
+    print(f"fsdp2 budgets {table}")
+
+
+@pytest.mark.slow
+def test_tune_under_torchrun_with_ddp_is_refused_in_one_line(train_cache: Path, tmp_path: Path):
+    output = tmp_path / "budgets.toml"
+    command = ["-m", "train", "tune", "--shards", str(train_cache), "--config", str(TINY)]
+    command += ["--memory-limit-mib", "64", "--output", str(output), *OVERRIDES]
+    done = subprocess.run(torchrun(*command), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and not output.exists()  # each rank exits 2 (torchrun: 1)
+    lines = [x for x in done.stderr.splitlines() if "train tune under torchrun" in x]
+    assert len(lines) == 2 and all(
+        'searches train.strategy = "fsdp2" or "hsdp"' in x for x in lines
+    )
+    assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr

@@ -60,7 +60,8 @@ def _tune_parser() -> argparse.ArgumentParser:
         prog="python -m train tune",
         description="Find, per length bucket, the largest batch budget whose training step fits "
         "train.memory_target of this device's memory (a GPU tool; see train/tune.py), print a "
-        "table and write a [data.batch_frames] table to pass as a second --config.",
+        "table and write a [data.batch_frames] table to pass as a second --config. Under torchrun "
+        "it searches train.strategy = fsdp2/hsdp with every rank in step.",
     )
     p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
     p.add_argument("--config", type=Path, action="append", help="trainer TOML, as for training")
@@ -103,17 +104,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if argv[:1] == ["tune"]:
             from train.config import load_config
+            from train.distributed import setup, teardown
             from train.tune import render, tune
 
             args = _tune_parser().parse_args(argv[1:])
-            rows, where = tune(
-                load_config(args.config, args.overrides),
-                args.shards,
-                memory_limit_mib=args.memory_limit_mib,
-            )
-            table, toml = render(rows, where)
-            args.output.write_text(toml, encoding="utf-8")
-            print(f"{table}\n\nwritten to {args.output}")
+            cfg = load_config(args.config, args.overrides)
+            env = setup()  # under torchrun: the ranks search a sharded strategy in step
+            try:
+                rows, where = tune(
+                    cfg, args.shards, memory_limit_mib=args.memory_limit_mib, env=env
+                )
+            finally:
+                teardown(env)
+            if env.is_main:
+                table, toml = render(rows, where)
+                args.output.write_text(toml, encoding="utf-8")
+                print(f"{table}\n\nwritten to {args.output}")
             return 0
         args = _train_parser().parse_intermixed_args(argv)  # overrides on both sides of options
         from train.config import load_config

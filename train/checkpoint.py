@@ -30,7 +30,6 @@ import os
 import pickle
 import re
 import shutil
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -132,8 +131,10 @@ class Checkpointer:
 
     def restore(self) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
         """``(path, shared, local)`` of the newest checkpoint every rank can load, or None when
-        there is none. An unreadable one is named in a warning and the next older one tried
-        (all ranks agree on which); :class:`UserError` when none is left."""
+        there is none. An unreadable one (a file of it, or its DCP ``weights/`` folder: its
+        ``.metadata`` or a shard file missing, cut short or damaged) is named in a one-line
+        warning and the next older one tried (all ranks agree on which); :class:`UserError`
+        when none is left."""
         complete, problems = self.complete(), []
         for i, path in enumerate(complete):
             state, mine = None, ""
@@ -158,7 +159,8 @@ class Checkpointer:
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(shared, local)`` of checkpoint ``path`` for this rank, loaded ``weights_only``;
         :class:`CorruptCheckpoint` naming the file that cannot be read."""
-        world_size = _marker_world_size(path / MARKER)
+        marker = _read_marker(path / MARKER)
+        world_size = marker["world_size"]
         if world_size != self.env.world_size:
             raise UserError(
                 f"{path} was written by {world_size} ranks but this job has "
@@ -166,7 +168,11 @@ class Checkpointer:
                 f"with --nproc-per-node/--nnodes giving {world_size} processes, or "
                 "start a new --out"
             )
-        return _load(path / SHARED), _load(path / rank_file(self.env.rank))
+        state = _load(path / SHARED), _load(path / rank_file(self.env.rank))
+        listed = marker.get("files")
+        if (path / dcp.WEIGHTS).exists() or (isinstance(listed, list) and dcp.WEIGHTS in listed):
+            _check_weights(path / dcp.WEIGHTS)  # loaded later, into the sharded model
+        return state
 
     def _write(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         name = f"step-{step:08d}"
@@ -197,6 +203,8 @@ class Checkpointer:
 
     def _commit(self, step: int, temp: Path, final: Path) -> None:
         names = [SHARED] + [rank_file(r) for r in range(self.env.world_size)]
+        if (temp / dcp.WEIGHTS).is_dir():
+            names.append(dcp.WEIGHTS)
         marker = {"step": step, "world_size": self.env.world_size, "files": names}
         try:
             with open(temp / MARKER, "w", encoding="utf-8") as f:
@@ -268,15 +276,12 @@ class CorruptCheckpoint(UserError):
 # What torch.load raises on bytes that are not a torch checkpoint (torch's zip reader and
 # the weights_only unpickler do not wrap their errors): empty (EOFError), a cut zip
 # (RuntimeError), random bytes (UnpicklingError, ValueError, ...).
-_UNREADABLE = (
-    EOFError, RuntimeError, ValueError, KeyError, IndexError, TypeError, AttributeError,
-    UnicodeDecodeError, struct.error, OverflowError,
-)  # fmt: skip
+_UNREADABLE = (RuntimeError, *dcp.UNPICKLING_ERRORS)
 
 
-def _marker_world_size(marker: Path) -> int:
-    """The world size ``marker`` (COMPLETE.json) records; :class:`CorruptCheckpoint` when it
-    cannot be read or does not record one as an integer."""
+def _read_marker(marker: Path) -> dict[str, Any]:
+    """The fields of ``marker`` (COMPLETE.json); :class:`CorruptCheckpoint` when it cannot be
+    read or does not record the world size as a positive integer."""
     try:
         fields = loads_json(read_limited(marker).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -284,7 +289,15 @@ def _marker_world_size(marker: Path) -> int:
     world_size = fields.get("world_size") if isinstance(fields, dict) else None
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise CorruptCheckpoint(f"{marker} records no world_size as a positive integer")
-    return world_size
+    return fields
+
+
+def _check_weights(folder: Path) -> None:
+    """:class:`CorruptCheckpoint` naming the file when DCP folder ``folder`` is damaged."""
+    try:
+        dcp.check(folder)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpoint(_one_line(exc)) from None
 
 
 def _load(file: Path) -> dict[str, Any]:

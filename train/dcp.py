@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import io
+import os
 import pickle
+import struct
 from pathlib import Path, PosixPath
 from typing import Any
 
@@ -25,7 +28,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from melcache.bounded import open_regular, read_limited
+
 WEIGHTS = "weights"  # the DCP folder inside a checkpoint
+
+# What an unpickler raises on bytes cut short or not a pickle: it wraps none of its errors.
+UNPICKLING_ERRORS = (
+    pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError,
+    AttributeError, UnicodeDecodeError, struct.error, OverflowError,
+)  # fmt: skip
 
 # Every global a DCP .metadata file names: the dataclasses and enums of DCP's metadata.py,
 # its storage record, torch.Size, dtypes and layouts (by name), and the checkpoint's path.
@@ -55,14 +66,49 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        # read_limited: a FIFO or /dev/zero in its place is refused, not waited on
+        metadata = _MetadataUnpickler(io.BytesIO(read_limited(path))).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise ValueError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def check(folder: Path) -> None:
+    """Raise ``ValueError`` or ``OSError``, naming the file and the reason, when DCP checkpoint
+    ``folder`` is damaged: ``.metadata`` missing or unreadable, or a shard file it names
+    missing, not a regular file, outside the folder or shorter than the bytes it records."""
+    metadata_path = Path(folder) / ".metadata"
+    if not Path(folder).is_dir():
+        raise ValueError(
+            f"{folder} is missing" if not Path(folder).exists() else f"{folder} is not a folder"
+        )
+    try:
+        metadata = SafeReader(str(folder)).read_metadata()
+    except FileNotFoundError:
+        raise ValueError(f"{metadata_path} is missing") from None
+    except OSError:
+        raise  # open_regular / read_limited name the file and what it is
+    except UNPICKLING_ERRORS as exc:
+        raise ValueError(
+            f"{metadata_path} is not readable DCP metadata (cut short or damaged?): "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        ) from None
+    ends: dict[str, int] = {}  # shard file -> the last byte the metadata places in it
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        if Path(name).name != name:
+            raise ValueError(f"{metadata_path} names a shard file outside its folder: {name!r}")
+        path = Path(folder) / name
+        if not path.exists():
+            raise ValueError(f"{path} is missing")
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+        if size < end:
+            raise ValueError(f"{path} is cut short: {size} bytes, its metadata places {end}")
 
 
 def save(state: dict[str, Any], folder: Path, group: dist.ProcessGroup | None) -> None:

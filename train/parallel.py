@@ -76,6 +76,15 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> bool:
     return True
 
 
+def abandon_step(model: nn.Module) -> None:
+    """After a step abandoned midway (an out-of-memory error every rank agreed on): drop its
+    gradients and reset FSDP2's per-iteration state (it reshards what was all-gathered), so
+    the next step runs as a fresh one."""
+    model.zero_grad(set_to_none=True)
+    if isinstance(model, FSDPModule):
+        model.reset_iter_state()
+
+
 def weights_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA | None, is_sharded: bool
 ) -> dict[str, Any]:
