@@ -19,6 +19,8 @@ from train.dcp import WEIGHTS
 from train.distributed import Env
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+# DCP warns that a process without a process group saves alone: that is what these tests do.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def weights(step: int) -> dict:
