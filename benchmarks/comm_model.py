@@ -34,8 +34,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from train.config import TrainConfig
 from train.distributed import Env
+from train.loop_config import TrainConfig
 from train.model import TextToMel
 from train.parallel import shard
 from train.powersgd import PowerSGD

@@ -415,7 +415,7 @@ def test_a_ramped_batch_raises_accumulation_and_lr_and_resumes_bitwise(
 
 def test_the_closed_loop_doubles_only_upwards_after_its_cool_down() -> None:
     from train.batchsize import BatchSchedule
-    from train.config import TrainConfig
+    from train.loop_config import TrainConfig
     from train.optim import build_optimizer, build_scheduler
 
     model = torch.nn.Linear(2, 2)

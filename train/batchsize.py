@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from train.config import TrainConfig
+from train.loop_config import TrainConfig
 
 log = logging.getLogger(__name__)
 

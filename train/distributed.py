@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from melcache.errors import UserError
-from train.config import TrainConfig
+from train.loop_config import TrainConfig
 
 # What torchrun sets for every rank besides RANK.
 _JOB_VARIABLES = ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from melcache.errors import UserError
-from train.config import TrainConfig
 from train.distributed import Env
+from train.loop_config import TrainConfig
 from train.optim import EMA
 
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.config import TrainConfig
 from train.distributed import Env, derive_seed
+from train.loop_config import TrainConfig
 
 # A matrix is compressed when rank-r factors are at least this many times smaller (torch's
 # default): small matrices and every vector are all-reduced exactly.

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from train.config import TrainConfig
 from train.distributed import Env
+from train.loop_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
