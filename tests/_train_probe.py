@@ -46,9 +46,10 @@ from train import checkpoint  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.data import Batch  # noqa: E402
 from train.distributed import setup, teardown  # noqa: E402
+from train.memprobe import MemoryCap, agreement, tensor_bytes  # noqa: E402
 from train.parallel import abandon_step  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
-from train.tune import MemoryCap, agreement, tensor_bytes, tune  # noqa: E402
+from train.tune import tune  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.toml"
 

@@ -1,4 +1,4 @@
-"""``python -m train tune`` on CPU, against a memory limit (``train.tune.MemoryCap``): the search
+"""``python -m train tune`` on CPU, against a memory limit (``train.memprobe.MemoryCap``): the search
 finds each bucket's largest batch within one step of the true limit, and a training run with the
 tuned table stays under it."""
 
@@ -19,8 +19,9 @@ from helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
 from train.collate import Batch
 from train.config import load_config
 from train.distributed import Env
+from train.memprobe import MemoryCap, tensor_bytes
 from train.trainer import Trainer
-from train.tune import MemoryCap, largest_fitting, tensor_bytes, tune
+from train.tune import largest_fitting, tune
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 TINY = REPO / "configs" / "tiny.toml"

@@ -15,13 +15,13 @@ pack more of them into it, and their attention costs less.
 ``train.memory_target`` (default 90 %) of the device: on CUDA, torch's caching allocator is
 capped (``torch.cuda.set_per_process_memory_fraction``) and the peak is
 ``torch.cuda.max_memory_reserved``. On CPU, the same search runs against ``--memory-limit-mib``:
-:class:`MemoryCap` counts the bytes of live tensors (every tensor an op creates, until it is
+:class:`~train.memprobe.MemoryCap` counts the bytes of live tensors (every tensor an op creates, until it is
 freed, plus the model, optimizer and EMA tensors there before) and raises
 ``torch.OutOfMemoryError`` past the cap, as a GPU would. That is what
 ``torch.cuda.max_memory_allocated`` counts, without the allocator's rounding, caching and
 kernel workspaces: the CPU numbers test the search, they do not size a GPU.
 
-Under torchrun (sharded strategies) every rank counts with :class:`MemoryCap`, on CUDA too,
+Under torchrun (sharded strategies) every rank counts with :class:`~train.memprobe.MemoryCap`, on CUDA too,
 and the ranks agree: a rank past its cap raises only before the next collective or at the
 end of the step, and then every rank raises, so none is left waiting in an all-gather for a
 rank that gave up on the step. A batch fits when it fits on every rank.
@@ -36,21 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import logging
 import math
 import tempfile
-import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from melcache.batching import round_up
 from melcache.errors import UserError
@@ -61,11 +54,10 @@ from train.collate import Batch, stand_in_extras
 from train.config import Config
 from train.data import bucket_lengths
 from train.distributed import Env
+from train.memprobe import MIB, CapProbe, CudaProbe, MemoryCap, agreement, tensor_bytes
 from train.parallel import abandon_step, sharded
 from train.scaler import HysteresisScaler
 from train.trainer import Trainer
-
-MIB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,159 +70,6 @@ class Row:
     samples: int  # of the longest length, per batch
     peak_mib: float  # the peak memory of that step
     text_tokens: int  # the text length the steps used
-
-
-# The dispatcher namespaces of torch.distributed's collectives (eager and functional).
-COLLECTIVES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
-
-
-class MemoryCap(TorchDispatchMode):
-    """Live tensor bytes, counted op by op; ``torch.OutOfMemoryError`` past ``limit_bytes``.
-
-    Every tensor an op returns that does not share storage with its inputs is a new
-    allocation; a finaliser on its storage takes it off the count when the storage is freed.
-    ``baseline_bytes`` stands for tensors that existed before (model, optimizer state). A
-    CPU stand-in for a GPU's memory: it raises where a GPU would run out.
-
-    With ``agree`` (the largest of every rank's value, under torchrun) it raises only where
-    every rank is at the same point: before each collective and at :meth:`settle`, when any
-    rank is past its cap. A rank that raised alone would leave the others waiting in FSDP2's
-    next all-gather.
-    """
-
-    def __init__(
-        self,
-        limit_bytes: float,
-        baseline_bytes: int = 0,
-        *,
-        device: str = "cpu",
-        agree: Callable[[float], float] | None = None,
-    ) -> None:
-        super().__init__()
-        self.limit, self.device, self.agree = limit_bytes, device, agree
-        self.current = self.peak = baseline_bytes
-        self.over = self.raised = False  # this rank is past the cap; the cap raised
-        self._live: dict[int, int] = {}  # storage address → bytes
-
-    def reset_peak(self) -> None:
-        """Start a new trial: a new peak from what is live now."""
-        self.peak = self.current
-        self.over = self.raised = False
-
-    def settle(self) -> None:
-        """Under ``agree``: raise on every rank if any rank went past its cap (every rank
-        calls this at the same point, outside the mode)."""
-        if self.agree is not None and self.agree(float(self.over)) > 0:
-            self._raise()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.agree is not None and func.namespace in COLLECTIVES:
-            self.settle()  # every rank reaches this collective: all raise here, or none
-        out = func(*args, **(kwargs or {}))
-        inputs = {_address(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device:
-                self._count(_local(tensor), inputs)
-        return out
-
-    def _count(self, tensor: torch.Tensor, inputs: set[int]) -> None:
-        storage = tensor.untyped_storage()
-        address, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or address in inputs or address in self._live:
-            return
-        self._live[address] = size
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, address)
-        if self.current > self.limit:
-            self.over = True
-            if self.agree is None:
-                self._raise()
-
-    def _raise(self) -> None:
-        self.raised = True
-        raise torch.OutOfMemoryError(
-            f"out of memory (cap): {self.peak / MIB:.1f} MiB of live tensors > "
-            f"{self.limit / MIB:.1f} MiB{'' if self.agree is None else ' on some rank'}"
-        )
-
-    def _free(self, address: int) -> None:
-        self.current -= self._live.pop(address)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2's parameters and their optimizer state), else itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _address(tensor: torch.Tensor) -> int:
-    return _local(tensor).untyped_storage().data_ptr()
-
-
-def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a DTensor's: its local shard's)."""
-    seen = {_address(t): _local(t).untyped_storage().nbytes() for t in tensors}
-    return sum(seen.values())
-
-
-def agreement(env: Env) -> Callable[[float], float] | None:
-    """Under torchrun: the largest of every rank's value, on a gloo group of its own (it runs
-    between the training collectives); None in one process."""
-    if not env.distributed:
-        return None
-    group = dist.new_group(backend="gloo")
-
-    def largest(value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        return tensor.item()
-
-    return largest
-
-
-class _CudaProbe:
-    """The caching allocator capped at ``fraction`` of the device; peaks from torch.cuda."""
-
-    def __init__(self, device: torch.device, fraction: float) -> None:
-        self.device = device
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
-        self.limit = fraction * torch.cuda.get_device_properties(device).total_memory
-
-    @contextmanager
-    def measure(self) -> Iterator[None]:
-        torch.cuda.empty_cache()  # a failed trial's blocks must not crowd the next one
-        torch.cuda.reset_peak_memory_stats(self.device)
-        yield
-        torch.cuda.synchronize(self.device)
-
-    @property
-    def peak(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device)
-
-    raised = False  # its errors come from the allocator
-
-
-class _CapProbe:
-    """:class:`MemoryCap` around each trial, counting from the trainer's tensors; under
-    torchrun the ranks agree on the verdict and the peak is the largest rank's."""
-
-    def __init__(self, cap: MemoryCap) -> None:
-        self.cap, self.limit, self.peak = cap, cap.limit, 0.0
-
-    @property
-    def raised(self) -> bool:
-        """Whether the cap (not some other error) ended the last trial."""
-        return self.cap.raised
-
-    @contextmanager
-    def measure(self) -> Iterator[None]:
-        gc.collect()  # a failed trial's tensors in reference cycles leave the count now
-        self.cap.reset_peak()
-        with self.cap:
-            yield
-        self.cap.settle()  # past the last collective (the optimizer step)
-        agree = self.cap.agree
-        self.peak = self.cap.peak if agree is None else agree(self.cap.peak)
 
 
 def tune(
@@ -271,7 +110,7 @@ def tune(
         trainer = Trainer(cfg, shards, Path(out), env)
         try:
             if capped:
-                probe: Any = _CudaProbe(device, target)
+                probe: Any = CudaProbe(device, target)
                 where = f"{torch.cuda.get_device_name(device)}, {target:.0%} of its memory"
             else:
                 probe, where = _cap_probe(trainer, target, memory_limit_mib)
@@ -291,8 +130,8 @@ def tune(
 
 def _cap_probe(
     trainer: Trainer, target: float, memory_limit_mib: float | None
-) -> tuple[_CapProbe, str]:
-    """A :class:`MemoryCap` probe: on CPU against ``memory_limit_mib``; on CUDA under torchrun
+) -> tuple[CapProbe, str]:
+    """A :class:`~train.memprobe.MemoryCap` probe: on CPU against ``memory_limit_mib``; on CUDA under torchrun
     against the device's memory, counting live tensors, so that the ranks can agree (an
     allocator's error on one rank alone would leave the others in a collective)."""
     device = trainer.env.device
@@ -304,7 +143,7 @@ def _cap_probe(
         where = f"cpu, {target:.0%} of {memory_limit_mib:g} MiB of live tensors"
     baseline = tensor_bytes(_trainer_tensors(trainer))
     cap = MemoryCap(limit, baseline, device=device.type, agree=agreement(trainer.env))
-    return _CapProbe(cap), where
+    return CapProbe(cap), where
 
 
 def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
