@@ -254,6 +254,24 @@ def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
 
 
 @pytest.mark.slow
+def test_ddp_noise_scale_under_fp16_equals_fp32s(train_cache: Path, tmp_path: Path) -> None:
+    """The comm hook sees fp16's gradients times the loss scale (2^16 here): divided out, the
+    monitor's tr(Σ) and |G|² match an fp32 run of the same steps (×2^32 if it were not). fp16's
+    first step overflows and is left out: a short EMA makes the last steps count."""
+    extra = ["train.noise_scale=true", "train.noise_scale_ema=0.5", "train.log_every=4"]
+    windows = {}
+    for precision in ("fp32", "fp16"):
+        out = tmp_path / precision
+        run_ok(train_cmd(train_cache, out, *extra, f"train.precision={precision}", max_steps=8))
+        windows[precision] = [r for r in metrics(out) if "noise_trace" in r][-1]
+    assert windows["fp16"]["amp_skip_rate"] == 0  # steps 5-8: no overflow
+    fp16, fp32 = windows["fp16"], windows["fp32"]
+    assert fp16["noise_trace"] == pytest.approx(fp32["noise_trace"], rel=0.1)
+    # |G|² = |Ḡ|² − Ŝ/N, a difference of near-equal terms: fp16's rounding moves it more.
+    assert fp16["noise_grad_sq"] == pytest.approx(fp32["noise_grad_sq"], rel=0.3)
+
+
+@pytest.mark.slow
 def test_ddp_spikes_in_a_row_rewind_once_skip_their_batches_and_resume_bitwise(
     train_cache: Path, tmp_path: Path
 ) -> None:

@@ -35,16 +35,22 @@ class StepMeasures:
             self.monitor.register(model)
 
     def measure(
-        self, model: nn.Module, loss_share: torch.Tensor, frames: int, global_frames: torch.Tensor
+        self,
+        model: nn.Module,
+        loss_share: torch.Tensor,
+        frames: int,
+        global_frames: torch.Tensor,
+        grad_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After the backward (and unscaling): the unclipped global norm and this step's
         spike flag (``None`` without ``train.skip_spikes``); the gradients are clipped and the
         noise scale folded in. ``loss_share``: this rank's share of the global loss;
-        ``frames``: its valid frames of the step, ``global_frames`` all ranks'."""
+        ``frames``: its valid frames of the step, ``global_frames`` all ranks';
+        ``grad_scale``: fp16's loss scale, which the monitor's per-rank norms still carry."""
         norm = self.clipper.total_norm(model)
         skip, scalars = None, [loss_share.detach().double().reshape(1)]
         if self.monitor is not None:
-            scalars.append(self.monitor.local_terms(frames, global_frames))
+            scalars.append(self.monitor.local_terms(frames, global_frames, grad_scale))
         if self.spikes is not None or self.monitor is not None:
             summed = all_reduce_sum(torch.cat(scalars), self.env)
             if self.spikes is not None:

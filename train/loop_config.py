@@ -173,7 +173,6 @@ class TrainConfig:
             why = "with train.noise_scale = true"
             require(self.comm_hook == "none", "train.comm_hook", self.comm_hook, f'"none" {why}')
             require(self.strategy == "ddp", "train.strategy", self.strategy, f'"ddp" {why}')
-            require(self.precision != "fp16", "train.precision", self.precision, f"not fp16 {why}")
 
     def _check_strategy(self) -> None:
         """FSDP2 has no DDP comm hooks and no sharded GradScaler here: refused by name."""

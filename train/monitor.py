@@ -14,7 +14,8 @@ by its own bias-corrected EMA before the ratio is taken, as k-diffusion's ``gns.
 band is ± one standard error of the ratio from the EMAs of their squares. |ĝⱼ|² is taken in a
 DDP comm hook, from the gradient bucket before its all-reduce (the gradient-sync path); the
 per-rank terms travel in the one small device all-reduce of step scalars (``train/trainer.py``)
-and nothing is read on the host until a logging step.
+and nothing is read on the host until a logging step. Under fp16 the hook's gradients carry
+the loss scale, divided out here, and an overflowed step is not folded in.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
@@ -58,10 +59,16 @@ class NoiseScale:
         norms = torch._foreach_norm(bucket.gradients(), 2, dtype=torch.float64)
         self.local_sq.index_copy_(0, self._slots[places], torch.stack(norms) ** 2)
 
-    def local_terms(self, frames: int, global_frames: torch.Tensor) -> torch.Tensor:
+    def local_terms(
+        self, frames: int, global_frames: torch.Tensor, grad_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """This rank's [|ĝⱼ|², 1/nⱼ], to be summed over ranks. The hook saw this rank's
-        gradient scaled as the trainer's loss is, W · Σ ∇ℓ / N; ĝⱼ = Σ ∇ℓ / nⱼ."""
-        mean_sq = self.local_sq.sum() * (global_frames / (self.env.world_size * frames)) ** 2
+        gradient scaled as the trainer's loss is, W · Σ ∇ℓ / N, and under fp16 times the loss
+        scale ``grad_scale`` (AdaptDL divides it out too); ĝⱼ = Σ ∇ℓ / nⱼ."""
+        factor = global_frames / (self.env.world_size * frames)
+        if grad_scale is not None:
+            factor = factor / grad_scale.double()
+        mean_sq = self.local_sq.sum() * factor**2
         self.discard()
         return torch.stack([mean_sq, torch.full_like(mean_sq, 1.0 / frames)])
 

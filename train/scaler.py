@@ -36,6 +36,11 @@ class HysteresisScaler(torch.amp.GradScaler):
         self._left_at_start = hysteresis  # until the first update puts it on the device
         self.overflow: torch.Tensor | None = None  # the last update's flag (0-d float)
 
+    def grad_scale(self) -> torch.Tensor | None:
+        """The factor this step's gradients carry before unscaling: the scale tensor on the
+        device (no host read), or ``None`` without fp16."""
+        return self._scale if self._enabled else None
+
     def step(
         self, optimizer: torch.optim.Optimizer, *args: Any, skip: torch.Tensor | None = None
     ) -> Any:

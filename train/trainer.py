@@ -139,7 +139,9 @@ class Trainer:
             rescale_gradients(self.raw_model, inv_count / inv_frames)
         frames = sum(int(b.mel_lengths.sum()) for b in micro)
         loss_share = sum(s["loss_sum"] for s in loss_sums) * inv_count
-        norm, skip = self.measures.measure(self.raw_model, loss_share, frames, self._all_frames)
+        norm, skip = self.measures.measure(
+            self.raw_model, loss_share, frames, self._all_frames, self.scaler.grad_scale()
+        )
         self._meter_step(loss_sums, inv_count, norm, skip)
         if self.powersgd is not None:  # an fp16 overflow or a spike must not poison its memory
             finite = torch.isfinite(norm)
