@@ -111,7 +111,11 @@ def test_under_torchrun_every_rank_stops_when_rank_0_is_refused(
     assert done.returncode != 0
     assert re.search(rf"\[rank 0\] train: {re.escape(str(out))} {named}", done.stderr)
     assert re.search(rf"\[rank 1\] train: rank 0 cannot start the run: .*{named}", done.stderr)
-    assert len(re.findall(r"exitcode\s*:\s*2 \(pid", done.stderr)) == 2, done.stderr[-3000:]
+    # torchrun reports the first rank to exit and sends SIGTERM to any rank still exiting, so
+    # whether both exit codes show is a race (1 in 3 runs here): the first must be 2.
+    first = re.search(r"failed \(exitcode: (-?\d+)\) local_rank", done.stderr)
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+) \(pid", done.stderr))
+    assert first and first[1] == "2" and codes <= {"2", "-15"}, done.stderr[-3000:]
     assert not (out / "checkpoints").exists()
     print(f"both ranks refused in {elapsed:.1f} s")
 
