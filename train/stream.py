@@ -20,12 +20,14 @@ within a bucket follows them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
+from melcache.access import Cache
 from melcache.batching import (
     BATCH_PLAN,
     EVEN_PLAN,
@@ -39,8 +41,12 @@ from melcache.location import member_location
 from melcache.reader import RawSample, ShardCheck, read_shard
 from train.collate import PackedBatch, Tokenizer, collate
 from train.config import DataConfig
-from train.schedule import Schedule, SubStream, global_batch, locate
+from train.schedule import Schedule, SubStream, global_batch, locate, visit_run
 from train.transport import BatchRing
+
+# A slot that takes less than this share of a unit's batches reads only their samples, by the
+# cache's table: a ranged read costs more than a whole shard's read per sample.
+RANGED_BELOW = 0.6
 
 # A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
 # the reader's position after it, its samples, their source and their shards' index entries
@@ -72,10 +78,13 @@ class Cursor:
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """One cache of the mix: its location (folder or URL prefix) and its index's shards."""
+    """One cache of the mix: its location (folder or URL prefix) and its index's shards;
+    ``ranged``: a bucket reader reads only its batches' samples, located by the cache's
+    utterance table (a local cache with a table, checked per sample by its digest)."""
 
     location: str
     shards: tuple[dict[str, Any], ...]
+    ranged: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,39 +218,90 @@ def whole_cache_batches(
         epoch, first = epoch + 1, 0
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitMembers:
+    """The samples of one unit of shards as the even cut sees them: their frames and shards'
+    index entries, in tar order, and ``fetch``, which gives the samples at some places."""
+
+    frames: list[int]
+    owners: list[dict[str, Any]]
+    fetch: Callable[[Sequence[int]], list[RawSample]]
+
+
+def _whole_unit(
+    spec: StreamSpec, source: int, unit: tuple[int, ...], check: ShardCheck, skips: SkipLog
+) -> UnitMembers:
+    """Every shard of the unit read and checked whole; a shard that cannot be read is
+    recorded and left out (the unit is cut from the others)."""
+    samples: list[RawSample] = []
+    owners: list[dict[str, Any]] = []
+    for shard_id in unit:
+        read = _read(spec, source, shard_id, check, skips) or []
+        samples += read
+        owners += [spec.sources[source].shards[shard_id]] * len(read)
+    return UnitMembers([s.frames for s in samples], owners, lambda at: [samples[i] for i in at])
+
+
+def _ranged_unit(spec: StreamSpec, source: int, unit: tuple[int, ...], cache: Cache) -> UnitMembers:
+    """The unit from the cache's table: frames known without a read, each fetched sample one
+    ranged read checked by its digest, so slots sharing a unit read only their batches."""
+    starts, lengths = cache.table.column("shard_rows"), cache.lengths
+    shards = spec.sources[source].shards
+    rows = [r for i in unit for r in range(int(starts[i]), int(starts[i + 1]))]
+    owners = [shards[i] for i in unit for _ in range(int(starts[i + 1] - starts[i]))]
+    frames = lengths[rows].tolist()
+    return UnitMembers(frames, owners, lambda at: cache.raw_rows([rows[i] for i in at]))
+
+
 def bucket_batches(
-    spec: StreamSpec, sub: SubStream, slot: int, taken: int, check: ShardCheck, skips: SkipLog
+    spec: StreamSpec,
+    sub: SubStream,
+    slot: int,
+    taken: int,
+    check: ShardCheck,
+    skips: SkipLog,
+    cache: Cache | None,
 ) -> Iterator[Planned]:
     """This slot's batches of one bucket sub-stream, from its ``taken``-th on: each located
-    in O(1) from the index, its unit of shards read once for a run of its batches (slots that
-    share a unit each read it and decode only their own batches). A shard of the unit that
-    cannot be read is recorded and the unit cut from the others."""
+    in O(1) from the index, its unit of shards cut once for a run of its batches. Where the
+    slot takes little of a unit (it shares it with other slots) and the cache has a table
+    (``cache``), only its batches' samples are read, else the unit's shards whole. A batch that cannot be read is recorded and
+    skipped (reading whole: its shard is recorded and the unit cut from the others)."""
     visit: tuple[int, int] | None = None
-    samples: list[RawSample] = []
-    owners: list[dict[str, Any]] = []  # the index entry of each sample's shard
     plan: list[list[int]] = []
-    source = spec.sources[sub.source]
     while True:
         number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
         epoch, place, batch = locate(sub, seed=spec.seed, number=number)
         taken += 1
         unit = sub.units[place]
         if visit != (epoch, unit[0]):
-            visit, samples, owners = (epoch, unit[0]), [], []
-            for shard_id in unit:
-                read = _read(spec, sub.source, shard_id, check, skips) or []
-                samples += read
-                owners += [source.shards[shard_id]] * len(read)
+            visit = (epoch, unit[0])
+            run = visit_run(
+                sub, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken - 1
+            )
+            members = (
+                _ranged_unit(spec, sub.source, unit, cache)
+                if cache is not None and run < RANGED_BELOW * sub.batches[place]
+                else _whole_unit(spec, sub.source, unit, check, skips)
+            )
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
-            count = min(sub.batches[place], len(samples))
-            data, lengths = spec.data, [s.frames for s in samples]
+            count = min(sub.batches[place], len(members.frames))
+            data = spec.data
             plan = plan_even_batches(
-                lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
+                members.frames, rng=rng, count=count, max_batch_size=data.max_batch_size,
                 pad_multiple=data.pad_multiple,
             ) if count else []  # fmt: skip
         if batch < len(plan):
-            entries = tuple({owners[i]["name"]: owners[i] for i in plan[batch]}.values())
-            yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entries
+            entries = tuple(
+                {members.owners[i]["name"]: members.owners[i] for i in plan[batch]}.values()
+            )
+            try:
+                samples = members.fetch(plan[batch])
+            except ShardError as exc:
+                name = " + ".join(entry["name"] for entry in entries)
+                skips.record((sub.source, name), name, exc)
+                continue
+            yield visit, (taken,), samples, sub.source, entries
 
 
 def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:
@@ -264,11 +324,16 @@ def open_readers(
     positions: list[tuple[int, ...]],
     check: ShardCheck,
     skips: SkipLog,
+    stack: contextlib.ExitStack,
 ) -> list[Iterator[Planned]]:
     """Slot ``slot``'s reader of each sub-stream, from ``positions``: planned batches, no mel
-    decoded."""
+    decoded; the caches they read by table are opened once each, closed with ``stack``."""
+    caches = [
+        stack.enter_context(Cache(source.location)) if source.ranged else None
+        for source in spec.sources
+    ]
     return [
-        bucket_batches(spec, sub, slot, position[0], check, skips)
+        bucket_batches(spec, sub, slot, position[0], check, skips, caches[sub.source])
         if sub.bucket >= 0
         else whole_cache_batches(spec, sub, slot, Position(*position[:3]), check, skips)
         for sub, position in zip(spec.subs, positions, strict=True)
@@ -280,13 +345,14 @@ def planned_stream(spec: StreamSpec, worker: int) -> Iterator[Planned]:
     but no mel decoded (what benchmarks and tests plan whole jobs with)."""
     slot = spec.rank * spec.workers_per_rank + worker
     starts = [spec.start(sub) for sub in spec.subs]
-    readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1))
-    consumed = [0] * len(readers)
-    for step in itertools.count():
-        stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
-        planned = next(readers[stream])
-        consumed[stream] += sum(s.frames for s in planned[2])
-        yield planned
+    with contextlib.ExitStack() as stack:
+        readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1), stack)
+        consumed = [0] * len(readers)
+        for step in itertools.count():
+            stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
+            planned = next(readers[stream])
+            consumed[stream] += sum(s.frames for s in planned[2])
+            yield planned
 
 
 def worker_stream(
@@ -298,19 +364,20 @@ def worker_stream(
     skips = SkipLog(spec.data.on_error, sum(len(s.shards) for s in spec.sources))
     check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
     slot = spec.rank * spec.workers_per_rank + worker
-    readers = open_readers(spec, slot, positions, check, skips)
-    consumed = [position[-1] for position in positions]
-    failed: list[Hashable] = [None] * len(readers)
-    seq = 0
-    while True:
-        rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
-        stream = spec.schedule.pick(rank_step, slot, consumed)
-        packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
-        consumed[stream] += int(packed.mel_lengths.sum())
-        ring.publish(seq)
-        seq += 1
-        step += 1
-        yield packed, Cursor(worker, stream, (*after, consumed[stream]), skips.take())
+    with contextlib.ExitStack() as stack:
+        readers = open_readers(spec, slot, positions, check, skips, stack)
+        consumed = [position[-1] for position in positions]
+        failed: list[Hashable] = [None] * len(readers)
+        seq = 0
+        while True:
+            rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
+            stream = spec.schedule.pick(rank_step, slot, consumed)
+            packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
+            consumed[stream] += int(packed.mel_lengths.sum())
+            ring.publish(seq)
+            seq += 1
+            step += 1
+            yield packed, Cursor(worker, stream, (*after, consumed[stream]), skips.take())
 
 
 def _collate_next(
