@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from melcache.batching import (
 from melcache.errors import ShardError
 from melcache.location import member_location
 from melcache.reader import RawSample, ShardCheck, read_shard
+from melcache.table import TABLE_NAME
 from train.collate import PackedBatch, Tokenizer, collate
 from train.config import DataConfig
 from train.schedule import Schedule, SubStream, global_batch, locate, visit_run
@@ -221,11 +223,12 @@ def whole_cache_batches(
 @dataclasses.dataclass(frozen=True)
 class UnitMembers:
     """The samples of one unit of shards as the even cut sees them: their frames and shards'
-    index entries, in tar order, and ``fetch``, which gives the samples at some places."""
+    index entries, in tar order, and ``fetch``, which gives ``(place, sample)`` for the places
+    asked for that could be read."""
 
     frames: list[int]
     owners: list[dict[str, Any]]
-    fetch: Callable[[Sequence[int]], list[RawSample]]
+    fetch: Callable[[Sequence[int]], list[tuple[int, RawSample]]]
 
 
 def _whole_unit(
@@ -239,18 +242,71 @@ def _whole_unit(
         read = _read(spec, source, shard_id, check, skips) or []
         samples += read
         owners += [spec.sources[source].shards[shard_id]] * len(read)
-    return UnitMembers([s.frames for s in samples], owners, lambda at: [samples[i] for i in at])
+    return UnitMembers(
+        [s.frames for s in samples], owners, lambda at: [(i, samples[i]) for i in at]
+    )
 
 
-def _ranged_unit(spec: StreamSpec, source: int, unit: tuple[int, ...], cache: Cache) -> UnitMembers:
+def _ranged_unit(
+    spec: StreamSpec, source: int, unit: tuple[int, ...], cache: Cache, skips: SkipLog
+) -> UnitMembers:
     """The unit from the cache's table: frames known without a read, each fetched sample one
-    ranged read checked by its digest, so slots sharing a unit read only their batches."""
+    ranged read checked by its digest, so slots sharing a unit read only their batches. A
+    shard whose table frames leave its index bounds (which batching relies on) is recorded
+    and left out."""
     starts, lengths = cache.table.column("shard_rows"), cache.lengths
-    shards = spec.sources[source].shards
-    rows = [r for i in unit for r in range(int(starts[i]), int(starts[i + 1]))]
-    owners = [shards[i] for i in unit for _ in range(int(starts[i + 1] - starts[i]))]
+    rows: list[int] = []
+    owners: list[dict[str, Any]] = []
+    for shard_id in unit:
+        entry = spec.sources[source].shards[shard_id]
+        ids = range(int(starts[shard_id]), int(starts[shard_id + 1]))
+        held = lengths[ids.start : ids.stop]
+        if len(held) and not entry["min_frames"] <= held.min() <= held.max() <= entry["max_frames"]:
+            where = member_location(spec.sources[source].location, entry["name"])
+            problem = ShardError(
+                f"{where}: {TABLE_NAME} gives frames {int(held.min())}..{int(held.max())}, "
+                f"outside the index's [{entry['min_frames']}, {entry['max_frames']}]"
+            )
+            skips.record((source, entry["name"]), entry["name"], problem)
+            continue
+        rows += ids
+        owners += [entry] * len(ids)
     frames = lengths[rows].tolist()
-    return UnitMembers(frames, owners, lambda at: cache.raw_rows([rows[i] for i in at]))
+    fetch = functools.partial(_fetch_rows, cache, rows, owners, skips, source)
+    return UnitMembers(frames, owners, fetch)
+
+
+def _fetch_rows(
+    cache: Cache,
+    rows: list[int],
+    owners: list[dict[str, Any]],
+    skips: SkipLog,
+    source: int,
+    places: Sequence[int],
+) -> list[tuple[int, RawSample]]:
+    """The samples at ``places`` of a unit read by range; a shard that cannot be read is
+    recorded and its samples left out of the batch, as reading whole leaves it out of the
+    unit."""
+    by_shard: dict[str, list[int]] = {}
+    for place in places:
+        by_shard.setdefault(owners[place]["name"], []).append(place)
+    read: dict[int, RawSample] = {}
+    for name, held in by_shard.items():
+        try:
+            read.update(zip(held, cache.raw_rows([rows[i] for i in held]), strict=True))
+        except ShardError as exc:
+            skips.record((source, name), name, exc)
+    return [(place, read[place]) for place in places if place in read]
+
+
+def _takes_little(spec: StreamSpec, sub: SubStream, slot: int, taken: int, place: int) -> bool:
+    """Whether the slot's run of batches from its ``taken``-th is under RANGED_BELOW of the
+    unit's (it shares the unit with other slots)."""
+    limit = math.ceil(RANGED_BELOW * sub.batches[place])
+    run = visit_run(
+        sub, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken, limit=limit
+    )
+    return run < limit
 
 
 def bucket_batches(
@@ -265,8 +321,9 @@ def bucket_batches(
     """This slot's batches of one bucket sub-stream, from its ``taken``-th on: each located
     in O(1) from the index, its unit of shards cut once for a run of its batches. Where the
     slot takes little of a unit (it shares it with other slots) and the cache has a table
-    (``cache``), only its batches' samples are read, else the unit's shards whole. A batch that cannot be read is recorded and
-    skipped (reading whole: its shard is recorded and the unit cut from the others)."""
+    (``cache``), only its batches' samples are read, else the unit's shards whole. A shard
+    that cannot be read is recorded and left out: of the unit's cut when read whole, of the
+    batch when read by range."""
     visit: tuple[int, int] | None = None
     plan: list[list[int]] = []
     while True:
@@ -276,12 +333,9 @@ def bucket_batches(
         unit = sub.units[place]
         if visit != (epoch, unit[0]):
             visit = (epoch, unit[0])
-            run = visit_run(
-                sub, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken - 1
-            )
             members = (
-                _ranged_unit(spec, sub.source, unit, cache)
-                if cache is not None and run < RANGED_BELOW * sub.batches[place]
+                _ranged_unit(spec, sub.source, unit, cache, skips)
+                if cache is not None and _takes_little(spec, sub, slot, taken - 1, place)
                 else _whole_unit(spec, sub.source, unit, check, skips)
             )
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
@@ -292,16 +346,11 @@ def bucket_batches(
                 pad_multiple=data.pad_multiple,
             ) if count else []  # fmt: skip
         if batch < len(plan):
-            entries = tuple(
-                {members.owners[i]["name"]: members.owners[i] for i in plan[batch]}.values()
-            )
-            try:
-                samples = members.fetch(plan[batch])
-            except ShardError as exc:
-                name = " + ".join(entry["name"] for entry in entries)
-                skips.record((sub.source, name), name, exc)
-                continue
-            yield visit, (taken,), samples, sub.source, entries
+            held = members.fetch(plan[batch])
+            if held:  # else every shard of the batch failed, each recorded
+                owners = (members.owners[at] for at, _ in held)
+                entries = tuple({entry["name"]: entry for entry in owners}.values())
+                yield visit, (taken,), [sample for _, sample in held], sub.source, entries
 
 
 def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:
