@@ -17,6 +17,7 @@ import pytest
 
 import melcache.access
 import train.stream
+import train.units
 from melcache.access import Cache
 from melcache.batching import _runs
 from melcache.errors import ShardError, UserError
@@ -64,7 +65,7 @@ def test_slots_sharing_a_unit_read_only_their_batches_and_get_the_same_stream(
         keys = planned_keys(spec, 12)
         used = sum(map(len, keys))
         # A slot that takes a whole small unit reads it whole: at most 1 / RANGED_BELOW over.
-        assert used <= read[0] <= used / train.stream.RANGED_BELOW
+        assert used <= read[0] <= used / train.units.RANGED_BELOW
         by_shard = dataclasses.replace(
             spec, sources=tuple(dataclasses.replace(s, ranged=False) for s in spec.sources)
         )

@@ -13,7 +13,8 @@ whole-cache sub-stream (``sync_buckets = false``) is the stream of earlier relea
 epoch the cache's shards are dealt to the slots and cut greedily; its position is (epoch,
 shard in the slot's list, batches taken from it), the batching a pure function of
 ``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard (a bucket
-sub-stream: one unit of its shards) per sub-stream and skips its consumed batches without decoding their mels. Each position ends
+sub-stream: one unit of its shards, or only its batches of it, ``train/units.py``) per
+sub-stream and skips its consumed batches without decoding their mels. Each position ends
 with the real frames the worker has taken from the sub-stream: the schedule's choice of cache
 within a bucket follows them.
 """
@@ -24,8 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 from melcache.access import Cache
@@ -40,15 +40,11 @@ from melcache.batching import (
 from melcache.errors import ShardError
 from melcache.location import member_location
 from melcache.reader import RawSample, ShardCheck, read_shard
-from melcache.table import TABLE_NAME
 from train.collate import PackedBatch, Tokenizer, collate
 from train.config import DataConfig
-from train.schedule import Schedule, SubStream, global_batch, locate, visit_run
+from train.schedule import Schedule, SubStream, global_batch, locate
 from train.transport import BatchRing
-
-# A slot that takes less than this share of a unit's batches reads only their samples, by the
-# cache's table: a ranged read costs more than a whole shard's read per sample.
-RANGED_BELOW = 0.6
+from train.units import ranged_unit, takes_little, whole_unit
 
 # A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
 # the reader's position after it, its samples, their source and their shards' index entries
@@ -174,7 +170,7 @@ class SkipLog:
 
 
 def _read(
-    spec: StreamSpec, source: int, shard_id: int, check: ShardCheck, skips: SkipLog
+    spec: StreamSpec, source: int, shard_id: int, *, check: ShardCheck, skips: SkipLog
 ) -> list[RawSample] | None:
     """One shard's samples, or ``None`` when it is bad and the policy is to skip it."""
     where, entry = spec.sources[source], spec.sources[source].shards[shard_id]
@@ -200,7 +196,7 @@ def whole_cache_batches(
         )  # fmt: skip
         for pos in range(first, len(ids)):
             visit = ShardVisit(epoch, pos, len(ids), ids[pos], skip)
-            skip, samples = 0, _read(spec, source, visit.shard_id, check, skips)
+            skip, samples = 0, _read(spec, source, visit.shard_id, check=check, skips=skips)
             if samples is None:
                 continue
             entry = shards[visit.shard_id]
@@ -220,95 +216,6 @@ def whole_cache_batches(
         epoch, first = epoch + 1, 0
 
 
-@dataclasses.dataclass(frozen=True)
-class UnitMembers:
-    """The samples of one unit of shards as the even cut sees them: their frames and shards'
-    index entries, in tar order, and ``fetch``, which gives ``(place, sample)`` for the places
-    asked for that could be read."""
-
-    frames: list[int]
-    owners: list[dict[str, Any]]
-    fetch: Callable[[Sequence[int]], list[tuple[int, RawSample]]]
-
-
-def _whole_unit(
-    spec: StreamSpec, source: int, unit: tuple[int, ...], check: ShardCheck, skips: SkipLog
-) -> UnitMembers:
-    """Every shard of the unit read and checked whole; a shard that cannot be read is
-    recorded and left out (the unit is cut from the others)."""
-    samples: list[RawSample] = []
-    owners: list[dict[str, Any]] = []
-    for shard_id in unit:
-        read = _read(spec, source, shard_id, check, skips) or []
-        samples += read
-        owners += [spec.sources[source].shards[shard_id]] * len(read)
-    return UnitMembers(
-        [s.frames for s in samples], owners, lambda at: [(i, samples[i]) for i in at]
-    )
-
-
-def _ranged_unit(
-    spec: StreamSpec, source: int, unit: tuple[int, ...], cache: Cache, skips: SkipLog
-) -> UnitMembers:
-    """The unit from the cache's table: frames known without a read, each fetched sample one
-    ranged read checked by its digest, so slots sharing a unit read only their batches. A
-    shard whose table frames leave its index bounds (which batching relies on) is recorded
-    and left out."""
-    starts, lengths = cache.table.column("shard_rows"), cache.lengths
-    rows: list[int] = []
-    owners: list[dict[str, Any]] = []
-    for shard_id in unit:
-        entry = spec.sources[source].shards[shard_id]
-        ids = range(int(starts[shard_id]), int(starts[shard_id + 1]))
-        held = lengths[ids.start : ids.stop]
-        if len(held) and not entry["min_frames"] <= held.min() <= held.max() <= entry["max_frames"]:
-            where = member_location(spec.sources[source].location, entry["name"])
-            problem = ShardError(
-                f"{where}: {TABLE_NAME} gives frames {int(held.min())}..{int(held.max())}, "
-                f"outside the index's [{entry['min_frames']}, {entry['max_frames']}]"
-            )
-            skips.record((source, entry["name"]), entry["name"], problem)
-            continue
-        rows += ids
-        owners += [entry] * len(ids)
-    frames = lengths[rows].tolist()
-    fetch = functools.partial(_fetch_rows, cache, rows, owners, skips, source)
-    return UnitMembers(frames, owners, fetch)
-
-
-def _fetch_rows(
-    cache: Cache,
-    rows: list[int],
-    owners: list[dict[str, Any]],
-    skips: SkipLog,
-    source: int,
-    places: Sequence[int],
-) -> list[tuple[int, RawSample]]:
-    """The samples at ``places`` of a unit read by range; a shard that cannot be read is
-    recorded and its samples left out of the batch, as reading whole leaves it out of the
-    unit."""
-    by_shard: dict[str, list[int]] = {}
-    for place in places:
-        by_shard.setdefault(owners[place]["name"], []).append(place)
-    read: dict[int, RawSample] = {}
-    for name, held in by_shard.items():
-        try:
-            read.update(zip(held, cache.raw_rows([rows[i] for i in held]), strict=True))
-        except ShardError as exc:
-            skips.record((source, name), name, exc)
-    return [(place, read[place]) for place in places if place in read]
-
-
-def _takes_little(spec: StreamSpec, sub: SubStream, slot: int, taken: int, place: int) -> bool:
-    """Whether the slot's run of batches from its ``taken``-th is under RANGED_BELOW of the
-    unit's (it shares the unit with other slots)."""
-    limit = math.ceil(RANGED_BELOW * sub.batches[place])
-    run = visit_run(
-        sub, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken, limit=limit
-    )
-    return run < limit
-
-
 def bucket_batches(
     spec: StreamSpec,
     sub: SubStream,
@@ -326,6 +233,11 @@ def bucket_batches(
     batch when read by range."""
     visit: tuple[int, int] | None = None
     plan: list[list[int]] = []
+    read = functools.partial(_read, spec, sub.source, check=check, skips=skips)
+
+    def record(name: str, problem: ShardError) -> None:
+        skips.record((sub.source, name), name, problem)
+
     while True:
         number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
         epoch, place, batch = locate(sub, seed=spec.seed, number=number)
@@ -333,11 +245,13 @@ def bucket_batches(
         unit = sub.units[place]
         if visit != (epoch, unit[0]):
             visit = (epoch, unit[0])
-            members = (
-                _ranged_unit(spec, sub.source, unit, cache, skips)
-                if cache is not None and _takes_little(spec, sub, slot, taken - 1, place)
-                else _whole_unit(spec, sub.source, unit, check, skips)
-            )
+            source = spec.sources[sub.source]
+            if cache is not None and takes_little(
+                sub, place, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken - 1
+            ):
+                members = ranged_unit(cache, source.location, source.shards, unit, record)
+            else:
+                members = whole_unit(source.shards, unit, read)
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
             count = min(sub.batches[place], len(members.frames))
             data = spec.data
