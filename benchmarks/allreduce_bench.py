@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             sync = bool(turn % 2) ^ bool(turn // 2 % 2)  # off, on, on, off, ...
             runs[sync].append(run_job(cache, procs, sync, args))
         for sync, rows in runs.items():
-            medians = {key: statistics.median(r[key] for r in rows) for key in rows[0]
+            medians = {key: round(statistics.median(r[key] for r in rows), 4) for key in rows[0]
                        if isinstance(rows[0][key], float)}  # fmt: skip
             print(json.dumps({"measure": "all-reduce wait", "procs": procs, "sync_buckets": sync,
                               "repeats": len(rows), **medians}), flush=True)  # fmt: skip

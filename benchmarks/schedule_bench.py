@@ -113,6 +113,7 @@ def timed_cost_model(
     (a, b), *_ = np.linalg.lstsq(terms, np.array(list(seconds.values())), rcond=None)
     a, b = max(float(a), 0.0), max(float(b), 0.0)
     row = {"measure": "cost model", "device": device.type, "preset": preset,
+           "shapes_mel_text_batch": {k: list(v) for k, v in sorted(shapes.items())},
            "seconds_per_slot": {k: round(v, 4) for k, v in seconds.items()},
            "fit_a_per_token": a, "fit_b_per_token2": b}  # fmt: skip
     return (lambda mel, text, batch: batch * (a * (mel + text) + b * (mel + text) ** 2)), row
