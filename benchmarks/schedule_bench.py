@@ -15,8 +15,12 @@ Makes (or reuses) an espeak-ng corpus with ``benchmarks.speech`` and its cache w
    on; "unsynced" (the same bucket sub-streams, each rank drawing its bucket by itself, which is
    what the previous release's stream amounts to); and the previous release's stream itself
    where the cache has enough shards for it.
-3. ``throughput``: loader samples/s, sync on vs off, in alternating turns (a change in the
-   machine's load falls on both alike).
+3. ``throughput``: loader samples/s (2 workers), sync on vs off, in alternating turns (a
+   change in the machine's load falls on both alike): median turn, spread, and the median of
+   the ratio within a round.
+4. ``reads``: one slot of a job of 1, 2, 8 and 64 slots, in this process, sync on vs off: CPU
+   time per sample and shard bytes read per sample (a slot that shares a unit of shards with
+   others reads only its batches' samples, by the cache's table, where the cache has one).
 
 The FLOP model is ``configs/base.toml``'s transformer (d 512, 12 layers, a prefix LM over
 text + mel): per utterance slot ``24·d²·S + 4·d·S²`` with ``S`` = padded text + mel length.
@@ -28,17 +32,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
+import torch
+
+import melcache.access as access_module
+import train.stream as stream_module
 from benchmarks.speech import make_corpus
 from melcache.batching import round_up
+from melcache.config import find_config
 from melcache.reader import RawSample
-from train.collate import utf8_tokens
+from train.collate import BYTE_VOCAB_SIZE, utf8_tokens
+from train.config import load_config
 from train.data import DataConfig, StreamLoader, make_loader
+from train.model import build_model
 from train.schedule import make_schedule
 from train.stream import planned_stream
 
@@ -64,6 +77,60 @@ def summary(name: str, ranks: int, buckets: list[list[int]], costs: list[list[fl
             "one_bucket_share": round(same, 3), "efficiency": round(efficiency(costs), 3)}  # fmt: skip
 
 
+# A batch's shape: padded mel frames, padded text tokens, utterances.
+Shape = tuple[int, int, int]
+CostModel = Callable[[int, int, int], float]
+
+
+def timed_cost_model(
+    shapes: Mapping[int, Shape], preset: str, repeats: int
+) -> tuple[CostModel, dict]:
+    """A cost model measured on this machine's device (CUDA when present, else CPU): the
+    ``preset`` model's forward + backward timed for one utterance slot of each bucket's
+    typical padded shape (median of ``repeats`` after a warm-up), fitted as ``a·S + b·S²``
+    seconds per slot (``S`` = text + mel), so a batch costs ``B × (a·S + b·S²)``."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":  # on shared cores, a second OpenMP thread's spinning swamps it
+        torch.set_num_threads(1)
+    config = load_config(find_config(preset)).model
+    model = build_model(config).to(device).train()
+    seconds = {}
+    for bucket, (mel, text, _) in sorted(shapes.items()):
+        inputs = (torch.randn(1, mel, config.n_mels, device=device),
+                  torch.tensor([mel], device=device),
+                  torch.randint(1, BYTE_VOCAB_SIZE, (1, text), device=device),
+                  torch.tensor([text], device=device))  # fmt: skip
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            model(*inputs)["loss_sum"].backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        seconds[bucket] = statistics.median(times[1:])
+    lengths = np.array([mel + text for mel, text, _ in (shapes[b] for b in seconds)], float)
+    terms = np.stack([lengths, lengths**2], axis=1)
+    (a, b), *_ = np.linalg.lstsq(terms, np.array(list(seconds.values())), rcond=None)
+    a, b = max(float(a), 0.0), max(float(b), 0.0)
+    row = {"measure": "cost model", "device": device.type, "preset": preset,
+           "shapes_mel_text_batch": {k: list(v) for k, v in sorted(shapes.items())},
+           "seconds_per_slot": {k: round(v, 4) for k, v in seconds.items()},
+           "fit_a_per_token": a, "fit_b_per_token2": b}  # fmt: skip
+    return (lambda mel, text, batch: batch * (a * (mel + text) + b * (mel + text) ** 2)), row
+
+
+def typical_shapes(cache: Path, data: DataConfig, steps: int) -> dict[int, Shape]:
+    """Each bucket's median batch shape over one rank's first ``steps`` planned batches."""
+    options = dataclasses.replace(data, num_workers=0)
+    stream = planned(make_loader(cache, options, rank=0, world_size=8), False)
+    by_bucket: dict[int, list[Shape]] = {}
+    for _, (bucket, samples) in zip(range(steps), stream, strict=False):
+        by_bucket.setdefault(bucket, []).append(shape_of(samples, data.pad_multiple))
+    stream.close()
+    return {b: tuple(int(np.median(c)) for c in zip(*v, strict=True))  # type: ignore[misc]
+            for b, v in by_bucket.items()}  # fmt: skip
+
+
 def measure_loaders(cache: Path, data: DataConfig, ranks: int, steps: int) -> dict:
     """Part 1: real loaders, rank r of ``ranks``, batches decoded."""
     streams = [iter(make_loader(cache, data, rank=r, world_size=ranks)) for r in range(ranks)]
@@ -87,47 +154,98 @@ def planned(loader: StreamLoader, unsynced: bool) -> Iterator[tuple[int, list[Ra
         yield entries[0]["bucket"], samples
 
 
-def measure_plans(cache: Path, data: DataConfig, ranks: int, steps: int, how: str) -> dict:
+def measure_plans(
+    cache: Path, data: DataConfig, ranks: int, steps: int, how: str, measured: CostModel | None
+) -> dict:
     """Part 2: the same from plans, at any number of ranks: one rank's plan after the other
-    (ranks plan independently), so only one rank's shards are open at a time."""
+    (ranks plan independently), so only one rank's shards are open at a time; the efficiency
+    by the FLOP model and (``efficiency_measured``) by the cost model timed on the device."""
     sync = how != "previous"
     options = dataclasses.replace(data, sync_buckets=sync, num_workers=0)
     per_rank = []
     for r in range(ranks):
         stream = planned(make_loader(cache, options, rank=r, world_size=ranks), how == "unsynced")
         batches = [next(stream) for _ in range(steps)]
-        per_rank.append([(b, cost_of(samples, data.pad_multiple)) for b, samples in batches])
+        per_rank.append([(b, shape_of(samples, data.pad_multiple)) for b, samples in batches])
         stream.close()
     steps_of = list(zip(*per_rank, strict=True))
     buckets = [[b for b, _ in step] for step in steps_of]
-    costs = [[c for _, c in step] for step in steps_of]
-    return summary(f"plans {how}", ranks, buckets, costs)
+    row = summary(f"plans {how}", ranks, buckets,
+                  [[step_cost(*shape) for _, shape in step] for step in steps_of])  # fmt: skip
+    if measured is not None:
+        costs = [[measured(*shape) for _, shape in step] for step in steps_of]
+        row["efficiency_measured"] = round(efficiency(costs), 3)
+    return row
 
 
-def cost_of(samples: list[RawSample], pad_multiple: int) -> float:
+def shape_of(samples: list[RawSample], pad_multiple: int) -> Shape:
     mel = round_up(max(s.frames for s in samples), pad_multiple)
     text = round_up(max(len(utf8_tokens(s.text)) for s in samples), pad_multiple)
-    return step_cost(mel, text, len(samples))
+    return mel, text, len(samples)
 
 
 def measure_throughput(cache: Path, data: DataConfig, seconds: float, rounds: int) -> list[dict]:
-    """Part 3: samples/s of one loader per setting, in alternating turns."""
+    """Part 3: samples/s of one loader per setting, in alternating turns: per setting the
+    median turn and the spread, and the median over rounds of the on ÷ off ratio within a
+    round (which a change in the machine's load moves less than the totals)."""
     settings = {sync: make_loader(cache, dataclasses.replace(data, sync_buckets=sync))
                 for sync in (False, True)}  # fmt: skip
     streams = {sync: iter(loader) for sync, loader in settings.items()}
     for stream in streams.values():
         next(stream)  # workers started
-    counts = {sync: [0, 0.0] for sync in settings}
+    rates: dict[bool, list[float]] = {sync: [] for sync in settings}
     for turn in range(2 * rounds):
         sync = bool(turn % 2) ^ bool(turn // 2 % 2)  # off, on, on, off, ...
-        start = time.perf_counter()
+        start, count = time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
-            counts[sync][0] += len(next(streams[sync]))
-        counts[sync][1] += time.perf_counter() - start
+            count += len(next(streams[sync]))
+        rates[sync].append(count / (time.perf_counter() - start))
     for stream in streams.values():
         stream.close()
-    return [{"measure": f"throughput sync_buckets={sync}", "samples_per_s": round(n / t, 1)}
-            for sync, (n, t) in counts.items()]  # fmt: skip
+    ratios = [on / off for on, off in zip(rates[True], rates[False], strict=True)]
+    rows = [{"measure": f"throughput sync_buckets={sync}", "workers": data.num_workers,
+             "turns": len(r), "samples_per_s_median": round(statistics.median(r)),
+             "samples_per_s_min": round(min(r)), "samples_per_s_max": round(max(r))}
+            for sync, r in rates.items()]  # fmt: skip
+    rows.append({"measure": "throughput on / off", "median": round(statistics.median(ratios), 3),
+                 "min": round(min(ratios), 3), "max": round(max(ratios), 3)})  # fmt: skip
+    return rows
+
+
+def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int) -> dict:
+    """Part 4: one slot of a job of ``slots`` (rank 0 of ``slots`` ranks, in this process),
+    sync on vs off: loader CPU time per sample and shard bytes read per sample (whole shards
+    and ranged reads counted where they happen)."""
+    read = {"bytes": 0}
+    whole, ranged = stream_module.read_shard, access_module._Shards.read
+
+    def count_whole(location: str, entry: dict, check: object) -> list:
+        read["bytes"] += entry["bytes"]
+        return whole(location, entry, check)
+
+    def count_ranged(self: object, name: str, offset: int, length: int) -> bytes:
+        read["bytes"] += length
+        return ranged(self, name, offset, length)
+
+    stream_module.read_shard, access_module._Shards.read = count_whole, count_ranged
+    row: dict = {"measure": "reads per slot", "slots": slots}
+    try:
+        for sync in (False, True):
+            options = dataclasses.replace(data, sync_buckets=sync, num_workers=0)
+            stream = iter(make_loader(cache, options, rank=0, world_size=slots))
+            next(stream)
+            read["bytes"], samples, start = 0, 0, time.process_time()
+            for _ in range(batches):
+                samples += len(next(stream))
+            cpu = time.process_time() - start
+            stream.close()
+            row[f"sync_{'on' if sync else 'off'}_samples_per_cpu_s"] = round(samples / cpu)
+            row[f"sync_{'on' if sync else 'off'}_kb_read_per_sample"] = round(
+                read["bytes"] / samples / 1e3, 1
+            )
+    finally:
+        stream_module.read_shard, access_module._Shards.read = whole, ranged
+    return row
 
 
 def ensure_cache(root: Path, hours: float) -> Path:
@@ -147,24 +265,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 512])
     p.add_argument("--turn-seconds", type=float, default=3.0)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--read-slots", type=int, nargs="*", default=[1, 2, 8, 64])
+    p.add_argument("--cost-preset", default="tiny", help="trainer preset timed, or none")
+    p.add_argument("--cost-repeats", type=int, default=3)
+    p.add_argument("--parts", nargs="*", default=["loader", "plans", "throughput", "reads"])
     args = p.parse_args(argv)
     cache = args.cache or ensure_cache(args.data, args.hours)
     data = DataConfig(batch_frames=BATCH_FRAMES, num_workers=0, shard_check="off")
-    for sync in (True, False):
-        print(json.dumps(measure_loaders(cache, dataclasses.replace(data, sync_buckets=sync), 8,
-                                         args.steps)), flush=True)  # fmt: skip
-    shards = len(json.loads((cache / "index.json").read_text())["shards"])
-    for ranks in args.ranks:
-        for how in ("on", "unsynced", "previous"):
-            if how == "previous" and ranks > shards:
-                print(json.dumps({"measure": "plans previous", "ranks": ranks,
-                                  "refused": f"{shards} shards < {ranks} workers"}))  # fmt: skip
-                continue
-            print(json.dumps(measure_plans(cache, data, ranks, args.steps, how)), flush=True)
+    if "loader" in args.parts:
+        for sync in (True, False):
+            options = dataclasses.replace(data, sync_buckets=sync)
+            print(json.dumps(measure_loaders(cache, options, 8, args.steps)), flush=True)
+    if "plans" in args.parts:
+        measured = None
+        if args.cost_preset != "none":
+            shapes = typical_shapes(cache, data, args.steps)
+            measured, described = timed_cost_model(shapes, args.cost_preset, args.cost_repeats)
+            print(json.dumps(described), flush=True)
+        shards = len(json.loads((cache / "index.json").read_text())["shards"])
+        for ranks in args.ranks:
+            for how in ("on", "unsynced", "previous"):
+                if how == "previous" and ranks > shards:
+                    print(json.dumps({"measure": "plans previous", "ranks": ranks,
+                                      "refused": f"{shards} shards < {ranks} workers"}))  # fmt: skip
+                    continue
+                row = measure_plans(cache, data, ranks, args.steps, how, measured)
+                print(json.dumps(row), flush=True)
     loader_data = dataclasses.replace(data, num_workers=2, shard_check="fast")
-    for line in measure_throughput(cache, loader_data, args.turn_seconds, args.rounds):
-        print(json.dumps(line), flush=True)
+    if "throughput" in args.parts:
+        for line in measure_throughput(cache, loader_data, args.turn_seconds, args.rounds):
+            print(json.dumps(line), flush=True)
+    if "reads" in args.parts:
+        for slots in args.read_slots:
+            print(json.dumps(measure_reads(cache, loader_data, slots, args.steps)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Random access to a cache: ``melcache.open(cache)``, then ``cache[key]`` or ``cache[i]``.
 
-Every lookup is one ranged read of one shard (``os.preadv`` locally, an HTTP ``Range``
+Every lookup is one ranged read of one shard (``os.pread`` locally, an HTTP ``Range``
 request for an ``http(s)://`` cache), located by the per-utterance table
 (:mod:`melcache.table`). The bytes read are checked against the table's digest of that
 sample before they are parsed, with the loader's own parser and metadata checks; so a
@@ -11,12 +11,13 @@ yields them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -28,10 +29,12 @@ from melcache.errors import ShardError, UserError
 from melcache.format import META_MEMBER, decode_meta, finite_mel
 from melcache.index import read_index
 from melcache.location import is_url, member_location
-from melcache.reader import raw_sample, shard_samples
+from melcache.reader import RawSample, raw_sample, shard_samples
 from melcache.table import TABLE_NAME, Table, sample_digest
 
-_END_BLOCKS = 1024  # zeros after a sample's bytes: a complete tar the shard parser accepts
+# Shard files a cache keeps open (the least recently used closed first): a loader worker
+# meets every shard of a cache in time, and 100k of them would exhaust its descriptors.
+OPEN_SHARDS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,30 +125,63 @@ class Cache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["location"])  # type: ignore[misc]
 
-    def _read(self, row: int, key: str | None) -> Utterance | None:
-        """Row ``row``'s utterance, or ``None`` when its key is not ``key`` (a hash collision)."""
-        number = self.table.shard_of(row)
-        name = self.index["shards"][number]["name"]
-        offset, length = self.table.span(row)
+    def raw_rows(self, rows: Sequence[int]) -> list[RawSample]:
+        """The samples of ``rows``, in that order, mel undecoded: each run of consecutive rows
+        of one shard one ranged read, each sample checked against the table's digest and
+        frames (what a loader that reads only its own batches of a shard takes)."""
+        wanted = np.unique(np.asarray(rows, dtype=np.int64))
+        shard = np.searchsorted(self.table.column("shard_rows"), wanted, "right") - 1
+        cuts = np.flatnonzero((np.diff(wanted) != 1) | (np.diff(shard) != 0)) + 1
+        found: dict[int, RawSample] = {}
+        for run in np.split(wanted, cuts):
+            start, stop = int(run[0]), int(run[-1]) + 1
+            samples, where, _ = self._verified(start, stop)
+            for row, sample in zip(range(start, stop), samples, strict=True):
+                found[row] = self._raw(sample, where, row)
+        return [found[row] for row in rows]
+
+    def _verified(self, start: int, stop: int) -> tuple[list[dict[str, Any]], str, str]:
+        """The samples of rows ``start`` to ``stop - 1`` (of one shard) from one ranged read,
+        each one's bytes checked against the table's digest before any is parsed; with the
+        shard's location and name."""
+        name = self.index["shards"][self.table.shard_of(start)]["name"]
+        if stop - start == 1:  # one lookup: scalar reads beat numpy's per-call overhead
+            offset, length = self.table.span(start)
+            offsets, lengths = [offset], [length]
+        else:
+            offsets, lengths = (column.tolist() for column in self.table.spans(start, stop))
+        first = offsets[0]
         where = self._shards.location(name)
-        data = self._shards.read(name, offset, length)
-        if sample_digest(memoryview(data)[:length]) != int(self.table.column("digest")[row]):
+        data = self._shards.read(name, first, offsets[-1] + lengths[-1] - first)
+        view, digests = memoryview(data), self.table.column("digest")[start:stop].tolist()
+        for offset, length, digest in zip(offsets, lengths, digests, strict=True):
+            if sample_digest(view[offset - first : offset - first + length]) != digest:
+                raise ShardError(
+                    f"{where}: the {length} bytes at {offset} are not the sample {TABLE_NAME} "
+                    "records (shard replaced or damaged)"
+                )
+        samples = list(shard_samples(data, where, complete=False))
+        if len(samples) != stop - start:
             raise ShardError(
-                f"{where}: the {length} bytes at {offset} are not the sample {TABLE_NAME} "
-                "records (shard replaced or damaged)"
+                f"{where}: {len(samples)} samples at byte {first}, expected {stop - start}"
             )
-        samples = list(shard_samples(data, where))  # type: ignore[arg-type]
-        if len(samples) != 1:
-            raise ShardError(f"{where}: {len(samples)} samples at byte {offset}, expected one")
-        sample = samples[0]
-        if key is not None and sample["__key__"] != key:
-            return None
+        return samples, where, name
+
+    def _raw(self, sample: dict[str, Any], where: str, row: int) -> RawSample:
         raw = raw_sample(sample, where)
-        sample_where = f"{where}:{raw.key}"
         if raw.frames != int(self._frames[row]):
             raise ShardError(
-                f"{sample_where}: {raw.frames} frames, {TABLE_NAME} says {self._frames[row]}"
+                f"{where}:{raw.key}: {raw.frames} frames, {TABLE_NAME} says {self._frames[row]}"
             )
+        return raw
+
+    def _read(self, row: int, key: str | None) -> Utterance | None:
+        """Row ``row``'s utterance, or ``None`` when its key is not ``key`` (a hash collision)."""
+        (sample,), where, name = self._verified(row, row + 1)
+        if key is not None and sample["__key__"] != key:
+            return None
+        raw = self._raw(sample, where, row)
+        sample_where = f"{where}:{raw.key}"
         mel = decode_mel(raw.mel, raw.storage, self._n_mels, sample_where)
         if len(mel) != raw.frames or not finite_mel(mel):
             raise ShardError(f"{sample_where}: mel is not {raw.frames} finite frames")
@@ -166,21 +202,21 @@ class Cache:
 
 
 class _Shards:
-    """One ranged read of a shard: ``pread`` on a file opened once, or an HTTP range request."""
+    """One ranged read of a shard: ``pread`` on a file kept open, or an HTTP range request."""
 
     def __init__(self, cache: str | Path, entries: list[dict[str, Any]]) -> None:
         self._cache = cache
         self._entries = {entry["name"]: entry for entry in entries}
         self._locations = {name: member_location(cache, name) for name in self._entries}
-        self._files: dict[str, IO[bytes]] = {}
+        self._files: collections.OrderedDict[str, IO[bytes]] = collections.OrderedDict()
         if is_url(cache) and not str(cache).startswith(("http://", "https://")):
             raise UserError(
                 f"{cache}: random access reads a local folder or an http(s):// cache; "
                 "stream this one with the loader, or copy it"
             )
 
-    def read(self, name: str, offset: int, length: int) -> bytearray:
-        """``length`` bytes of shard ``name`` from ``offset``, then zeros ending the tar."""
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of shard ``name`` from ``offset``."""
         location = self._locations[name]
         size = self._entries[name].get("bytes")
         if length <= 0 or (size is not None and offset + length > size):
@@ -188,39 +224,39 @@ class _Shards:
                 f"{location}: {TABLE_NAME} places a sample at bytes {offset}+{length}, "
                 f"outside the shard's {size}"
             )
-        buffer = bytearray(length + _END_BLOCKS)
         if is_url(self._cache):
             got = _http_range(location, offset, length)
-            buffer[: len(got)] = got
-            count = len(got)
         else:
-            count = os.preadv(
-                self._file(name, location).fileno(), [memoryview(buffer)[:length]], offset
-            )
-        if count != length:
+            got = os.pread(self._file(name, location).fileno(), length, offset)
+        if len(got) != length:
             raise ShardError(
-                f"{location}: {count} bytes at {offset}, {TABLE_NAME} says {length} (truncated?)"
+                f"{location}: {len(got)} bytes at {offset}, {TABLE_NAME} says {length} (truncated?)"
             )
-        return buffer
+        return got
 
     def location(self, name: str) -> str:
         """Where shard ``name`` lives."""
         return self._locations[name]
 
     def _file(self, name: str, location: str) -> IO[bytes]:
+        """Shard ``name`` opened (kept for the next read, as the last OPEN_SHARDS are)."""
         file = self._files.get(name)
-        if file is None:
-            try:
-                file = open_regular(location)
-            except OSError as exc:
-                raise ShardError(f"{location}: cannot read shard ({exc})") from None
-            size, expected = os.fstat(file.fileno()).st_size, self._entries[name].get("bytes")
-            if expected is not None and size != expected:
-                file.close()
-                raise ShardError(
-                    f"{location}: {size} bytes, the index says {expected} (truncated or replaced?)"
-                )
-            self._files[name] = file
+        if file is not None:
+            self._files.move_to_end(name)
+            return file
+        try:
+            file = open_regular(location)
+        except OSError as exc:
+            raise ShardError(f"{location}: cannot read shard ({exc})") from None
+        size, expected = os.fstat(file.fileno()).st_size, self._entries[name].get("bytes")
+        if expected is not None and size != expected:
+            file.close()
+            raise ShardError(
+                f"{location}: {size} bytes, the index says {expected} (truncated or replaced?)"
+            )
+        self._files[name] = file
+        if len(self._files) > OPEN_SHARDS:
+            self._files.popitem(last=False)[1].close()
         return file
 
     def close(self) -> None:

@@ -184,16 +184,17 @@ def plan_even_batches(
 def _runs(padded: Sequence[int], cap: int, max_batch_size: int) -> list[list[int]]:
     """Greedy runs of consecutive places whose size × longest padded length stays within
     ``cap`` (the fewest such runs: each takes all it can)."""
+    lengths = np.asarray(padded, dtype=np.int64)
+    sizes = np.arange(1, max_batch_size + 1)
     runs: list[list[int]] = []
-    longest = 0
-    for place, length in enumerate(padded):
-        top = max(longest, length)
-        if runs and len(runs[-1]) < max_batch_size and (len(runs[-1]) + 1) * top <= cap:
-            runs[-1].append(place)
-            longest = top
-        else:
-            runs.append([place])
-            longest = length
+    start = 0
+    while start < len(lengths):
+        # size × running max only grows with the size, so the run ends at its first misfit.
+        window = np.maximum.accumulate(lengths[start : start + max_batch_size])
+        fits = int(np.count_nonzero(sizes[: len(window)] * window <= cap))
+        end = start + max(1, fits)
+        runs.append(list(range(start, end)))
+        start = end
     return runs
 
 

@@ -253,27 +253,37 @@ class _NotPlainTar(Exception):
 
 
 def tar_members(
-    data: bytes | mmap.mmap, where: str, on_unknown: Callable[[str], None] | None = None
+    data: bytes | mmap.mmap | memoryview,
+    where: str,
+    on_unknown: Callable[[str], None] | None = None,
+    *,
+    complete: bool = True,
 ) -> Iterator[tuple[str, str, bytes | memoryview]]:
     """``(key, member, data)`` for each known member of an in-memory shard, in tar order.
 
     Same contract as :func:`iter_members`, which handles every case this fast path
     declines (extension headers, links, bad checksums, a cut-off archive): unknown members
     are skipped unread (reported to ``on_unknown``), a key with a path separator raises,
-    damage raises ShardError.
+    damage raises ShardError. ``complete=False`` accepts data that ends after a member
+    (samples cut from a shard) instead of at an end-of-archive block.
     """
     try:
-        members = _plain_tar_members(data, where, on_unknown)
+        members = _plain_tar_members(data, where, on_unknown, complete)
     except _NotPlainTar:
+        if not complete:  # tarfile wants the last member padded and an end-of-archive block
+            data = bytes(data) + bytes(-len(data) % _BLOCK + 2 * _BLOCK)
         return iter_members(io.BytesIO(data), where, on_unknown)
     return iter(members)
 
 
 def _plain_tar_members(
-    data: bytes | mmap.mmap, where: str, on_unknown: Callable[[str], None] | None
+    data: bytes | mmap.mmap | memoryview,
+    where: str,
+    on_unknown: Callable[[str], None] | None,
+    complete: bool,
 ) -> list[tuple[str, str, memoryview]]:
     view, members, unknown = memoryview(data), [], []
-    for name, start, size in _plain_tar_entries(data):
+    for name, start, size in _plain_tar_entries(data, complete):
         key, _, member = name.partition(".")
         if member not in KNOWN_MEMBERS:
             unknown.append(name)
@@ -297,10 +307,12 @@ def plain_tar_entries(data: bytes | mmap.mmap) -> list[tuple[str, int, int]] | N
         return None
 
 
-def _plain_tar_entries(data: bytes | mmap.mmap) -> list[tuple[str, int, int]]:
+def _plain_tar_entries(
+    data: bytes | mmap.mmap | memoryview, complete: bool = True
+) -> list[tuple[str, int, int]]:
     pos, entries = 0, []
     while pos + _BLOCK <= len(data):
-        header = data[pos : pos + _BLOCK]
+        header = bytes(data[pos : pos + _BLOCK])  # a memoryview's slice is not bytes
         if header == _END_BLOCK:
             return entries
         if header[156:157] not in _REGULAR_FILE or header[345:346] != b"\0":
@@ -314,6 +326,8 @@ def _plain_tar_entries(data: bytes | mmap.mmap) -> list[tuple[str, int, int]]:
             raise _NotPlainTar
         name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
         entries.append((name, start, size))
+    if not complete and entries and entries[-1][1] + entries[-1][2] == len(data):
+        return entries  # a run of samples ends at its last member's data
     raise _NotPlainTar  # no end-of-archive block: cut off
 
 

@@ -143,11 +143,16 @@ class ShardCheck:
 
 
 def shard_samples(
-    data: bytes | mmap.mmap, location: str, on_unknown: Callable[[str], None] | None = None
+    data: bytes | mmap.mmap | memoryview,
+    location: str,
+    on_unknown: Callable[[str], None] | None = None,
+    *,
+    complete: bool = True,
 ) -> Iterator[dict[str, Any]]:
     """The shard's samples as ``{"__key__": key, member: bytes}`` dicts, in tar order; members
-    that are not melcache's are skipped unread (reported to ``on_unknown``)."""
-    return group_samples(tar_members(data, location, on_unknown), location)
+    that are not melcache's are skipped unread (reported to ``on_unknown``). ``complete=False``:
+    ``data`` is a run of whole samples cut from a shard, with no end-of-archive block."""
+    return group_samples(tar_members(data, location, on_unknown, complete=complete), location)
 
 
 def raw_sample(sample: dict[str, Any], location: str) -> RawSample:

@@ -264,6 +264,16 @@ class Table:
                 )
         return int(self._columns["offset"][row]), end
 
+    def spans(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`span` of rows ``start`` to ``stop - 1`` at once (int64 arrays): for runs of
+        many rows, where one numpy operation per column beats a loop over rows."""
+        ends = np.zeros(stop - start, np.int64)
+        for member in MEMBERS:
+            if f"{member}_at" in self._columns:
+                at = self._columns[f"{member}_at"][start:stop].astype(np.int64)
+                ends = np.maximum(ends, at + self._columns[f"{member}_size"][start:stop])
+        return self._columns["offset"][start:stop].astype(np.int64), ends
+
     def strings(self, name: str) -> list[Any]:
         """``keys``, ``sources`` (per row) or ``speakers`` (by number, from 1), decoded once."""
         if name not in self._strings:

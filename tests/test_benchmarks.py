@@ -156,3 +156,33 @@ def test_budget_bench_plans_one_budget_against_the_tuned_table(tmp_path: Path) -
         assert row["table_batches"] <= row["global_batches"], row
     assert sum(r["table_batches"] for r in buckets) == total["table_batches"]
     assert 0 <= total["table_padding_pct"] < 100
+
+
+@pytest.mark.slow
+def test_schedule_bench_prints_the_timed_cost_model_and_reads_per_slot(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    args = ["--cache", str(sample_cache), "--steps", "6", "--ranks", "4", "--cost-repeats", "1",
+            "--read-slots", "1", "4", "--parts", "plans", "reads"]  # fmt: skip
+    rows = bench_rows("schedule_bench", tmp_path / "data", *args)
+    model, *plans = (r for r in rows if r["measure"] != "reads per slot")
+    assert model["measure"] == "cost model" and model["preset"] == "tiny"
+    assert all(s > 0 for s in model["seconds_per_slot"].values())
+    assert {r["measure"] for r in plans} == {"plans on", "plans unsynced", "plans previous"}
+    assert all(0 < r["efficiency_measured"] <= 1 for r in plans)
+    reads = [r for r in rows if r["measure"] == "reads per slot"]
+    assert [r["slots"] for r in reads] == [1, 4]
+    assert all(r["sync_on_kb_read_per_sample"] > 0 for r in reads)
+
+
+@pytest.mark.slow
+def test_allreduce_bench_prints_the_wait_share_of_each_setting(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    args = ["--cache", str(sample_cache), "--procs", "2", "--steps", "3", "--warmup", "1",
+            "--repeats", "1", "--batch-frames", "3000"]  # fmt: skip
+    rows = bench_rows("allreduce_bench", tmp_path / "data", *args)
+    assert [(r["procs"], r["sync_buckets"]) for r in rows] == [(2, True), (2, False)]
+    for row in rows:
+        assert 0 <= row["wait_share_mean"] <= row["wait_share_max"] < 1, row
+        assert row["compute_s_per_step"] > 0 and row["comm_s_per_step"] > 0, row

@@ -197,6 +197,23 @@ def global_batch(sub: SubStream, *, slot: int, num_slots: int, taken: int) -> in
     return (slot + (taken // size) * num_slots) * size + taken % size
 
 
+def visit_run(
+    sub: SubStream, *, seed: int, slot: int, num_slots: int, taken: int, limit: int
+) -> int:
+    """How many of slot ``slot``'s batches from its ``taken``-th on are of one visit of one
+    unit (the same epoch and place), counted up to ``limit``: the share of the unit the
+    slot's read is for."""
+
+    def visit(t: int) -> tuple[int, int]:
+        number = global_batch(sub, slot=slot, num_slots=num_slots, taken=t)
+        return locate(sub, seed=seed, number=number)[:2]
+
+    first, run = visit(taken), 1
+    while run < limit and visit(taken + run) == first:
+        run += 1
+    return run
+
+
 def locate(sub: SubStream, *, seed: int, number: int) -> tuple[int, int, int]:
     """``(epoch, place in sub.units, batch of that unit's cut)`` of batch ``number``."""
     epoch, offset = divmod(number, sub.per_epoch)

@@ -19,6 +19,8 @@ from melcache.errors import UserError
 from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
 from melcache.index import read_index
+from melcache.location import is_url
+from melcache.table import Table
 from train.config import DataConfig
 from train.schedule import mix_weights
 from train.stream import Source
@@ -73,7 +75,7 @@ def open_mix(
                 )
     hours = [sum(s["frames"] for s in index["shards"]) for index in indexes]
     sources = tuple(
-        Source(where, tuple(index["shards"]))
+        Source(where, tuple(index["shards"]), ranged=_reads_by_table(where, index, data))
         for where, index in zip(locations, indexes, strict=True)
     )
     weights = tuple(mix_weights(hours, given, data.mix_temperature))
@@ -92,6 +94,18 @@ def check_extras(mix: OpenedMix, asked: Sequence[str]) -> None:
                 f"{', '.join(carried) or 'none'}): rebuild it from a manifest with "
                 f'[build] extras = ["{missing}"]'
             )
+
+
+def _reads_by_table(where: str, index: dict[str, Any], data: DataConfig) -> bool:
+    """Whether bucket readers read only their batches' samples (see ``Source.ranged``): a
+    local cache whose index lists a table, unless every read must be checked by sha256; the
+    table is checked here, so a damaged one is one error before any worker starts."""
+    if not (data.sync_buckets and data.shard_check != "sha256" and index.get("table")):
+        return False
+    if is_url(where):  # a range request per utterance would cost more than whole shards
+        return False
+    Table(where, index)
+    return True
 
 
 def check_layout(sources: Sequence[Source], data: DataConfig, num_slots: int) -> None:

@@ -13,19 +13,22 @@ whole-cache sub-stream (``sync_buckets = false``) is the stream of earlier relea
 epoch the cache's shards are dealt to the slots and cut greedily; its position is (epoch,
 shard in the slot's list, batches taken from it), the batching a pure function of
 ``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard (a bucket
-sub-stream: one unit of its shards) per sub-stream and skips its consumed batches without decoding their mels. Each position ends
+sub-stream: one unit of its shards, or only its batches of it, ``train/units.py``) per
+sub-stream and skips its consumed batches without decoding their mels. Each position ends
 with the real frames the worker has taken from the sub-stream: the schedule's choice of cache
 within a bucket follows them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 from collections.abc import Hashable, Iterator
 from typing import Any
 
+from melcache.access import Cache
 from melcache.batching import (
     BATCH_PLAN,
     EVEN_PLAN,
@@ -41,6 +44,7 @@ from train.collate import PackedBatch, Tokenizer, collate
 from train.config import DataConfig
 from train.schedule import Schedule, SubStream, global_batch, locate
 from train.transport import BatchRing
+from train.units import ranged_unit, takes_little, whole_unit
 
 # A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
 # the reader's position after it, its samples, their source and their shards' index entries
@@ -72,10 +76,13 @@ class Cursor:
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """One cache of the mix: its location (folder or URL prefix) and its index's shards."""
+    """One cache of the mix: its location (folder or URL prefix) and its index's shards;
+    ``ranged``: a bucket reader reads only its batches' samples, located by the cache's
+    utterance table (a local cache with a table, checked per sample by its digest)."""
 
     location: str
     shards: tuple[dict[str, Any], ...]
+    ranged: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,7 +170,7 @@ class SkipLog:
 
 
 def _read(
-    spec: StreamSpec, source: int, shard_id: int, check: ShardCheck, skips: SkipLog
+    spec: StreamSpec, source: int, shard_id: int, *, check: ShardCheck, skips: SkipLog
 ) -> list[RawSample] | None:
     """One shard's samples, or ``None`` when it is bad and the policy is to skip it."""
     where, entry = spec.sources[source], spec.sources[source].shards[shard_id]
@@ -189,7 +196,7 @@ def whole_cache_batches(
         )  # fmt: skip
         for pos in range(first, len(ids)):
             visit = ShardVisit(epoch, pos, len(ids), ids[pos], skip)
-            skip, samples = 0, _read(spec, source, visit.shard_id, check, skips)
+            skip, samples = 0, _read(spec, source, visit.shard_id, check=check, skips=skips)
             if samples is None:
                 continue
             entry = shards[visit.shard_id]
@@ -210,38 +217,54 @@ def whole_cache_batches(
 
 
 def bucket_batches(
-    spec: StreamSpec, sub: SubStream, slot: int, taken: int, check: ShardCheck, skips: SkipLog
+    spec: StreamSpec,
+    sub: SubStream,
+    slot: int,
+    taken: int,
+    check: ShardCheck,
+    skips: SkipLog,
+    cache: Cache | None,
 ) -> Iterator[Planned]:
     """This slot's batches of one bucket sub-stream, from its ``taken``-th on: each located
-    in O(1) from the index, its unit of shards read once for a run of its batches (slots that
-    share a unit each read it and decode only their own batches). A shard of the unit that
-    cannot be read is recorded and the unit cut from the others."""
+    in O(1) from the index, its unit of shards cut once for a run of its batches. Where the
+    slot takes little of a unit (it shares it with other slots) and the cache has a table
+    (``cache``), only its batches' samples are read, else the unit's shards whole. A shard
+    that cannot be read is recorded and left out: of the unit's cut when read whole, of the
+    batch when read by range."""
     visit: tuple[int, int] | None = None
-    samples: list[RawSample] = []
-    owners: list[dict[str, Any]] = []  # the index entry of each sample's shard
     plan: list[list[int]] = []
-    source = spec.sources[sub.source]
+    read = functools.partial(_read, spec, sub.source, check=check, skips=skips)
+
+    def record(name: str, problem: ShardError) -> None:
+        skips.record((sub.source, name), name, problem)
+
     while True:
         number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
         epoch, place, batch = locate(sub, seed=spec.seed, number=number)
         taken += 1
         unit = sub.units[place]
         if visit != (epoch, unit[0]):
-            visit, samples, owners = (epoch, unit[0]), [], []
-            for shard_id in unit:
-                read = _read(spec, sub.source, shard_id, check, skips) or []
-                samples += read
-                owners += [source.shards[shard_id]] * len(read)
+            visit = (epoch, unit[0])
+            source = spec.sources[sub.source]
+            if cache is not None and takes_little(
+                sub, place, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken - 1
+            ):
+                members = ranged_unit(cache, source.location, source.shards, unit, record)
+            else:
+                members = whole_unit(source.shards, unit, read)
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
-            count = min(sub.batches[place], len(samples))
-            data, lengths = spec.data, [s.frames for s in samples]
+            count = min(sub.batches[place], len(members.frames))
+            data = spec.data
             plan = plan_even_batches(
-                lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
+                members.frames, rng=rng, count=count, max_batch_size=data.max_batch_size,
                 pad_multiple=data.pad_multiple,
             ) if count else []  # fmt: skip
         if batch < len(plan):
-            entries = tuple({owners[i]["name"]: owners[i] for i in plan[batch]}.values())
-            yield visit, (taken,), [samples[i] for i in plan[batch]], sub.source, entries
+            held = members.fetch(plan[batch])
+            if held:  # else every shard of the batch failed, each recorded
+                owners = (members.owners[at] for at, _ in held)
+                entries = tuple({entry["name"]: entry for entry in owners}.values())
+                yield visit, (taken,), [sample for _, sample in held], sub.source, entries
 
 
 def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:
@@ -264,11 +287,16 @@ def open_readers(
     positions: list[tuple[int, ...]],
     check: ShardCheck,
     skips: SkipLog,
+    stack: contextlib.ExitStack,
 ) -> list[Iterator[Planned]]:
     """Slot ``slot``'s reader of each sub-stream, from ``positions``: planned batches, no mel
-    decoded."""
+    decoded; the caches they read by table are opened once each, closed with ``stack``."""
+    caches = [
+        stack.enter_context(Cache(source.location)) if source.ranged else None
+        for source in spec.sources
+    ]
     return [
-        bucket_batches(spec, sub, slot, position[0], check, skips)
+        bucket_batches(spec, sub, slot, position[0], check, skips, caches[sub.source])
         if sub.bucket >= 0
         else whole_cache_batches(spec, sub, slot, Position(*position[:3]), check, skips)
         for sub, position in zip(spec.subs, positions, strict=True)
@@ -280,13 +308,14 @@ def planned_stream(spec: StreamSpec, worker: int) -> Iterator[Planned]:
     but no mel decoded (what benchmarks and tests plan whole jobs with)."""
     slot = spec.rank * spec.workers_per_rank + worker
     starts = [spec.start(sub) for sub in spec.subs]
-    readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1))
-    consumed = [0] * len(readers)
-    for step in itertools.count():
-        stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
-        planned = next(readers[stream])
-        consumed[stream] += sum(s.frames for s in planned[2])
-        yield planned
+    with contextlib.ExitStack() as stack:
+        readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1), stack)
+        consumed = [0] * len(readers)
+        for step in itertools.count():
+            stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
+            planned = next(readers[stream])
+            consumed[stream] += sum(s.frames for s in planned[2])
+            yield planned
 
 
 def worker_stream(
@@ -298,19 +327,20 @@ def worker_stream(
     skips = SkipLog(spec.data.on_error, sum(len(s.shards) for s in spec.sources))
     check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
     slot = spec.rank * spec.workers_per_rank + worker
-    readers = open_readers(spec, slot, positions, check, skips)
-    consumed = [position[-1] for position in positions]
-    failed: list[Hashable] = [None] * len(readers)
-    seq = 0
-    while True:
-        rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
-        stream = spec.schedule.pick(rank_step, slot, consumed)
-        packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
-        consumed[stream] += int(packed.mel_lengths.sum())
-        ring.publish(seq)
-        seq += 1
-        step += 1
-        yield packed, Cursor(worker, stream, (*after, consumed[stream]), skips.take())
+    with contextlib.ExitStack() as stack:
+        readers = open_readers(spec, slot, positions, check, skips, stack)
+        consumed = [position[-1] for position in positions]
+        failed: list[Hashable] = [None] * len(readers)
+        seq = 0
+        while True:
+            rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
+            stream = spec.schedule.pick(rank_step, slot, consumed)
+            packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
+            consumed[stream] += int(packed.mel_lengths.sum())
+            ring.publish(seq)
+            seq += 1
+            step += 1
+            yield packed, Cursor(worker, stream, (*after, consumed[stream]), skips.take())
 
 
 def _collate_next(

@@ -1,0 +1,163 @@
+"""Slots that share a unit of shards read only their own batches (#25), by the cache's table.
+
+At 16 ranks the sample cache's 8 shards are shared by every slot: each takes one batch of a
+unit at a time. These run the loader's own readers and real loaders in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import melcache.access
+import train.stream
+import train.units
+from melcache.access import Cache
+from melcache.batching import _runs
+from melcache.errors import ShardError, UserError
+from melcache.table import TABLE_NAME
+from train.data import DataConfig, StreamLoader, make_loader
+from train.stream import planned_stream
+
+DATA = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0}
+RANKS = 16
+
+
+def make(cache: Path, rank: int, **data: object) -> StreamLoader:
+    options = DataConfig(**{**DATA, **data})  # type: ignore[arg-type]
+    return make_loader(cache, options, rank=rank, world_size=RANKS, seed=1)
+
+
+def planned_keys(spec: train.stream.StreamSpec, steps: int) -> list[list[str]]:
+    stream = planned_stream(spec, 0)
+    keys = [[s.key for s in planned[2]] for _, planned in zip(range(steps), stream, strict=False)]
+    stream.close()
+    return keys
+
+
+def test_slots_sharing_a_unit_read_only_their_batches_and_get_the_same_stream(
+    sample_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Samples read, over samples handed out: near 1 by the table, several reading whole."""
+    read = [0]
+    read_shard, raw_rows = train.stream.read_shard, Cache.raw_rows
+
+    def whole(location: str, entry: dict, check: object) -> list:
+        read[0] += entry["samples"]
+        return read_shard(location, entry, check)
+
+    def ranged(self: Cache, rows: list[int]) -> list:
+        read[0] += len(rows)
+        return raw_rows(self, rows)
+
+    monkeypatch.setattr(train.stream, "read_shard", whole)
+    monkeypatch.setattr(Cache, "raw_rows", ranged)
+    for rank in (0, RANKS - 1):
+        spec = make(sample_cache, rank).spec
+        assert all(source.ranged for source in spec.sources)  # local, with a table
+        read[0] = 0
+        keys = planned_keys(spec, 12)
+        used = sum(map(len, keys))
+        # A slot that takes a whole small unit reads it whole: at most 1 / RANGED_BELOW over.
+        assert used <= read[0] <= used / train.units.RANGED_BELOW
+        by_shard = dataclasses.replace(
+            spec, sources=tuple(dataclasses.replace(s, ranged=False) for s in spec.sources)
+        )
+        read[0] = 0
+        assert planned_keys(by_shard, 12) == keys  # batch for batch, the stream reading whole
+        assert read[0] >= 2 * used  # ...which reads a unit's shards for each of its batches
+
+
+def damaged_copy(cache: Path, out: Path, key: str) -> str:
+    """A copy of ``cache`` with one byte of ``key``'s mel flipped; the shard's name."""
+    shutil.copytree(cache, out)
+    with Cache(out) as opened:
+        (row,) = opened.table.rows_of(key)
+        name = opened.index["shards"][opened.table.shard_of(row)]["name"]
+        at = int(opened.table.column("offset")[row] + opened.table.column("mel_at")[row])
+    path = out / name
+    data = bytearray(path.read_bytes())
+    data[at + 200] ^= 0xFF  # past the .npy header: only a digest can tell
+    path.write_bytes(bytes(data))
+    return name
+
+
+def test_a_damaged_sample_read_by_range_is_one_line_naming_its_shard(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    first = planned_keys(make(sample_cache, 0).spec, 1)[0]
+    name = damaged_copy(sample_cache, tmp_path / "cache", first[0])
+    with pytest.raises(ShardError, match=rf"{name}: the \d+ bytes at \d+ are not the sample"):
+        next(iter(make(tmp_path / "cache", 0)))
+    loader = make(tmp_path / "cache", 0, on_error="skip")
+    stream = iter(loader)
+    batches = [next(stream) for _ in range(6)]
+    stream.close()
+    assert first[0] not in {key for batch in batches for key in batch.keys}
+    ((skipped, reason),) = loader.skipped_shards.items()
+    assert name in skipped and "\n" not in reason and TABLE_NAME in reason
+
+
+def test_a_damaged_table_is_refused_before_any_worker_starts(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    shutil.copytree(sample_cache, tmp_path / "cache")
+    table = tmp_path / "cache" / TABLE_NAME
+    data = bytearray(table.read_bytes())
+    data[-1] ^= 0xFF
+    table.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"{TABLE_NAME}: xxh3_128 differs.*index-table"):
+        make(tmp_path / "cache", 0)
+    whole_cache = DataConfig(**{**DATA, "sync_buckets": False})  # type: ignore[arg-type]
+    assert not make_loader(tmp_path / "cache", whole_cache).spec.sources[0].ranged  # unread
+
+
+def test_a_cache_keeps_at_most_open_shards_files_open(
+    sample_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(melcache.access, "OPEN_SHARDS", 2)
+
+    def open_shards() -> int:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(FileNotFoundError):  # listdir's own descriptor, gone
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return sum(str(sample_cache) in link and link.endswith(".tar") for link in links)
+
+    with Cache(sample_cache) as opened:
+        starts = opened.table.column("shard_rows")[:-1].tolist()
+        assert len(starts) > 2
+        for row in starts:  # one utterance of every shard
+            assert opened.raw_rows([row])[0].frames == int(opened.lengths[row])
+            assert open_shards() <= 2
+    assert open_shards() == 0
+
+
+def test_even_cut_runs_match_the_greedy_rule_sample_by_sample() -> None:
+    """The numpy cut gives the batches of the rule it replaced: each run takes samples while
+    (size + 1) × longest padded length stays within the cap."""
+
+    def greedy(padded: list[int], cap: int, max_batch_size: int) -> list[list[int]]:
+        runs: list[list[int]] = []
+        longest = 0
+        for place, length in enumerate(padded):
+            top = max(longest, length)
+            if runs and len(runs[-1]) < max_batch_size and (len(runs[-1]) + 1) * top <= cap:
+                runs[-1].append(place)
+                longest = top
+            else:
+                runs.append([place])
+                longest = length
+        return runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        padded = (rng.integers(1, 60, size=int(rng.integers(1, 120))) * 8).tolist()
+        cap, size = int(rng.integers(8, 4000)), int(rng.integers(1, 70))
+        assert _runs(padded, cap, size) == greedy(padded, cap, size)
