@@ -19,9 +19,11 @@ from melcache.errors import UserError
 from melcache.format import REJECTED_NAME
 from melcache.reader import ShardCheck, read_shard
 from preprocess.inputs import key_base
+from train import stream as train_stream
 from train.collate import extras_rows, stand_in_extras
 from train.config import DataConfig
 from train.data import make_loader
+from train.units import ranged_unit
 
 CONFIG = """
 [build]
@@ -118,9 +120,15 @@ def test_a_folder_corpus_with_extras_is_refused_in_one_line(corpus: Path) -> Non
     ]
 
 
-def test_the_loader_hands_out_the_fields_asked_for(cache: Path) -> None:
-    data = DataConfig(batch_frames=1200, num_workers=1, extras=("language", "reference"))
-    loader = make_loader(cache, data)
+@pytest.mark.parametrize("world_size, workers", [(1, 1), (8, 0)])
+def test_the_loader_hands_out_the_fields_asked_for(
+    cache: Path, world_size: int, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also where 8 ranks share each unit, each reading only its batches' rows by range."""
+    ranged = []
+    monkeypatch.setattr(train_stream, "ranged_unit", lambda *a: ranged.append(1) or ranged_unit(*a))
+    data = DataConfig(batch_frames=1200, num_workers=workers, extras=("language", "reference"))
+    loader = make_loader(cache, data, rank=world_size - 1, world_size=world_size)
     languages, references = expected_languages(), 0
     try:
         stream = iter(loader)
@@ -136,6 +144,7 @@ def test_the_loader_hands_out_the_fields_asked_for(cache: Path) -> None:
     finally:
         loader.close()
     assert references > 0
+    assert bool(ranged) == (world_size > 1)
     with pytest.raises(UserError, match=r"cache .* has no per-utterance field 'dnsmos'"):
         make_loader(cache, dataclasses.replace(data, extras=("dnsmos",)))
 
