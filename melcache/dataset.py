@@ -33,9 +33,10 @@ class CacheDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         utterance = self.cache[int(index)]
+        mel = utterance.mel  # a view of the read-only bytes read, for fp16 storage: copy it
         return {
             "key": utterance.key,
-            "mel": torch.from_numpy(utterance.mel),
+            "mel": torch.from_numpy(mel if mel.flags.writeable else mel.copy()),
             "text": utterance.text,
             "speaker": utterance.speaker,
             "frames": utterance.frames,
