@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import pytest
 import torch
@@ -178,3 +179,13 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path: Pa
         assert [p.name for p in (disk / "checkpoints").iterdir()] == ["step-00000001"]
         _, shared, _ = ckpt.restore()
         assert shared["step"] == 1
+
+
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+def test_dcp_metadata_may_name_the_path_class_of_any_python(module: str) -> None:
+    """DCP pickles the checkpoint's path: Python 3.13 names its class pathlib._local.PosixPath,
+    3.11 and 3.12 pathlib.PosixPath; a checkpoint written by either reads under the other."""
+    text = pickle.dumps(PosixPath("/runs/a"), protocol=0)  # text opcodes: names are plain bytes
+    text = text.replace(PosixPath.__module__.encode() + b"\n", module.encode() + b"\n")
+    assert module.encode() + b"\nPosixPath" in text
+    assert dcp._MetadataUnpickler(io.BytesIO(text)).load() == PosixPath("/runs/a")

@@ -48,7 +48,9 @@ _ALLOWED = {
     and obj.__module__ in (dcp_metadata.__name__, _StorageInfo.__module__, "torch")
 } | {("torch", name): v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-_ALLOWED[("pathlib", "PosixPath")] = PosixPath
+# The checkpoint's path: Python 3.13 pickles it as pathlib._local.PosixPath, older ones as
+# pathlib.PosixPath; both names resolve here, so a checkpoint moves between them.
+_ALLOWED[("pathlib", "PosixPath")] = _ALLOWED[("pathlib._local", "PosixPath")] = PosixPath
 
 
 class _MetadataUnpickler(pickle.Unpickler):
