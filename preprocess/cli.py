@@ -174,24 +174,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_BUILD_DESCRIPTION = (
+    "Decode, resample and featurise a corpus into tar shards bucketed by length, then "
+    "write index.json. Rerunning the same command after an interruption resumes and gives "
+    "byte-identical shards. SRC is a folder of audio with <stem>.txt/.lab/.normalized.txt "
+    "transcripts, an LJSpeech folder (metadata.csv + wavs/), WebDataset audio tars (a folder "
+    "of .tar, one .tar or a {000..999} pattern; <key>.mp3/.flac/.wav + <key>.json), Parquet "
+    "files (the same ways; an audio column of bytes or {bytes, path} and a text column; "
+    "needs pyarrow), or a JSONL manifest "
+    "(audio_filepath, text, speaker, and duration or num_samples + sampling_rate to plan "
+    "without opening the audio). The scan of the corpus and the plan are kept in "
+    "OUT/.build/ and reused while the corpus listing is unchanged."
+)
+
+
 def _add_build(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:
     """``build``: corpus in, cache out; every option of the build."""
     build = commands.add_parser(
         "build",
         parents=[pool],
         help="build (or resume) a cache",
-        description=(
-            "Decode, resample and featurise a corpus into tar shards bucketed by length, then "
-            "write index.json. Rerunning the same command after an interruption resumes and gives "
-            "byte-identical shards. SRC is a folder of audio with <stem>.txt/.lab/.normalized.txt "
-            "transcripts, an LJSpeech folder (metadata.csv + wavs/), WebDataset audio tars (a folder "
-            "of .tar, one .tar or a {000..999} pattern; <key>.mp3/.flac/.wav + <key>.json), Parquet "
-            "files (the same ways; an audio column of bytes or {bytes, path} and a text column; "
-            "needs pyarrow), or a JSONL manifest "
-            "(audio_filepath, text, speaker, and duration or num_samples + sampling_rate to plan "
-            "without opening the audio). The scan of the corpus and the plan are kept in "
-            "OUT/.build/ and reused while the corpus listing is unchanged."
-        ),
+        description=_BUILD_DESCRIPTION,
     )
     build.add_argument(
         "--src", type=Path, required=True, help="corpus folder, .jsonl manifest, tars or Parquet"
@@ -228,6 +231,12 @@ def _add_build(commands: argparse._SubParsersAction, pool: argparse.ArgumentPars
         help="scan and plan only: print utterances, hours, rejections, buckets, shards and the "
         "expected size; the scan and plan are kept, so the real build starts writing at once",
     )
+    _add_corpus_selection(build)
+    build.set_defaults(run=_build)
+
+
+def _add_corpus_selection(build: argparse.ArgumentParser) -> None:
+    """The build's options for which rows of the corpus are read, and when it is scanned again."""
     build.add_argument(
         "--where",
         metavar="EXPR",
@@ -246,7 +255,6 @@ def _add_build(commands: argparse._SubParsersAction, pool: argparse.ArgumentPars
         action="store_true",
         help="scan the corpus again even if its listing looks unchanged (after editing files in place)",
     )
-    build.set_defaults(run=_build)
 
 
 def _add_verify(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:
