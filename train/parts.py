@@ -29,6 +29,7 @@ from train.distributed import (
     wrap_model,
 )
 from train.guards import FirstStep
+from train.loop_config import TrainConfig
 from train.model import build_model
 from train.oom import Budgets, no_recovery
 from train.optim import EMA, build_optimizer, build_scheduler
@@ -73,12 +74,7 @@ def build_run_parts(cfg: Config, shards: str | list[str], out: Path, env: Env) -
     """Build every part of a run from ``cfg`` with fresh state (identical weights on every
     rank); the caller restores a checkpoint into them, then calls :func:`wrap_for_training`."""
     t, device = cfg.train, env.device
-    precision = resolve_precision(t.precision, device)
-    if device.type == "cuda":  # TF32 matmuls: ~fp32 accuracy at tensor-core speed
-        torch.set_float32_matmul_precision("high")
-    if t.deterministic:
-        use_deterministic_algorithms()
-    seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
+    precision = _start_process(t, device)
     shards = [shards] if isinstance(shards, str) else list(shards)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.vocab)
     model = build_model(cfg.model, tokenizer.vocab_size).to(device).train()
@@ -100,6 +96,7 @@ def build_run_parts(cfg: Config, shards: str | list[str], out: Path, env: Env) -
     scheduler = build_scheduler(optimizer, cfg.optim)
     # A skipped step (fp16 overflow, out of memory) is normal, not a misordered schedule.
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+    recovery_off = no_recovery(is_sharded, t.allow_forward_collectives)  # its reason, or None
     return RunParts(
         cfg=cfg,
         env=env,
@@ -114,34 +111,43 @@ def build_run_parts(cfg: Config, shards: str | list[str], out: Path, env: Env) -
         optimizer=optimizer,
         scheduler=scheduler,
         batch=BatchSchedule(t, optimizer, scheduler),
-        scaler=HysteresisScaler(
-            device.type,
-            enabled=precision == "fp16",
-            hysteresis=t.amp_hysteresis,
-            min_scale=t.amp_min_scale,
-        ),
+        scaler=HysteresisScaler.for_run(t, device, precision),
         ema=EMA(model, t.ema_decay) if t.ema_decay > 0 else None,
         ckpt=Checkpointer(
             out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
         ),
         vote=HostVote(env),
         measures=StepMeasures(cfg, env, sharded=is_sharded),
-        budgets=Budgets(
-            env,
-            loader.spec.data.pad_multiple,
-            out,
-            no_recovery=no_recovery(is_sharded, t.allow_forward_collectives),
-        ),
-        first=FirstStep(
-            model,
-            cfg.model.impl,
-            # FSDP2 all-gathers in every forward itself; it has no recovery for them to break.
-            allow_collectives=t.allow_forward_collectives or is_sharded,
-            unused=t.find_unused_parameters,
-            compiled=t.compile,
-        ),
+        budgets=Budgets(env, loader.spec.data.pad_multiple, out, no_recovery=recovery_off),
+        first=_first_step(cfg, model, is_sharded),
         copies=DeviceCopies(device),
         powersgd=PowerSGD.for_run(model, env, t),
+    )
+
+
+def _start_process(t: TrainConfig, device: torch.device) -> str:
+    """This process's numerics before anything is built: the precision ("auto" resolved for
+    the device), TF32 matmuls on CUDA, determinism if asked, and the seed of the initial
+    weights; returns the precision."""
+    precision = resolve_precision(t.precision, device)
+    if device.type == "cuda":  # TF32 matmuls: ~fp32 accuracy at tensor-core speed
+        torch.set_float32_matmul_precision("high")
+    if t.deterministic:
+        use_deterministic_algorithms()
+    seed_all(derive_seed(t.seed, "init"))  # identical initial weights on every rank
+    return precision
+
+
+def _first_step(cfg: Config, model: nn.Module, is_sharded: bool) -> FirstStep:
+    """The first step's checks of the model: collectives in its forward, unused parameters."""
+    t = cfg.train
+    return FirstStep(
+        model,
+        cfg.model.impl,
+        # FSDP2 all-gathers in every forward itself; it has no recovery for them to break.
+        allow_collectives=t.allow_forward_collectives or is_sharded,
+        unused=t.find_unused_parameters,
+        compiled=t.compile,
     )
 
 

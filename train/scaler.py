@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
+from train.loop_config import TrainConfig
+
 # Share of a logging window's steps skipped for overflow above which the trainer warns.
 HIGH_SKIP_RATE = 0.05
 _SPIKE = "spike"  # the spike flag's key among the per-device overflow flags, for one step
@@ -35,6 +37,17 @@ class HysteresisScaler(torch.amp.GradScaler):
         self._left: torch.Tensor | None = None  # overflows still allowed before a backoff
         self._left_at_start = hysteresis  # until the first update puts it on the device
         self.overflow: torch.Tensor | None = None  # the last update's flag (0-d float)
+
+    @classmethod
+    def for_run(cls, t: TrainConfig, device: torch.device, precision: str) -> HysteresisScaler:
+        """The run's scaler: on under fp16 only, with ``train.amp_hysteresis`` and
+        ``train.amp_min_scale``."""
+        return cls(
+            device.type,
+            enabled=precision == "fp16",
+            hysteresis=t.amp_hysteresis,
+            min_scale=t.amp_min_scale,
+        )
 
     def grad_scale(self) -> torch.Tensor | None:
         """The factor this step's gradients carry before unscaling: the scale tensor on the

@@ -236,12 +236,9 @@ def _trial(trainer: Trainer, probe: Any, batch: Batch) -> int | None:
         verdict = None
         abandon_step(trainer.raw_model)
         trainer.optimizer.zero_grad(set_to_none=True)
-        t = trainer.cfg.train  # a fresh scaler: the failed step's unscale_ is on record
-        trainer.scaler = HysteresisScaler(
-            trainer.env.device.type,
-            enabled=trainer.scaler.is_enabled(),
-            hysteresis=t.amp_hysteresis,
-            min_scale=t.amp_min_scale,
+        # A fresh scaler: the failed step's unscale_ is on record.
+        trainer.scaler = HysteresisScaler.for_run(
+            trainer.cfg.train, trainer.env.device, trainer.precision
         )
     trainer.budgets.load_state_dict({"caps": {}, "single_failures": {}, "skipped_steps": 0})
     if verdict is None or verdict.skipped:
