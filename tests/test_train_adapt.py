@@ -67,6 +67,14 @@ def same_weights(a: Path, b: Path) -> None:
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other
 
 
+def same_ddp_run(a: Path, b: Path) -> None:
+    """:func:`same_weights`, and each of 2 ranks' loader position and torch RNG equal."""
+    same_weights(a, b)
+    for rank in (0, 1):
+        ra, rb = load(a, f"rank-{rank:05d}.pt"), load(b, f"rank-{rank:05d}.pt")
+        assert ra["loader"] == rb["loader"] and torch.equal(ra["rng"]["torch"], rb["rng"]["torch"])
+
+
 def test_a_loss_spike_is_skipped_and_a_resume_is_bitwise(train_cache: Path, tmp_path: Path) -> None:
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     t = fit(train_cache, straight, 12, *SPIKES)
@@ -246,11 +254,7 @@ def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
     done = run_ok(train_cmd(train_cache, halves, *extra, max_steps=12), timeout=600)
     assert "resumed from" in done.stderr and f"step {SPIKE_AT} skipped: loss" in done.stderr
     assert [e["step"] for e in spikes(halves)] == [SPIKE_AT]
-    same_weights(checkpoint(straight, 12), checkpoint(halves, 12))
-    for rank in (0, 1):
-        a = load(checkpoint(straight, 12), f"rank-{rank:05d}.pt")
-        b = load(checkpoint(halves, 12), f"rank-{rank:05d}.pt")
-        assert a["loader"] == b["loader"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    same_ddp_run(checkpoint(straight, 12), checkpoint(halves, 12))
 
 
 @pytest.mark.slow
@@ -311,11 +315,7 @@ def test_ddp_spikes_in_a_row_rewind_once_skip_their_batches_and_resume_bitwise(
         run_ok(cmd, timeout=600)
     assert [r["to_step"] for r in metrics(halves) if r.get("event") == "rewind"] == [8]
     assert [forward_keys(tmp_path / "k2", rank) for rank in (0, 1)] == seen
-    same_weights(checkpoint(straight, 16), checkpoint(halves, 16))
-    for rank in (0, 1):
-        a = load(checkpoint(straight, 16), f"rank-{rank:05d}.pt")
-        b = load(checkpoint(halves, 16), f"rank-{rank:05d}.pt")
-        assert a["loader"] == b["loader"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    same_ddp_run(checkpoint(straight, 16), checkpoint(halves, 16))
 
 
 @pytest.mark.slow
