@@ -1,7 +1,7 @@
 """Random access to a cache: ``melcache.open(cache)``, then ``cache[key]`` or ``cache[i]``.
 
-Every lookup is one ranged read of one shard (``os.pread`` locally, an HTTP ``Range``
-request for an ``http(s)://`` cache), located by the per-utterance table
+Every lookup is one ranged read of one shard (a view of the memory-mapped shard locally, an
+HTTP ``Range`` request for an ``http(s)://`` cache), located by the per-utterance table
 (:mod:`melcache.table`). The bytes read are checked against the table's digest of that
 sample before they are parsed, with the loader's own parser and metadata checks; so a
 shard replaced or damaged under a sound table is an error naming the shard, never a wrong
@@ -12,14 +12,16 @@ yields them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import mmap
 import operator
 import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +34,7 @@ from melcache.location import is_url, member_location
 from melcache.reader import RawSample, raw_sample, shard_samples
 from melcache.table import TABLE_NAME, Table, sample_digest
 
-# Shard files a cache keeps open (the least recently used closed first): a loader worker
+# Shard files a cache keeps mapped (the least recently used closed first): a loader worker
 # meets every shard of a cache in time, and 100k of them would exhaust its descriptors.
 OPEN_SHARDS = 64
 
@@ -202,21 +204,21 @@ class Cache:
 
 
 class _Shards:
-    """One ranged read of a shard: ``pread`` on a file kept open, or an HTTP range request."""
+    """One ranged read of a shard: a view of a file kept mapped, or an HTTP range request."""
 
     def __init__(self, cache: str | Path, entries: list[dict[str, Any]]) -> None:
         self._cache = cache
         self._entries = {entry["name"]: entry for entry in entries}
         self._locations = {name: member_location(cache, name) for name in self._entries}
-        self._files: collections.OrderedDict[str, IO[bytes]] = collections.OrderedDict()
+        self._maps: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
         if is_url(cache) and not str(cache).startswith(("http://", "https://")):
             raise UserError(
                 f"{cache}: random access reads a local folder or an http(s):// cache; "
                 "stream this one with the loader, or copy it"
             )
 
-    def read(self, name: str, offset: int, length: int) -> bytes:
-        """``length`` bytes of shard ``name`` from ``offset``."""
+    def read(self, name: str, offset: int, length: int) -> bytes | memoryview:
+        """``length`` bytes of shard ``name`` from ``offset`` (read-only)."""
         location = self._locations[name]
         size = self._entries[name].get("bytes")
         if length <= 0 or (size is not None and offset + length > size):
@@ -225,9 +227,9 @@ class _Shards:
                 f"outside the shard's {size}"
             )
         if is_url(self._cache):
-            got = _http_range(location, offset, length)
+            got: bytes | memoryview = _http_range(location, offset, length)
         else:
-            got = os.pread(self._file(name, location).fileno(), length, offset)
+            got = memoryview(self._mapped(name, location))[offset : offset + length]
         if len(got) != length:
             raise ShardError(
                 f"{location}: {len(got)} bytes at {offset}, {TABLE_NAME} says {length} (truncated?)"
@@ -238,31 +240,39 @@ class _Shards:
         """Where shard ``name`` lives."""
         return self._locations[name]
 
-    def _file(self, name: str, location: str) -> IO[bytes]:
-        """Shard ``name`` opened (kept for the next read, as the last OPEN_SHARDS are)."""
-        file = self._files.get(name)
-        if file is not None:
-            self._files.move_to_end(name)
-            return file
+    def _mapped(self, name: str, location: str) -> mmap.mmap:
+        """Shard ``name`` memory-mapped (kept for the next read, as the last OPEN_SHARDS are):
+        a read is then a view, not a copy (a copy cost the loader ~9 µs of its ~90 per
+        sample)."""
+        mapped = self._maps.get(name)
+        if mapped is not None:
+            self._maps.move_to_end(name)
+            return mapped
+        expected = self._entries[name].get("bytes")
         try:
-            file = open_regular(location)
+            with open_regular(location) as file:
+                size = os.fstat(file.fileno()).st_size
+                if size == 0 or (expected is not None and size != expected):
+                    raise ShardError(f"{location}: {size} bytes, the index says {expected} "
+                                     "(truncated or replaced?)")  # fmt: skip
+                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as exc:
             raise ShardError(f"{location}: cannot read shard ({exc})") from None
-        size, expected = os.fstat(file.fileno()).st_size, self._entries[name].get("bytes")
-        if expected is not None and size != expected:
-            file.close()
-            raise ShardError(
-                f"{location}: {size} bytes, the index says {expected} (truncated or replaced?)"
-            )
-        self._files[name] = file
-        if len(self._files) > OPEN_SHARDS:
-            self._files.popitem(last=False)[1].close()
-        return file
+        self._maps[name] = mapped
+        if len(self._maps) > OPEN_SHARDS:
+            _unmap(self._maps.popitem(last=False)[1])
+        return mapped
 
     def close(self) -> None:
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
+        for mapped in self._maps.values():
+            _unmap(mapped)
+        self._maps.clear()
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    """Close a mapping now, or, while samples still view it, when the last of them goes."""
+    with contextlib.suppress(BufferError):
+        mapped.close()
 
 
 def _http_range(url: str, offset: int, length: int) -> bytes:
