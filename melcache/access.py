@@ -131,12 +131,8 @@ class Cache:
         """The samples of ``rows``, in that order, mel undecoded: each run of consecutive rows
         of one shard one ranged read, each sample checked against the table's digest and
         frames (what a loader that reads only its own batches of a shard takes)."""
-        wanted = np.unique(np.asarray(rows, dtype=np.int64))
-        shard = np.searchsorted(self.table.column("shard_rows"), wanted, "right") - 1
-        cuts = np.flatnonzero((np.diff(wanted) != 1) | (np.diff(shard) != 0)) + 1
         found: dict[int, RawSample] = {}
-        for run in np.split(wanted, cuts):
-            start, stop = int(run[0]), int(run[-1]) + 1
+        for start, stop in _row_runs(sorted(set(rows)), self.table.column("shard_rows")):
             samples, where, _ = self._verified(start, stop)
             for row, sample in zip(range(start, stop), samples, strict=True):
                 found[row] = self._raw(sample, where, row)
@@ -147,11 +143,7 @@ class Cache:
         each one's bytes checked against the table's digest before any is parsed; with the
         shard's location and name."""
         name = self.index["shards"][self.table.shard_of(start)]["name"]
-        if stop - start == 1:  # one lookup: scalar reads beat numpy's per-call overhead
-            offset, length = self.table.span(start)
-            offsets, lengths = [offset], [length]
-        else:
-            offsets, lengths = (column.tolist() for column in self.table.spans(start, stop))
+        offsets, lengths = self.table.spans(start, stop)
         first = offsets[0]
         where = self._shards.location(name)
         data = self._shards.read(name, first, offsets[-1] + lengths[-1] - first)
@@ -273,6 +265,20 @@ def _unmap(mapped: mmap.mmap) -> None:
     """Close a mapping now, or, while samples still view it, when the last of them goes."""
     with contextlib.suppress(BufferError):
         mapped.close()
+
+
+def _row_runs(rows: list[int], shard_rows: np.ndarray) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of each run of consecutive ``rows`` (sorted, distinct) in one shard
+    (``shard_rows``: each shard's first row): plain Python, as a batch holds a few dozen rows
+    and numpy's per-call cost would outweigh the work."""
+    begin = 0
+    while begin < len(rows):
+        shard_end = int(shard_rows[np.searchsorted(shard_rows, rows[begin], "right")])
+        end = begin + 1
+        while end < len(rows) and rows[end] == rows[end - 1] + 1 and rows[end] < shard_end:
+            end += 1
+        yield rows[begin], rows[end - 1] + 1
+        begin = end
 
 
 def _http_range(url: str, offset: int, length: int) -> bytes:

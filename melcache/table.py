@@ -255,24 +255,21 @@ class Table:
 
     def span(self, row: int) -> tuple[int, int]:
         """``(offset, length)`` of row ``row``'s sample: its headers and members, one read."""
-        end = 0
-        for member in MEMBERS:
-            if f"{member}_at" in self._columns:
-                end = max(
-                    end,
-                    int(self._columns[f"{member}_at"][row] + self._columns[f"{member}_size"][row]),
-                )
-        return int(self._columns["offset"][row]), end
+        (offset,), (length,) = self.spans(row, row + 1)
+        return offset, length
 
-    def spans(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`span` of rows ``start`` to ``stop - 1`` at once (int64 arrays): for runs of
-        many rows, where one numpy operation per column beats a loop over rows."""
-        ends = np.zeros(stop - start, np.int64)
+    def spans(self, start: int, stop: int) -> tuple[list[int], list[int]]:
+        """:meth:`span` of rows ``start`` to ``stop - 1``: a batch's run of a few dozen rows,
+        where Python lists beat numpy's per-call cost."""
+        lengths = [0] * (stop - start)
         for member in MEMBERS:
             if f"{member}_at" in self._columns:
-                at = self._columns[f"{member}_at"][start:stop].astype(np.int64)
-                ends = np.maximum(ends, at + self._columns[f"{member}_size"][start:stop])
-        return self._columns["offset"][start:stop].astype(np.int64), ends
+                ats = self._columns[f"{member}_at"][start:stop].tolist()
+                sizes = self._columns[f"{member}_size"][start:stop].tolist()
+                lengths = [
+                    max(n, at + size) for n, at, size in zip(lengths, ats, sizes, strict=True)
+                ]
+        return self._columns["offset"][start:stop].tolist(), lengths
 
     def strings(self, name: str) -> list[Any]:
         """``keys``, ``sources`` (per row) or ``speakers`` (by number, from 1), decoded once."""
