@@ -162,40 +162,62 @@ def plan_even_batches(
     """
     lengths = np.asarray(frames, dtype=np.float64)
     jitter = rng.random(len(lengths)) * np.maximum(1.0, lengths * SORT_JITTER)
-    order = np.argsort(-(lengths + jitter), kind="stable").tolist()
-    padded = [round_up(int(frames[i]), pad_multiple) for i in order]
-    equal = [part.tolist() for part in np.array_split(np.arange(len(order)), count)]
-    low, high = 1, max(len(p) * max(padded[i] for i in p) for p in equal)
+    order = np.argsort(-(lengths + jitter), kind="stable")
+    padded = -(-np.asarray(frames, dtype=np.int64)[order] // pad_multiple) * pad_multiple
+    greedy = _GreedyRuns(padded, max_batch_size)
+    equal = np.array_split(padded, count)
+    # The search runs over caps in units of pad_multiple: a run's size × longest padded length
+    # is a multiple of it, so the least cap that works is one too.
+    low, high = 1, max(len(part) * int(part.max()) for part in equal if len(part)) // pad_multiple
     while low < high:  # binary search on the largest batch's padded frames
         middle = (low + high) // 2
-        if len(_runs(padded, middle, max_batch_size)) <= count:
+        if len(greedy.ends(middle * pad_multiple)) <= count:
             high = middle
         else:
             low = middle + 1
-    runs = _runs(padded, high, max_batch_size)
+    ends = greedy.ends(high * pad_multiple)
+    runs = [range(start, end) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
     while len(runs) < count:  # fewer runs reach it: halve the largest (only smaller batches)
         big = max(range(len(runs)), key=lambda r: len(runs[r]))
         part = runs.pop(big)
         runs[big:big] = [part[: len(part) // 2], part[len(part) // 2 :]]
-    batches = [[order[i] for i in run] for run in runs]
+    places = order.tolist()
+    batches = [places[run.start : run.stop] for run in runs]
     return [batches[j] for j in rng.permutation(count).tolist()]
 
 
-def _runs(padded: Sequence[int], cap: int, max_batch_size: int) -> list[list[int]]:
-    """Greedy runs of consecutive places whose size × longest padded length stays within
-    ``cap`` (the fewest such runs: each takes all it can)."""
-    lengths = np.asarray(padded, dtype=np.int64)
-    sizes = np.arange(1, max_batch_size + 1)
-    runs: list[list[int]] = []
-    start = 0
-    while start < len(lengths):
-        # size × running max only grows with the size, so the run ends at its first misfit.
-        window = np.maximum.accumulate(lengths[start : start + max_batch_size])
-        fits = int(np.count_nonzero(sizes[: len(window)] * window <= cap))
-        end = start + max(1, fits)
-        runs.append(list(range(start, end)))
-        start = end
-    return runs
+class _GreedyRuns:
+    """Greedy runs of consecutive places of the sorted samples whose size × longest padded
+    length stays within a cap (the fewest such runs: each takes all it can), for the many caps
+    the even cut's binary search tries.
+
+    A run's cost grows with its size, so it ends at its first misfit: while its longest is the
+    sample at ``j``, at ``cap // padded[j]`` samples. The longest changes only at the next
+    longer sample (``longer[j]``, found once per cut); samples are sorted by length with a
+    jitter, so that is rare and a run is found in a step or two of plain Python."""
+
+    def __init__(self, padded: np.ndarray, max_batch_size: int) -> None:
+        self.heads, self.max_batch_size = padded.tolist(), max_batch_size
+        self.longer = [len(self.heads)] * len(self.heads)  # next place holding a longer one
+        waiting: list[int] = []
+        for place, length in enumerate(self.heads):
+            while waiting and self.heads[waiting[-1]] < length:
+                self.longer[waiting.pop()] = place
+            waiting.append(place)
+
+    def ends(self, cap: int) -> list[int]:
+        """Where each run ends (exclusive), in order."""
+        ends, start, count = [], 0, len(self.heads)
+        while start < count:
+            limit, longest = min(count, start + self.max_batch_size), start
+            while True:
+                end = max(longest, min(limit, start + cap // self.heads[longest]))
+                if self.longer[longest] >= end:
+                    break
+                longest = self.longer[longest]
+            start = max(end, start + 1)  # a sample over the cap is a batch of its own
+            ends.append(start)
+        return ends
 
 
 def padding_fraction(real_frames: float, padded_frames: float) -> float:

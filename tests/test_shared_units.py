@@ -19,7 +19,7 @@ import melcache.access
 import train.stream
 import train.units
 from melcache.access import Cache
-from melcache.batching import _runs
+from melcache.batching import _GreedyRuns
 from melcache.errors import ShardError, UserError
 from melcache.table import TABLE_NAME
 from train.data import DataConfig, StreamLoader, make_loader
@@ -140,8 +140,8 @@ def test_a_cache_keeps_at_most_open_shards_files_open(
 
 
 def test_even_cut_runs_match_the_greedy_rule_sample_by_sample() -> None:
-    """The numpy cut gives the batches of the rule it replaced: each run takes samples while
-    (size + 1) × longest padded length stays within the cap."""
+    """The cut's runs are those of the plain rule: each run takes samples while (size + 1) ×
+    longest padded length stays within the cap."""
 
     def greedy(padded: list[int], cap: int, max_batch_size: int) -> list[list[int]]:
         runs: list[list[int]] = []
@@ -157,7 +157,10 @@ def test_even_cut_runs_match_the_greedy_rule_sample_by_sample() -> None:
         return runs
 
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        padded = (rng.integers(1, 60, size=int(rng.integers(1, 120))) * 8).tolist()
-        cap, size = int(rng.integers(8, 4000)), int(rng.integers(1, 70))
-        assert _runs(padded, cap, size) == greedy(padded, cap, size)
+    for trial in range(400):
+        padded = rng.integers(1, 60, size=int(rng.integers(1, 120))) * 8
+        if trial % 2:  # as the cut sees them: sorted longest first, a few out of place
+            padded = np.sort(padded)[::-1] + rng.integers(0, 2, size=len(padded)) * 8
+        cap, size = int(rng.integers(0, 4000)), int(rng.integers(1, 70))
+        ends = [run[-1] + 1 for run in greedy(padded.tolist(), cap, size)]
+        assert _GreedyRuns(padded, size).ends(cap) == ends
