@@ -186,3 +186,20 @@ def test_allreduce_bench_prints_the_wait_share_of_each_setting(
     for row in rows:
         assert 0 <= row["wait_share_mean"] <= row["wait_share_max"] < 1, row
         assert row["compute_s_per_step"] > 0 and row["comm_s_per_step"] > 0, row
+
+
+@pytest.mark.slow
+def test_loader_ab_streams_an_earlier_commit_and_this_checkout_side_by_side(
+    sample_cache: Path,
+) -> None:
+    command = [sys.executable, "-m", "benchmarks.loader_ab", "--cache", str(sample_cache),
+               "--against", "HEAD", "--rounds", "2", "--turn-seconds", "0.3"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    settings = [(row["revision"], row["sync_buckets"]) for row in rows]
+    assert settings == [("HEAD", True), ("HEAD", False), ("checkout", True), ("checkout", False)]
+    assert all(row["turns"] == 2 and row["samples_per_s_min"] > 0 for row in rows)
+    assert rows[0]["ratio_to_first_median"] == 1.0
+    listed = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True)
+    assert "melcache-ab-" not in listed.stdout  # its worktree removed
