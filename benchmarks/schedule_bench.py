@@ -18,8 +18,9 @@ Makes (or reuses) an espeak-ng corpus with ``benchmarks.speech`` and its cache w
 3. ``throughput``: loader samples/s (2 workers), sync on vs off, in alternating turns (a
    change in the machine's load falls on both alike): median turn, spread, and the median of
    the ratio within a round.
-4. ``reads``: one slot of a job of 1, 2, 8 and 64 slots, in this process, sync on vs off: CPU
-   time per sample and shard bytes read per sample (a slot that shares a unit of shards with
+4. ``reads``: one slot of a job of 1, 2, 8 and 64 slots, in this process, sync on vs off in
+   alternating turns of ``--steps`` batches (``--rounds`` each): CPU time per sample and shard
+   bytes read per sample (a slot that shares a unit of shards with
    others reads only its batches' samples, by the cache's table, where the cache has one).
 
 The FLOP model is ``configs/base.toml``'s transformer (d 512, 12 layers, a prefix LM over
@@ -212,10 +213,11 @@ def measure_throughput(cache: Path, data: DataConfig, seconds: float, rounds: in
     return rows
 
 
-def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int) -> dict:
+def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int, turns: int) -> dict:
     """Part 4: one slot of a job of ``slots`` (rank 0 of ``slots`` ranks, in this process),
-    sync on vs off: loader CPU time per sample and shard bytes read per sample (whole shards
-    and ranged reads counted where they happen)."""
+    sync on vs off in ``turns`` alternating turns of ``batches`` batches: loader CPU time per
+    sample (the median turn's, and the median ratio within a round) and shard bytes read per
+    sample (whole shards and ranged reads counted where they happen)."""
     read = {"bytes": 0}
     whole, ranged = stream_module.read_shard, access_module._Shards.read
 
@@ -230,21 +232,30 @@ def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int) -> di
     stream_module.read_shard, access_module._Shards.read = count_whole, count_ranged
     row: dict = {"measure": "reads per slot", "slots": slots}
     try:
+        streams = {}
         for sync in (False, True):
             options = dataclasses.replace(data, sync_buckets=sync, num_workers=0)
-            stream = iter(make_loader(cache, options, rank=0, world_size=slots))
-            next(stream)
-            read["bytes"], samples, start = 0, 0, time.process_time()
+            streams[sync] = iter(make_loader(cache, options, rank=0, world_size=slots))
+            next(streams[sync])
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        bytes_read, samples = {False: 0, True: 0}, {False: 0, True: 0}
+        for turn in range(2 * turns):
+            sync = bool(turn % 2) ^ bool(turn // 2 % 2)  # off, on, on, off, ...
+            read["bytes"], count, start = 0, 0, time.process_time()
             for _ in range(batches):
-                samples += len(next(stream))
-            cpu = time.process_time() - start
+                count += len(next(streams[sync]))
+            rates[sync].append(count / (time.process_time() - start))
+            bytes_read[sync] += read["bytes"]
+            samples[sync] += count
+        for stream in streams.values():
             stream.close()
-            row[f"sync_{'on' if sync else 'off'}_samples_per_cpu_s"] = round(samples / cpu)
-            row[f"sync_{'on' if sync else 'off'}_kb_read_per_sample"] = round(
-                read["bytes"] / samples / 1e3, 1
-            )
     finally:
         stream_module.read_shard, access_module._Shards.read = whole, ranged
+    for sync, name in ((False, "off"), (True, "on")):
+        row[f"sync_{name}_samples_per_cpu_s"] = round(statistics.median(rates[sync]))
+        row[f"sync_{name}_kb_read_per_sample"] = round(bytes_read[sync] / samples[sync] / 1e3, 1)
+    ratios = [on / off for on, off in zip(rates[True], rates[False], strict=True)]
+    row["cpu_rate_on_over_off_median"] = round(statistics.median(ratios), 3)
     return row
 
 
@@ -298,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(json.dumps(line), flush=True)
     if "reads" in args.parts:
         for slots in args.read_slots:
-            print(json.dumps(measure_reads(cache, loader_data, slots, args.steps)), flush=True)
+            row = measure_reads(cache, loader_data, slots, args.steps, args.rounds)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

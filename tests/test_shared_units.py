@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -116,6 +118,29 @@ def test_a_damaged_table_is_refused_before_any_worker_starts(
         make(tmp_path / "cache", 0)
     whole_cache = DataConfig(**{**DATA, "sync_buckets": False})  # type: ignore[arg-type]
     assert not make_loader(tmp_path / "cache", whole_cache).spec.sources[0].ranged  # unread
+
+
+def test_slots_sharing_a_cache_without_a_table_are_told_how_to_write_one(
+    sample_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = tmp_path / "cache"  # as a build before the table wrote it
+    shutil.copytree(sample_cache, old)
+    index = json.loads((old / "index.json").read_text())
+    del index["table"]
+    (old / "index.json").write_text(json.dumps(index))
+    (old / TABLE_NAME).unlink()
+
+    def warned(cache: Path, rank: int = 0, world_size: int = RANKS) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train.data"):
+            make_loader(cache, DataConfig(**DATA), rank=rank, world_size=world_size)  # type: ignore[arg-type]
+        return [record.getMessage() for record in caplog.records]
+
+    (line,) = warned(old)
+    assert f"{old} has no {TABLE_NAME}" in line and f"index-table {old}" in line
+    assert warned(old, rank=1) == []  # one line per job
+    assert warned(old, world_size=1) == []  # one slot: nothing shared
+    assert warned(sample_cache) == []  # read by range
 
 
 def test_a_cache_keeps_at_most_open_shards_files_open(

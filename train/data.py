@@ -71,6 +71,7 @@ from train.sources import (
     check_layout,
     open_mix,
     shards_digest,
+    whole_shared_reads,
 )
 from train.stream import Cursor, StreamSpec, progress
 from train.workers import check_shared_memory, worker_batches
@@ -324,8 +325,12 @@ def make_loader(
     require(seed >= 0, "loader seed", seed, "a non-negative integer")
     mix = open_mix(cache, data, expect_features)
     check_extras(mix, data.extras)
-    check_layout(mix.sources, data, world_size * max(1, data.num_workers))
+    num_slots = world_size * max(1, data.num_workers)
+    check_layout(mix.sources, data, num_slots)
     subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+    if rank == 0:  # one line per job, not per rank
+        for line in whole_shared_reads(mix.sources, subs, data, num_slots):
+            logger.warning(line)
     spec = StreamSpec(
         sources=mix.sources,
         subs=subs,

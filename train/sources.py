@@ -20,9 +20,9 @@ from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
 from melcache.index import read_index
 from melcache.location import is_url
-from melcache.table import Table
+from melcache.table import TABLE_NAME, Table
 from train.config import DataConfig
-from train.schedule import mix_weights
+from train.schedule import SubStream, mix_weights
 from train.stream import Source
 
 CacheArg = str | Path | Sequence[str | Path] | Mapping[str, float]
@@ -106,6 +106,25 @@ def _reads_by_table(where: str, index: dict[str, Any], data: DataConfig) -> bool
         return False
     Table(where, index)
     return True
+
+
+def whole_shared_reads(
+    sources: Sequence[Source], subs: Sequence[SubStream], data: DataConfig, num_slots: int
+) -> list[str]:
+    """One line per local cache whose shards the job's slots share but must read whole, as it
+    has no table: each slot then reads all of a unit for its few batches of it. (``shard_check
+    = "sha256"`` reads whole shards by choice.)"""
+    if not data.sync_buckets or data.shard_check == "sha256":
+        return []
+    return [
+        f"cache {source.location} has no {TABLE_NAME}: the job's {num_slots} workers share its "
+        "shards and each reads them whole for its own batches; python -m preprocess "
+        f"index-table {source.location} writes one"
+        for number, source in enumerate(sources)
+        if not source.ranged
+        and not is_url(source.location)
+        and any(sub.source == number and len(sub.units) < num_slots for sub in subs)
+    ]
 
 
 def check_layout(sources: Sequence[Source], data: DataConfig, num_slots: int) -> None:
