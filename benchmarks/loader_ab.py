@@ -29,9 +29,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # One turn, run in the commit's folder: only the public loader API, as old commits have it.
 TURN = """
-import json, sys, time
+import json, pathlib, sys, time
+import train.data
 from train.config import DataConfig
 from train.data import make_loader
+here = pathlib.Path.cwd().resolve()
+if not pathlib.Path(train.data.__file__).resolve().is_relative_to(here):
+    sys.exit(f"imported {train.data.__file__}, not the commit in {here}")
 cache, seconds, sync = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 keys = dict(batch_frames=32000, num_workers=2, shard_check="fast")
 if sync != "-":
