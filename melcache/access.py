@@ -221,7 +221,13 @@ class _Shards:
         if is_url(self._cache):
             got: bytes | memoryview = _http_range(location, offset, length)
         else:
-            got = memoryview(self._mapped(name, location))[offset : offset + length]
+            mapped = self._mapped(name, location)
+            if mapped.size() < offset + length:  # the file now: a page cut off would be SIGBUS
+                raise ShardError(
+                    f"{location}: {mapped.size()} bytes now, cut off before the sample at "
+                    f"{offset}+{length} (truncated while open?)"
+                )
+            got = memoryview(mapped)[offset : offset + length]
         if len(got) != length:
             raise ShardError(
                 f"{location}: {len(got)} bytes at {offset}, {TABLE_NAME} says {length} (truncated?)"

@@ -164,6 +164,20 @@ def test_a_cache_keeps_at_most_open_shards_files_open(
     assert open_shards() == 0
 
 
+def test_a_shard_cut_off_while_mapped_is_an_error_not_a_crash(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    shutil.copytree(sample_cache, tmp_path / "cache")
+    with Cache(tmp_path / "cache") as opened:
+        first, last = 0, int(opened.table.column("shard_rows")[1]) - 1  # both of shard 0
+        assert opened.raw_rows([last])[0].frames == int(opened.lengths[last])  # mapped now
+        name = opened.index["shards"][0]["name"]
+        os.truncate(tmp_path / "cache" / name, int(opened.table.column("offset")[last]))
+        with pytest.raises(ShardError, match=rf"{name}: \d+ bytes now, cut off before"):
+            opened.raw_rows([last])
+        assert opened.raw_rows([first])[0].frames == int(opened.lengths[first])  # before the cut
+
+
 def test_even_cut_runs_match_the_greedy_rule_sample_by_sample() -> None:
     """The cut's runs are those of the plain rule: each run takes samples while (size + 1) ×
     longest padded length stays within the cap."""
