@@ -132,17 +132,17 @@ class Cache:
         of one shard one ranged read, each sample checked against the table's digest and
         frames (what a loader that reads only its own batches of a shard takes)."""
         found: dict[int, RawSample] = {}
-        for start, stop in _row_runs(sorted(set(rows)), self.table.column("shard_rows")):
-            samples, where, _ = self._verified(start, stop)
+        for shard, start, stop in _row_runs(sorted(set(rows)), self.table.column("shard_rows")):
+            samples, where, _ = self._verified(shard, start, stop)
             for row, sample in zip(range(start, stop), samples, strict=True):
                 found[row] = self._raw(sample, where, row)
         return [found[row] for row in rows]
 
-    def _verified(self, start: int, stop: int) -> tuple[list[dict[str, Any]], str, str]:
-        """The samples of rows ``start`` to ``stop - 1`` (of one shard) from one ranged read,
-        each one's bytes checked against the table's digest before any is parsed; with the
-        shard's location and name."""
-        name = self.index["shards"][self.table.shard_of(start)]["name"]
+    def _verified(self, shard: int, start: int, stop: int) -> tuple[list[dict[str, Any]], str, str]:
+        """The samples of rows ``start`` to ``stop - 1`` (of shard number ``shard``) from one
+        ranged read, each one's bytes checked against the table's digest before any is
+        parsed; with the shard's location and name."""
+        name = self.index["shards"][shard]["name"]
         offsets, lengths = self.table.spans(start, stop)
         first = offsets[0]
         where = self._shards.location(name)
@@ -171,7 +171,7 @@ class Cache:
 
     def _read(self, row: int, key: str | None) -> Utterance | None:
         """Row ``row``'s utterance, or ``None`` when its key is not ``key`` (a hash collision)."""
-        (sample,), where, name = self._verified(row, row + 1)
+        (sample,), where, name = self._verified(self.table.shard_of(row), row, row + 1)
         if key is not None and sample["__key__"] != key:
             return None
         raw = self._raw(sample, where, row)
@@ -273,17 +273,18 @@ def _unmap(mapped: mmap.mmap) -> None:
         mapped.close()
 
 
-def _row_runs(rows: list[int], shard_rows: np.ndarray) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` of each run of consecutive ``rows`` (sorted, distinct) in one shard
-    (``shard_rows``: each shard's first row): plain Python, as a batch holds a few dozen rows
-    and numpy's per-call cost would outweigh the work."""
+def _row_runs(rows: list[int], shard_rows: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """``(shard, start, stop)`` of each run of consecutive ``rows`` (sorted, distinct) in one
+    shard (``shard_rows``: each shard's first row): plain Python, as a batch holds a few dozen
+    rows and numpy's per-call cost would outweigh the work."""
     begin = 0
     while begin < len(rows):
-        shard_end = int(shard_rows[np.searchsorted(shard_rows, rows[begin], "right")])
+        shard = int(np.searchsorted(shard_rows, rows[begin], "right")) - 1
+        shard_end = int(shard_rows[shard + 1])
         end = begin + 1
         while end < len(rows) and rows[end] == rows[end - 1] + 1 and rows[end] < shard_end:
             end += 1
-        yield rows[begin], rows[end - 1] + 1
+        yield shard, rows[begin], rows[end - 1] + 1
         begin = end
 
 
