@@ -76,3 +76,82 @@ def test_memory_is_keyed_by_name_and_the_closed_form_counts_factors() -> None:
     assert state.state_dict()["iter"] == 3
     with pytest.raises(ValueError, match=r"9\.weight"):
         state.load_state_dict({"iter": 0, "buckets": 0, "error": {"9.weight": grads[0]}, "q": {}})
+
+
+class _Bucket:
+    """What the hook reads of DDP's ``GradBucket``: the model's gradients as views into one
+    flat buffer, starting ``offset`` elements in (a bucket layout forced apart from another)."""
+
+    def __init__(self, model: torch.nn.Module, grads: list[torch.Tensor], offset: int) -> None:
+        self.params = list(model.parameters())
+        self.flat = torch.zeros(offset + sum(g.numel() for g in grads))
+        self.views, start = [], offset
+        for g in grads:
+            self.views.append(self.flat[start : start + g.numel()].view_as(g).copy_(g))
+            start += g.numel()
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def one_process_group(tmp_path: Path):
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_compression_does_not_depend_on_where_a_gradient_sits(
+    one_process_group, monkeypatch
+) -> None:
+    """The cause of #35: the same gradients at every offset in a bucket (alignments 4 to 64
+    bytes) give bitwise the same compressed gradients, error memory and Q, over three steps
+    (the second and third start from the memory). On AMD EPYC the hook that multiplied the
+    bucket's own views failed this at every offset that is not a multiple of 4 floats; on any
+    CPU, every matrix product's operands must start 64-byte aligned, wherever the bucket is."""
+    from train.powersgd import PowerSGD, powersgd_hook
+
+    matmul, misaligned = torch.Tensor.__matmul__, []
+
+    def spied(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        misaligned.extend(t.data_ptr() % 64 for t in (a, b) if t.data_ptr() % 64)
+        return matmul(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spied)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.Linear(100, 256))
+    steps = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
+
+    def run(offset: int) -> list[list[torch.Tensor]]:
+        state, seen = PowerSGD(model, rank=2, start_iter=0, seed=7), []
+        for grads in steps:
+            bucket = _Bucket(model, grads, offset)
+            powersgd_hook(state, bucket).wait()  # type: ignore[arg-type]
+            seen.append([v.clone() for v in bucket.views])
+            seen.append([*state.error.values(), *state.q.values()])
+        return seen
+
+    aligned = run(0)
+    assert not torch.equal(aligned[0][0], steps[0][0])  # compressed, not passed through
+    for offset in range(1, 17):
+        for got, want in zip(run(offset), aligned, strict=True):
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b), f"offset {offset} changes the result"
+    assert not misaligned, f"a product read a matrix {misaligned[0]} bytes past alignment"

@@ -14,6 +14,12 @@ returns a completed future: nothing waits inside a callback, on gloo or NCCL (wh
 blocking ``all_reduce`` only makes the stream wait, not the host). Memory is keyed by
 parameter name and per rank, saved as plain tensors. :meth:`PowerSGD.settle` rolls this
 step's memory back when its gradients were not finite (an fp16 overflow), on the device.
+
+The factors are computed from a fresh copy of each gradient, never from its view in DDP's
+bucket (``gradient_as_bucket_view``): a resumed process runs its first step on DDP's initial
+one-bucket layout while an uninterrupted one is on the rebuilt layout, so the same gradient
+sits at another offset, and CPU GEMM kernels round ``view @ Q`` differently when the view is
+not 16-byte aligned (seen on AMD EPYC, torch 2.14.1). A fresh tensor is always aligned.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
@@ -132,15 +138,15 @@ def _compress_and_reduce(state: PowerSGD, bucket: dist.GradBucket, world: int) -
     for name, g in grads.items():
         if not state.compressible(g):
             continue
-        m = g.view(g.shape[0], -1)
+        view = g.view(g.shape[0], -1)
         error = state.error.get(name)
         if error is None:
-            error = torch.zeros_like(m)
+            error = torch.zeros_like(view)
         q = state.q.get(name)
         if q is None:
-            q = state._initial_q(name, m.shape[1], min(*m.shape, state.rank), m)
+            q = state._initial_q(name, view.shape[1], min(*view.shape, state.rank), view)
         state._before[name] = (error, q)
-        matrices[name] = m.add_(error)
+        matrices[name] = view.add(error)  # a fresh, aligned matrix: see the module docstring
         qs[name] = _orthonormal(q)
     ps = {name: matrices[name] @ qs[name] for name in matrices}
     # One all-reduce for the exact tensors and the P factors, one for the Q factors.
@@ -158,9 +164,9 @@ def _compress_and_reduce(state: PowerSGD, bucket: dist.GradBucket, world: int) -
         dist.all_reduce(second)
     _unflat(second.div_(world), list(qs.values()))
     for name, m in matrices.items():
-        local = m.clone()
-        torch.mm(ps[name], qs[name].t(), out=m)
-        state.error[name] = local.sub_(m)
+        approximation = ps[name] @ qs[name].t()
+        grads[name].view_as(approximation).copy_(approximation)
+        state.error[name] = m.sub_(approximation)
         state.q[name] = qs[name]
 
 
