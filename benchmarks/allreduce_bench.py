@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.schedule_bench import ensure_cache
-from melcache.config import find_config
-from train.config import load_config
-from train.data import DataConfig, make_loader
+from melcache.loader import DataConfig, make_loader
+from melcache.sections import find_config
+from train.config.tables import load_config
 from train.model import build_model
 
 

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from benchmarks.trainer_bench import build_sample_cache
-from train.batchsize import ramp_accum
-from train.config import load_config
-from train.distributed import Env
-from train.metrics import read_metrics
+from train.adapt.batch_ramp import ramp_accum
+from train.config.tables import load_config
+from train.parallel.distributed import Env
+from train.run.metrics import read_metrics
 from train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

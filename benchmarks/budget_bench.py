@@ -18,7 +18,7 @@ same seed) under
 Prints one JSON line per bucket and one for the whole epoch (batches, mean utterances and
 padded frames per batch, padding %); ``python -m benchmarks.results --only budgets`` renders
 them into the README. The memory profile is the tiny
-model's on CPU (``train.memprobe.MemoryCap``); a GPU and the base model have a larger quadratic
+model's on CPU (``train.memory.probes.MemoryCap``); a GPU and the base model have a larger quadratic
 share, so their short buckets gain more.
 """
 
@@ -35,7 +35,7 @@ from melcache.batching import BATCH_PLAN, make_rng, padding_fraction, plan_batch
 from melcache.index import read_index
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
-from train.config import load_config
+from train.config.tables import load_config
 from train.tune import tune
 
 REPO = Path(__file__).resolve().parents[1]

@@ -34,11 +34,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from train.distributed import Env
-from train.loop_config import TrainConfig
+from train.config.train_table import TrainConfig
 from train.model import TextToMel
-from train.parallel import shard
-from train.powersgd import PowerSGD
+from train.parallel.distributed import Env
+from train.parallel.fsdp import shard
+from train.parallel.powersgd import PowerSGD
 
 STRATEGIES = ("ddp-fp32", "ddp-bf16", "powersgd-r1", "powersgd-r4", "fsdp2", "hsdp")
 TINY = {"dim": 96, "layers": 3}

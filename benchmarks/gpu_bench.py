@@ -21,7 +21,7 @@ options named in the row change:
 - ``ckpt`` / ``compile``: ``accum-nosync`` + activation checkpointing / + ``torch.compile``
   (``compile`` only when asked for: compiling the base model takes a minute or more);
 - ``copy-compute``: ``cache-bf16`` with the host-to-device copies on the compute stream instead
-  of the trainer's side stream (``train/prefetch.py``): what overlapping them is worth;
+  of the trainer's side stream (``melcache/loader/prefetch.py``): what overlapping them is worth;
 - ``budget-global`` / ``budget-tuned``: ``cache-bf16`` with one frame budget for every bucket
   (the largest that is safe for all: the tuned budget of the longest bucket) / with the
   per-bucket table. The table comes from ``train.tune.tune`` on this device before the rows run
@@ -75,10 +75,10 @@ from benchmarks.speech import make_corpus
 from melcache.batching import padding_fraction, round_up
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, features_from_dict
-from train.collate import PAD_ID, Batch
-from train.config import Config, load_config
-from train.distributed import Env
-from train.metrics import peak_memory
+from melcache.loader.batch import PAD_ID, Batch
+from train.config.tables import Config, load_config
+from train.parallel.distributed import Env
+from train.run.metrics import peak_memory
 from train.trainer import Trainer
 from train.tune import tune
 

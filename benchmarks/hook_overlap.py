@@ -2,7 +2,7 @@
 
     python -m benchmarks.hook_overlap [--dim 256] [--layers 4] [--bucket-mb 1] [--steps 6]
 
-For DDP's own all-reduce hook and our PowerSGD (``train/powersgd.py``, rank 4, compressing
+For DDP's own all-reduce hook and our PowerSGD (``train/parallel/powersgd.py``, rank 4, compressing
 from the first step), the TextToMel backward is timed under DDP and, in alternate steps, on
 the bare module (compute only); the hook's own time on the backward thread is timed too.
 Exposed communication = DDP backward − compute-only backward. torch's all-reduce hook
@@ -30,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from train.model import TextToMel
-from train.powersgd import PowerSGD, powersgd_hook
+from train.parallel.powersgd import PowerSGD, powersgd_hook
 
 HOOKS = ("allreduce", "powersgd-r4")
 WARM_UP = 2  # DDP rebuilds its buckets after the first step

@@ -10,7 +10,7 @@ streams the cache with 2 workers (``batch_frames`` 32000, shard check ``fast``) 
 so a change in the machine's load falls on all of them alike. Prints per setting its median
 turn and spread, and the median (and range) within a round of its ratio to the first
 setting (the first ``--against`` commit's). Commits must read this cache and have
-``train.data.make_loader``.
+``melcache.loader.make.make_loader``.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # One turn, run in the commit's folder: only the public loader API, as old commits have it.
 TURN = """
 import json, pathlib, sys, time
-import train.data
-from train.config import DataConfig
-from train.data import make_loader
+import melcache.loader.make
+from melcache.loader.data_config import DataConfig
+from melcache.loader import make_loader
 here = pathlib.Path.cwd().resolve()
-if not pathlib.Path(train.data.__file__).resolve().is_relative_to(here):
-    sys.exit(f"imported {train.data.__file__}, not the commit in {here}")
+if not pathlib.Path(melcache.loader.make.__file__).resolve().is_relative_to(here):
+    sys.exit(f"imported {melcache.loader.make.__file__}, not the commit in {here}")
 cache, seconds, sync = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 keys = dict(batch_frames=32000, num_workers=2, shard_check="fast")
 if sync != "-":

@@ -11,7 +11,7 @@ tree, with the same number of DataLoader workers each:
    and computes the same log-mel (``preprocess.features.MelExtractor``) in ``__getitem__``;
    random batches of 32, ``pin_memory`` (with CUDA), ``persistent_workers``,
    ``prefetch_factor=2``, a collate that sorts by length and pads;
-2. ``train.data.make_loader`` over each cache with its default shard check
+2. ``melcache.loader.make.make_loader`` over each cache with its default shard check
    (``shard_check="fast"``) and with none (``"off"``), and over this release's cache with
    ``"sha256"`` (sha256 on every read, the previous default).
 
@@ -58,9 +58,9 @@ from benchmarks.speech import make_corpus
 from melcache.batching import padding_fraction
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index, write_index
+from melcache.loader import DataConfig, make_loader
+from melcache.loader.batch import utf8_tokens
 from preprocess.features import MelExtractor
-from train.collate import utf8_tokens
-from train.data import DataConfig, make_loader
 
 
 class OnTheFlyMels(Dataset):

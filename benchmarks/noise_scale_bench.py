@@ -1,4 +1,4 @@
-"""The noise-scale monitor (``train/monitor.py``) against the brute-force B_simple.
+"""The noise-scale monitor (``train/adapt/monitor.py``) against the brute-force B_simple.
 
     python -m benchmarks.noise_scale_bench [--steps N] [--json FILE]
 
@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from train.distributed import Env
-from train.monitor import NoiseScale
+from train.adapt.monitor import NoiseScale
+from train.parallel.distributed import Env
 
 DIM, POPULATION, NOISE = 32, 50_000, 1.0
 BATCHES = {2: (16, 48), 4: (8, 16, 24, 48)}  # unequal examples per rank and step

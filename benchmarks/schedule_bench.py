@@ -44,17 +44,17 @@ import numpy as np
 import torch
 
 import melcache.access as access_module
-import train.stream as stream_module
+import melcache.loader.stream as stream_module
 from benchmarks.speech import make_corpus
 from melcache.batching import round_up
-from melcache.config import find_config
+from melcache.loader import DataConfig, StreamLoader, make_loader
+from melcache.loader.batch import BYTE_VOCAB_SIZE, utf8_tokens
+from melcache.loader.schedule import make_schedule
+from melcache.loader.stream import planned_stream
 from melcache.reader import RawSample
-from train.collate import BYTE_VOCAB_SIZE, utf8_tokens
-from train.config import load_config
-from train.data import DataConfig, StreamLoader, make_loader
+from melcache.sections import find_config
+from train.config.tables import load_config
 from train.model import build_model
-from train.schedule import make_schedule
-from train.stream import planned_stream
 
 DIM = 512  # configs/base.toml
 BATCH_FRAMES = 32_000

@@ -10,7 +10,7 @@ times each (the best real-time factor counts), then for each cache reports:
   Lhotse's) and of the whole shards (tar headers, metadata json);
 - the max and mean absolute error of every stored mel against the float32 mel the build
   computes from the same audio;
-- loader samples/s (``train.data.make_loader``, ``--workers`` processes, its default
+- loader samples/s (``melcache.loader.make.make_loader``, ``--workers`` processes, its default
   integrity check), warm, alternating between the caches ``--rounds`` times.
 
 When ``lhotse`` is installed (it is not a dependency), the same float32 mels go through its
@@ -36,10 +36,10 @@ from benchmarks.speech import make_corpus
 from melcache.codec import decode_mel
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index
+from melcache.loader import DataConfig, make_loader
 from melcache.storage import STORAGE_OF_MEMBER, STORAGES
 from preprocess.audio import load_mono, probe, resampled_length
 from preprocess.features import MelExtractor
-from train.data import DataConfig, make_loader
 
 
 def float32_mels(corpus: Path, sources: list[str], features: FeatureConfig) -> Iterator[np.ndarray]:

@@ -34,8 +34,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from train.config import load_config  # noqa: E402
-from train.distributed import Env  # noqa: E402
+from train.config.tables import load_config  # noqa: E402
+from train.parallel.distributed import Env  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.toml"

@@ -2,7 +2,7 @@
 trainer (``train``), which import this package and never each other.
 
 - :mod:`melcache.errors`: the two exceptions a command turns into one clear line;
-- :mod:`melcache.config`: TOML loading and validated frozen config sections;
+- :mod:`melcache.sections`: TOML loading and validated frozen config sections;
 - :mod:`melcache.features`: the exact mel extractor a cache was built with;
 - :mod:`melcache.format`: file and member names, dtypes, the tar writer and fast readers;
 - :mod:`melcache.location`: where a cache's files live (a folder or a URL prefix);

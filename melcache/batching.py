@@ -15,7 +15,7 @@ import numpy as np
 # Purpose tags keep the random streams of different decisions independent.
 SHARD_ORDER = 1
 BATCH_PLAN = 2
-SUBSTREAM_ORDER = 3  # shard order of one length bucket of one cache (train/schedule.py)
+SUBSTREAM_ORDER = 3  # shard order of one length bucket of one cache (melcache/loader/schedule.py)
 EVEN_PLAN = 4  # even cut of one shard into a count of batches known from the index
 # Length jitter of the sort inside a shard, as a fraction of the length (at least one frame,
 # which only breaks ties): neighbours stay within about 1 % of each other (little padding)

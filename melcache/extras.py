@@ -6,7 +6,7 @@ every named field (``null`` where the row lacks it), a value being a JSON string
 or null; the index records the names in ``build.extras``; ``preprocess verify`` checks every
 sample against them; the loader hands the fields a model asks for to it in ``batch.extras``.
 
-:data:`REFERENCE` is not stored: the loader derives it per batch (``train/collate.py``).
+:data:`REFERENCE` is not stored: the loader derives it per batch (``melcache/loader/batch.py``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from melcache.config import load_toml, make_section, preset_names, require
 from melcache.errors import UserError
+from melcache.sections import load_toml, make_section, preset_names, require
 
 # Bounds that keep every derived size (ring slots, filterbanks) sane for any index read.
 MAX_SAMPLE_RATE = 768_000
@@ -165,7 +165,7 @@ def check_features(
 @functools.cache
 def feature_presets() -> dict[str, FeatureConfig]:
     """The installed presets that have a ``[features]`` table (``chattts``, ``hifigan``), by
-    name: the extractors a model may declare (train/contract.py), read from the preset files."""
+    name: the extractors a model may declare (train/model/contract.py), read from the preset files."""
     tables = {name: load_toml(name) for name in preset_names()}
     return {
         name: make_section(FeatureConfig, table["features"], "features", name)

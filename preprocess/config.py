@@ -12,9 +12,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from melcache.config import load_toml, make_section, require
 from melcache.extras import name_problem
 from melcache.features import FeatureConfig
+from melcache.sections import load_toml, make_section, require
 from melcache.storage import FP16, STORAGES
 
 

@@ -1,6 +1,6 @@
 """A plug-in model for the out-of-memory tests (``model.impl = "tests._oom_model:OutOfMemoryAbove"``).
 
-The reference :class:`~train.model.TextToMel`, except that in training, on rank ``rank`` (every
+The reference :class:`~train.model.text_to_mel.TextToMel`, except that in training, on rank ``rank`` (every
 rank if -1), a pass whose ``B × T`` padded frames exceed ``limit_frames`` raises
 ``torch.OutOfMemoryError`` as a GPU would: in the forward, or (``stage = "backward"``) in the
 backward. Each training forward of that rank is appended to ``record`` (a JSON line: rows,

@@ -1,5 +1,5 @@
 """Plug-in models for the contract tests (``model.impl = "tests._plugin_models:NAME"``): each is
-the reference :class:`~train.model.TextToMel` with one thing a real model does differently."""
+the reference :class:`~train.model.text_to_mel.TextToMel` with one thing a real model does differently."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from melcache.loader.batch import Batch
 from tests._oom_model import OutOfMemoryAbove
-from train.collate import Batch
 from train.model import TextToMel
 
 

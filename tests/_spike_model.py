@@ -1,6 +1,6 @@
 """Plug-in models for the spike tests (``model.impl = "tests._spike_model:SpikeAt"``).
 
-The reference :class:`~train.model.TextToMel`, except that the loss of its training forward
+The reference :class:`~train.model.text_to_mel.TextToMel`, except that the loss of its training forward
 number ``at`` (counted in a buffer, so a resumed run counts on) is multiplied by ``factor``
 on rank ``rank`` (every rank if -1): a loss spike at a known step (with one micro-batch per
 step and no out-of-memory skip, forward n is step n).

@@ -42,12 +42,12 @@ sys.path.insert(0, str(REPO))
 
 from melcache.batching import round_up  # noqa: E402
 from melcache.errors import UserError  # noqa: E402
-from train import checkpoint  # noqa: E402
-from train.config import load_config  # noqa: E402
-from train.data import Batch  # noqa: E402
-from train.distributed import setup, teardown  # noqa: E402
-from train.memprobe import MemoryCap, agreement, tensor_bytes  # noqa: E402
-from train.parallel import abandon_step  # noqa: E402
+from melcache.loader import Batch  # noqa: E402
+from train.config.tables import load_config  # noqa: E402
+from train.memory.probes import MemoryCap, agreement, tensor_bytes  # noqa: E402
+from train.parallel.distributed import setup, teardown  # noqa: E402
+from train.parallel.fsdp import abandon_step  # noqa: E402
+from train.run import checkpoint  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 from train.tune import tune  # noqa: E402
 

@@ -333,8 +333,8 @@ def train_cmd(
 def tiny_trainer(cache: Path, out: Path, overrides: list[str]):  # -> train.trainer.Trainer
     """A :class:`~train.trainer.Trainer` of the tiny config with ``overrides``, in this process
     on the CPU (imported here, not at the top: the build tests need no trainer)."""
-    from train.config import load_config
-    from train.distributed import Env
+    from train.config.tables import load_config
+    from train.parallel.distributed import Env
     from train.trainer import Trainer
 
     cfg = load_config(REPO / "configs" / "tiny.toml", overrides)

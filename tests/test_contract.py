@@ -22,7 +22,6 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from melcache.batching import padding_fraction
-from melcache.config import make_section
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
 from melcache.format import (
@@ -37,6 +36,7 @@ from melcache.format import (
 )
 from melcache.index import read_index, read_stats, write_stats
 from melcache.reader import DIGESTS, ShardCheck, integrity_problems, read_shard
+from melcache.sections import make_section
 from preprocess.config import BuildConfig
 from preprocess.verify import verify
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import REPO, build_cache, checkpoint, load, metrics, run_ok, torchrun
 
-from train.config import DataConfig, load_config
-from train.data import make_loader
+from melcache.loader import DataConfig, make_loader
+from train.config.tables import load_config
 
 pytestmark = pytest.mark.slow
 

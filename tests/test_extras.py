@@ -17,13 +17,13 @@ from test_train_contract import fit, plugin, trainer
 
 from melcache.errors import UserError
 from melcache.format import REJECTED_NAME
+from melcache.loader import make_loader
+from melcache.loader import stream as train_stream
+from melcache.loader.batch import extras_rows, stand_in_extras
+from melcache.loader.data_config import DataConfig
+from melcache.loader.units import ranged_unit
 from melcache.reader import ShardCheck, read_shard
 from preprocess.inputs import key_base
-from train import stream as train_stream
-from train.collate import extras_rows, stand_in_extras
-from train.config import DataConfig
-from train.data import make_loader
-from train.units import ranged_unit
 
 CONFIG = """
 [build]
@@ -174,7 +174,7 @@ def test_made_up_batches_carry_the_fields_asked_for() -> None:
 
 
 def test_extras_need_the_whole_batch() -> None:
-    from train.contract import declared
+    from train.model.contract import declared
 
     class Tensors(torch.nn.Module):
         melcache_contract = {"extras": ["language"]}  # noqa: RUF012

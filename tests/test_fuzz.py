@@ -35,11 +35,11 @@ from melcache.format import (
     shard_name,
 )
 from melcache.index import read_index, write_index, write_stats
+from melcache.loader import DataConfig, make_loader
+from melcache.loader.batch import collate, utf8_tokens
 from melcache.reader import ShardCheck, read_shard
 from preprocess.inspect import summarize
 from preprocess.verify import verify
-from train.collate import collate, utf8_tokens
-from train.data import DataConfig, make_loader
 
 N_MELS = FeatureConfig().n_mels
 # Values a hostile or broken index or metadata might hold, beside the honest ones.
@@ -289,8 +289,8 @@ def fuzzed_bytes(real: bytes, rng: random.Random) -> tuple[bytes, str]:
 def test_fuzzed_checkpoint_files_give_one_line_errors_or_a_load(tmp_path: Path) -> None:
     import torch
 
-    from train.checkpoint import MARKER, SHARED, Checkpointer, rank_file
-    from train.distributed import Env
+    from train.parallel.distributed import Env
+    from train.run.checkpoint import MARKER, SHARED, Checkpointer, rank_file
 
     cpu = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     ckpt = Checkpointer(tmp_path, cpu, keep=2, async_save=False)

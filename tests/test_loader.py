@@ -24,8 +24,8 @@ import pytest
 import torch
 from helpers import REPO, group_gone, recorded
 
-import train.collate
-import train.stream
+import melcache.loader.batch
+import melcache.loader.stream
 from melcache.access import Cache
 from melcache.batching import make_rng, plan_batches, round_up, worker_shards
 from melcache.errors import ShardError, UserError
@@ -41,9 +41,9 @@ from melcache.format import (
     open_tar_writer,
     tar_members,
 )
-from train.data import Batch, DataConfig, StreamLoader, make_loader
-from train.schedule import global_batch
-from train.transport import BatchRing
+from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
+from melcache.loader.schedule import global_batch
+from melcache.loader.transport import BatchRing
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
 
@@ -304,12 +304,17 @@ def test_resume_continues_with_exactly_the_next_batches(
 @pytest.mark.parametrize("sync", [False, True])
 def test_resume_reads_only_the_partial_shard(sample_cache: Path, monkeypatch, sync: bool) -> None:
     reads, decodes = [], []
-    real_read, real_decode = train.stream.read_shard, train.collate.decode_mel_into
-    monkeypatch.setattr(
-        train.stream, "read_shard", lambda *a, **k: reads.append(a[0]) or real_read(*a, **k)
+    real_read, real_decode = (
+        melcache.loader.stream.read_shard,
+        melcache.loader.batch.decode_mel_into,
     )
     monkeypatch.setattr(
-        train.collate, "decode_mel_into", lambda *a: decodes.append(1) or real_decode(*a)
+        melcache.loader.stream,
+        "read_shard",
+        lambda *a, **k: reads.append(a[0]) or real_read(*a, **k),
+    )
+    monkeypatch.setattr(
+        melcache.loader.batch, "decode_mel_into", lambda *a: decodes.append(1) or real_decode(*a)
     )
     real_rows = Cache.raw_rows  # a slot resumed near a unit's end reads the rest by range
     monkeypatch.setattr(Cache, "raw_rows", lambda c, rows: reads.append(rows) or real_rows(c, rows))
@@ -519,7 +524,7 @@ def test_a_dropped_loader_stops_its_workers(sample_cache: Path) -> None:
 
 DROPPED_LOADERS = """
 import sys
-from train.data import DataConfig, make_loader
+from melcache.loader import DataConfig, make_loader
 
 def peek(cache):
     loader = make_loader(cache, DataConfig(num_workers=2, batch_frames=3000))
@@ -626,7 +631,7 @@ def test_a_shard_that_is_no_regular_file_is_refused_at_once(cache_copy: Path, ca
 ORPHAN_PROBE = """
 import multiprocessing, pathlib, sys, time
 import melcache.reader
-from train.data import DataConfig, make_loader
+from melcache.loader import DataConfig, make_loader
 
 cache, fifo, blocked = sys.argv[1:]
 real_read, reads = melcache.reader.read_bytes, []

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import train.workers
-from train.data import DataConfig, LoaderClosed, make_loader
+import melcache.loader.workers
+from melcache.loader import DataConfig, LoaderClosed, make_loader
 
 STEPS = 300  # many epochs of the sample cache: each worker rolls over again and again
 
@@ -101,14 +101,14 @@ def test_a_stream_that_ends_is_an_error_not_the_end_of_training(
     sample_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """If the workers' streams ever end, ``next()`` says so instead of StopIteration."""
-    real = train.workers.worker_stream
+    real = melcache.loader.workers.worker_stream
 
     def three_batches(*args, **kwargs):
         stream = real(*args, **kwargs)
         for _ in range(3):
             yield next(stream)
 
-    monkeypatch.setattr(train.workers, "worker_stream", three_batches)
+    monkeypatch.setattr(melcache.loader.workers, "worker_stream", three_batches)
     batches = iter(make_loader(sample_cache, config(0)))
     for _ in range(3):
         next(batches)

@@ -30,9 +30,9 @@ from melcache.batching import (
 )
 from melcache.errors import UserError
 from melcache.format import INDEX_NAME
-from train.data import DataConfig, StreamLoader, make_loader
-from train.schedule import global_batch, locate
-from train.stream import planned_stream
+from melcache.loader import DataConfig, StreamLoader, make_loader
+from melcache.loader.schedule import global_batch, locate
+from melcache.loader.stream import planned_stream
 
 DATA = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0}
 
@@ -232,7 +232,7 @@ def test_caches_of_a_mix_need_one_feature_config(sample_cache: Path, tmp_path: P
 
 PREVIOUS = """
 import json, sys, torch
-from train.data import DataConfig, make_loader
+from melcache.loader import DataConfig, make_loader
 loader = make_loader(sys.argv[1], DataConfig(batch_frames=1500, max_batch_size=2, num_workers=2),
                      seed=7)
 stream = iter(loader)

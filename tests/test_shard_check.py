@@ -17,8 +17,8 @@ import pytest
 from melcache.batching import worker_shards
 from melcache.errors import ShardError
 from melcache.index import read_index, write_index
-from train.data import Batch, DataConfig, StreamLoader, make_loader
-from train.workers import StaysFailed
+from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
+from melcache.loader.workers import StaysFailed
 
 SEED = 1
 RELEASES = ("current", "previous")

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 
 import melcache.access
-import train.stream
-import train.units
+import melcache.loader.stream
+import melcache.loader.units
 from melcache.access import Cache
 from melcache.batching import _GreedyRuns
 from melcache.errors import ShardError, UserError
+from melcache.loader import DataConfig, StreamLoader, make_loader
+from melcache.loader.stream import planned_stream
 from melcache.table import TABLE_NAME
-from train.data import DataConfig, StreamLoader, make_loader
-from train.stream import planned_stream
 
 DATA = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0}
 RANKS = 16
@@ -36,7 +36,7 @@ def make(cache: Path, rank: int, **data: object) -> StreamLoader:
     return make_loader(cache, options, rank=rank, world_size=RANKS, seed=1)
 
 
-def planned_keys(spec: train.stream.StreamSpec, steps: int) -> list[list[str]]:
+def planned_keys(spec: melcache.loader.stream.StreamSpec, steps: int) -> list[list[str]]:
     stream = planned_stream(spec, 0)
     keys = [[s.key for s in planned[2]] for _, planned in zip(range(steps), stream, strict=False)]
     stream.close()
@@ -48,7 +48,7 @@ def test_slots_sharing_a_unit_read_only_their_batches_and_get_the_same_stream(
 ) -> None:
     """Samples read, over samples handed out: near 1 by the table, several reading whole."""
     read = [0]
-    read_shard, raw_rows = train.stream.read_shard, Cache.raw_rows
+    read_shard, raw_rows = melcache.loader.stream.read_shard, Cache.raw_rows
 
     def whole(location: str, entry: dict, check: object) -> list:
         read[0] += entry["samples"]
@@ -58,7 +58,7 @@ def test_slots_sharing_a_unit_read_only_their_batches_and_get_the_same_stream(
         read[0] += len(rows)
         return raw_rows(self, rows)
 
-    monkeypatch.setattr(train.stream, "read_shard", whole)
+    monkeypatch.setattr(melcache.loader.stream, "read_shard", whole)
     monkeypatch.setattr(Cache, "raw_rows", ranged)
     for rank in (0, RANKS - 1):
         spec = make(sample_cache, rank).spec
@@ -67,7 +67,7 @@ def test_slots_sharing_a_unit_read_only_their_batches_and_get_the_same_stream(
         keys = planned_keys(spec, 12)
         used = sum(map(len, keys))
         # A slot that takes a whole small unit reads it whole: at most 1 / RANGED_BELOW over.
-        assert used <= read[0] <= used / train.units.RANGED_BELOW
+        assert used <= read[0] <= used / melcache.loader.units.RANGED_BELOW
         by_shard = dataclasses.replace(
             spec, sources=tuple(dataclasses.replace(s, ranged=False) for s in spec.sources)
         )
@@ -132,7 +132,7 @@ def test_slots_sharing_a_cache_without_a_table_are_told_how_to_write_one(
 
     def warned(cache: Path, rank: int = 0, world_size: int = RANKS) -> list[str]:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="train.data"):
+        with caplog.at_level(logging.WARNING, logger="melcache.loader.make"):
             make_loader(cache, DataConfig(**DATA), rank=rank, world_size=world_size)  # type: ignore[arg-type]
         return [record.getMessage() for record in caplog.records]
 

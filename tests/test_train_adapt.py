@@ -1,5 +1,5 @@
-"""Training that adapts to what it measures: spike skips (``train/spikes.py``) and adaptive
-clipping (``train/clipping.py``), in one process and on 2-process gloo jobs, resumed bitwise."""
+"""Training that adapts to what it measures: spike skips (``train/adapt/spikes.py``) and adaptive
+clipping (``train/optim/clipping.py``), in one process and on 2-process gloo jobs, resumed bitwise."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import REPO, checkpoint, load, metrics, run_ok, tiny_fit, tiny_trainer, train_cmd
 
-from train.clipping import GradClip
-from train.config import OptimConfig, load_config
-from train.distributed import Env
+from train.config.tables import OptimConfig, load_config
+from train.optim.clipping import GradClip
+from train.parallel.distributed import Env
 from train.trainer import Trainer
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -330,7 +330,7 @@ def test_noise_scale_matches_brute_force_on_unequal_ranks() -> None:
 
 
 def test_the_fp16_scaler_backs_off_after_its_hysteresis_and_not_below_its_floor() -> None:
-    from train.scaler import HysteresisScaler
+    from train.optim.scaler import HysteresisScaler
 
     param = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([param], lr=0.0)
@@ -363,7 +363,7 @@ def test_the_fp16_scaler_backs_off_after_its_hysteresis_and_not_below_its_floor(
 
 
 def test_an_fp16_spike_skips_the_update_but_is_no_overflow() -> None:
-    from train.scaler import HysteresisScaler
+    from train.optim.scaler import HysteresisScaler
 
     param = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.AdamW([param], lr=0.1, fused=True)
@@ -401,7 +401,7 @@ def test_fp16_on_cpu_logs_its_skip_rate(train_cache: Path, tmp_path: Path) -> No
 
 # ---- a batch that grows ------------------------------------------------------------------
 def test_accumulation_rises_in_integer_factors_where_the_gain_is_worth_it() -> None:
-    from train.batchsize import chain, gain
+    from train.adapt.batch_ramp import chain, gain
 
     assert chain(8) == [1, 2, 4, 8] and chain(6) == [1, 2, 6] and chain(1) == [1]
     assert chain(12) == [1, 2, 4, 12] and chain(3) == [1, 3]
@@ -432,9 +432,9 @@ def test_a_ramped_batch_raises_accumulation_and_lr_and_resumes_bitwise(
 
 
 def test_the_closed_loop_doubles_only_upwards_after_its_cool_down() -> None:
-    from train.batchsize import BatchSchedule
-    from train.loop_config import TrainConfig
-    from train.optim import build_optimizer, build_scheduler
+    from train.adapt.batch_ramp import BatchSchedule
+    from train.config.train_table import TrainConfig
+    from train.optim.optimizer import build_optimizer, build_scheduler
 
     model = torch.nn.Linear(2, 2)
     optim_cfg = OptimConfig(lr=1e-3)

@@ -14,10 +14,10 @@ import torch
 from helpers import small_tmpfs
 
 from melcache.errors import UserError
-from train import checkpoint, dcp
-from train.checkpoint import MARKER, SHARED, Checkpointer, rank_file
-from train.dcp import WEIGHTS
-from train.distributed import Env
+from train.parallel.distributed import Env
+from train.run import checkpoint, dcp
+from train.run.checkpoint import MARKER, SHARED, Checkpointer, rank_file
+from train.run.dcp import WEIGHTS
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 # DCP warns that a process without a process group saves alone: that is what these tests do.

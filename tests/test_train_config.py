@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from melcache.errors import UserError
-from train.config import Config, load_config, parse_overrides
+from train.config.tables import Config, load_config, parse_overrides
 from train.model import build_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
-"""The model contract for plug-ins (``train/contract.py``, ``train/guards.py``,
-``train/tokenizers.py``), in one process on the real cache: whole batches, mean losses with
+"""The model contract for plug-ins (``train/model/contract.py``, ``train/model/guards.py``,
+``train/model/tokenizers.py``), in one process on the real cache: whole batches, mean losses with
 their weight, a model's own count, dtype and padding as declared, features, tokenizers, and the
 one-line errors of the first step."""
 
@@ -13,8 +13,8 @@ from helpers import metrics, tiny_fit, tiny_trainer
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, feature_presets
-from train.distributed import Env
-from train.tokenizers import build_tokenizer
+from train.model.tokenizers import build_tokenizer
+from train.parallel.distributed import Env
 from train.trainer import Trainer
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""``train.strategy = "fsdp2" | "hsdp"`` (train/parallel.py, train/dcp.py) in real 2-rank gloo
+"""``train.strategy = "fsdp2" | "hsdp"`` (train/parallel/fsdp.py, train/run/dcp.py) in real 2-rank gloo
 jobs: the loss follows DDP's, checkpoints are DCP shards, and a resume is bitwise."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from helpers import checkpoint, load, metrics, run_ok, train_cmd
 
 from melcache.errors import UserError
-from train import dcp
-from train.config import load_config
+from train.config.tables import load_config
+from train.run import dcp
 
 STRATEGIES = {
     "fsdp2": ("train.strategy=fsdp2",),

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from melcache.errors import UserError
-from train.config import load_config
-from train.distributed import Env
-from train.precision import resolve_precision
+from train.config.tables import load_config
+from train.optim.precision import resolve_precision
+from train.parallel.distributed import Env
 from train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_a_hostile_metrics_file_is_plotted_and_resumed_past(
 ) -> None:
     pytest.importorskip("matplotlib")
     from train.__main__ import main
-    from train.metrics import MetricsLog
+    from train.run.metrics import MetricsLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b"\n".join(HOSTILE_METRICS) + b"\n")

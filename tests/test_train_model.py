@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from train.config import OptimConfig
+from train.config.tables import OptimConfig
 from train.model import TextToMel
-from train.optim import EMA, WarmupCosine, build_optimizer
+from train.optim.optimizer import EMA, WarmupCosine, build_optimizer
 
 N_MELS = 20
 

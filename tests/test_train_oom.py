@@ -1,4 +1,4 @@
-"""Out-of-memory errors cost a step, not the run (``train/oom.py``): a plug-in model that raises
+"""Out-of-memory errors cost a step, not the run (``train/memory/oom.py``): a plug-in model that raises
 ``torch.OutOfMemoryError`` above a size limit, in one process and on one rank of 2-process gloo
 jobs; a step that hits the limit is skipped on every rank, its bucket's budget lowered, logged,
 checkpointed and resumed."""
@@ -17,10 +17,10 @@ import torch
 from helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
 
 from melcache.errors import UserError
-from train.collate import Batch
-from train.config import load_config
-from train.distributed import Env
-from train.oom import Budgets
+from melcache.loader.batch import Batch
+from train.config.tables import load_config
+from train.memory.oom import Budgets
+from train.parallel.distributed import Env
 from train.trainer import Trainer
 
 STAND_IN = 8  # frames (pad_multiple): shorter than any utterance of the cache

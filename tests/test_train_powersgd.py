@@ -1,4 +1,4 @@
-"""PowerSGD (train/powersgd.py) in real 2-rank gloo jobs: several DDP buckets without a hang,
+"""PowerSGD (train/parallel/powersgd.py) in real 2-rank gloo jobs: several DDP buckets without a hang,
 a bitwise resume of its per-rank memory, and fp16 through an overflow step."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_fp16_powersgd_survives_an_overflow_step(train_cache: Path, tmp_path: Pa
 
 def test_memory_is_keyed_by_name_and_the_closed_form_counts_factors() -> None:
     """In-process: what is compressed, what one rank sends, and a foreign state refused."""
-    from train.powersgd import PowerSGD
+    from train.parallel.powersgd import PowerSGD
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 2))
     state = PowerSGD(model, rank=4, start_iter=0, seed=0)
@@ -125,7 +125,7 @@ def test_compression_does_not_depend_on_where_a_gradient_sits(
     (the second and third start from the memory). On AMD EPYC the hook that multiplied the
     bucket's own views failed this at every offset that is not a multiple of 4 floats; on any
     CPU, every matrix product's operands must start 64-byte aligned, wherever the bucket is."""
-    from train.powersgd import PowerSGD, powersgd_hook
+    from train.parallel.powersgd import PowerSGD, powersgd_hook
 
     matmul, misaligned = torch.Tensor.__matmul__, []
 

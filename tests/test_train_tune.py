@@ -1,4 +1,4 @@
-"""``python -m train tune`` on CPU, against a memory limit (``train.memprobe.MemoryCap``): the search
+"""``python -m train tune`` on CPU, against a memory limit (``train.memory.probes.MemoryCap``): the search
 finds each bucket's largest batch within one step of the true limit, and a training run with the
 tuned table stays under it."""
 
@@ -16,10 +16,10 @@ import torch
 from _train_probe import worst_batch
 from helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
 
-from train.collate import Batch
-from train.config import load_config
-from train.distributed import Env
-from train.memprobe import MemoryCap, tensor_bytes
+from melcache.loader.batch import Batch
+from train.config.tables import load_config
+from train.memory.probes import MemoryCap, tensor_bytes
+from train.parallel.distributed import Env
 from train.trainer import Trainer
 from train.tune import largest_fitting, tune
 

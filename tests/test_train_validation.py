@@ -1,4 +1,4 @@
-"""Validation (``train/validation.py``): a fixed set of batches every ``train.val_every`` steps,
+"""Validation (``train/run/validation.py``): a fixed set of batches every ``train.val_every`` steps,
 EMA weights, a deterministic loss that leaves the training RNG alone, ``val_loss`` in
 metrics.jsonl and in ``train plot``, a picture of predicted vs target mels; on 2 ranks too."""
 

@@ -83,7 +83,7 @@ def _plot_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-    rank = os.environ.get("RANK", "0")  # checked by train.distributed.setup, not here
+    rank = os.environ.get("RANK", "0")  # checked by train.parallel.distributed.setup, not here
     logging.basicConfig(
         level=logging.INFO if rank == "0" else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             print(plot_run(args.run, args.output))
             return 0
         if argv[:1] == ["tune"]:
-            from train.config import load_config
-            from train.distributed import setup, teardown
+            from train.config.tables import load_config
+            from train.parallel.distributed import setup, teardown
             from train.tune import render, tune
 
             args = _tune_parser().parse_args(argv[1:])
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{table}\n\nwritten to {args.output}")
             return 0
         args = _train_parser().parse_intermixed_args(argv)  # overrides on both sides of options
-        from train.config import load_config
+        from train.config.tables import load_config
         from train.trainer import run
 
         overrides = list(args.overrides)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from melcache.errors import UserError
-from train.metrics import METRICS_NAME, read_metrics
+from train.run.metrics import METRICS_NAME, read_metrics
 
 
 def plot_run(run: Path, output: Path | None = None) -> Path:

@@ -1,17 +1,17 @@
 """The training loop. Construction assembles the parts; :meth:`Trainer.fit` is the loop.
 
 One optimizer step (``train_step``): take ``grad_accum`` micro-batches and cut any over its
-bucket's lowered budget into passes (``train/oom.py``); start copying them to the device
-(``train/prefetch.py``); all-reduce the number of valid mel frames they hold over all ranks;
+bucket's lowered budget into passes (``train/memory/oom.py``); start copying them to the device
+(``melcache/loader/prefetch.py``); all-reduce the number of valid mel frames they hold over all ranks;
 run forward and backward of each pass, all but the last under ``no_sync`` so gradients are
 all-reduced once; the loss is Σ per-frame losses ÷ that global frame count, so every frame of
 every utterance weighs the same whatever the batching, accumulation or world size. Then the
 ranks vote on the host (a stop signal; a share of the step lost to an out-of-memory error,
 which drops the step everywhere; a spike the device flagged the step before); unscale
-(fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt.py``); step,
+(fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt/controller.py``); step,
 schedule, EMA. Nothing in the step reads a device value on the host. The number of
-micro-batches a step takes follows ``train/batchsize.py``; after ``train.spike_rewind_after``
-spike skips in a row the loop goes back to the last checkpoint (``train/resume.py``).
+micro-batches a step takes follows ``train/adapt/batch_ramp.py``; after ``train.spike_rewind_after``
+spike skips in a row the loop goes back to the last checkpoint (``train/run/resume.py``).
 """
 
 from __future__ import annotations
@@ -28,24 +28,24 @@ from typing import Any
 import torch
 
 from melcache.errors import UserError
-from train.config import Config
-from train.contract import inverse_count, model_inputs, normalise, rescale_gradients
-from train.data import Batch
-from train.distributed import Env, StopFlag, all_reduce_sum, no_sync, setup, teardown
-from train.guards import translate_ddp_error
-from train.metrics import Meter, MetricsLog
+from melcache.loader.make import Batch
+from train.config.tables import Config
 from train.model import describe
-from train.parts import build_run_parts, wrap_for_training
-from train.precision import autocast
-from train.resume import resume_or_start, rewind, save
-from train.runfolder import owned_run_folder
-from train.scaler import HIGH_SKIP_RATE
+from train.model.contract import inverse_count, model_inputs, normalise, rescale_gradients
+from train.model.guards import translate_ddp_error
+from train.optim.precision import autocast
+from train.optim.scaler import HIGH_SKIP_RATE
+from train.parallel.distributed import Env, StopFlag, all_reduce_sum, no_sync, setup, teardown
+from train.run.folder import owned_run_folder
+from train.run.metrics import Meter, MetricsLog
+from train.run.parts import build_run_parts, wrap_for_training
+from train.run.resume import resume_or_start, rewind, save
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """The parts of one run in ``out`` (``train/parts.py``), restored, and the loop over them."""
+    """The parts of one run in ``out`` (``train/run/parts.py``), restored, and the loop over them."""
 
     def __init__(self, cfg: Config, shards: str | list[str], out: Path, env: Env) -> None:
         self.cfg, self.env, self.out = cfg, env, Path(out)

@@ -15,13 +15,13 @@ pack more of them into it, and their attention costs less.
 ``train.memory_target`` (default 90 %) of the device: on CUDA, torch's caching allocator is
 capped (``torch.cuda.set_per_process_memory_fraction``) and the peak is
 ``torch.cuda.max_memory_reserved``. On CPU, the same search runs against ``--memory-limit-mib``:
-:class:`~train.memprobe.MemoryCap` counts the bytes of live tensors (every tensor an op creates, until it is
+:class:`~train.memory.probes.MemoryCap` counts the bytes of live tensors (every tensor an op creates, until it is
 freed, plus the model, optimizer and EMA tensors there before) and raises
 ``torch.OutOfMemoryError`` past the cap, as a GPU would. That is what
 ``torch.cuda.max_memory_allocated`` counts, without the allocator's rounding, caching and
 kernel workspaces: the CPU numbers test the search, they do not size a GPU.
 
-Under torchrun (sharded strategies) every rank counts with :class:`~train.memprobe.MemoryCap`, on CUDA too,
+Under torchrun (sharded strategies) every rank counts with :class:`~train.memory.probes.MemoryCap`, on CUDA too,
 and the ranks agree: a rank past its cap raises only before the next collective or at the
 end of the step, and then every rank raises, so none is left waiting in an all-gather for a
 rank that gave up on the step. A batch fits when it fits on every rank.
@@ -48,15 +48,15 @@ import torch
 from melcache.batching import round_up
 from melcache.errors import UserError
 from melcache.index import read_index
+from melcache.loader.batch import Batch, stand_in_extras
+from melcache.loader.make import bucket_lengths
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
-from train.collate import Batch, stand_in_extras
-from train.config import Config
-from train.data import bucket_lengths
-from train.distributed import Env
-from train.memprobe import MIB, CapProbe, CudaProbe, MemoryCap, agreement, tensor_bytes
-from train.parallel import abandon_step, sharded
-from train.scaler import HysteresisScaler
+from train.config.tables import Config
+from train.memory.probes import MIB, CapProbe, CudaProbe, MemoryCap, agreement, tensor_bytes
+from train.optim.scaler import HysteresisScaler
+from train.parallel.distributed import Env
+from train.parallel.fsdp import abandon_step, sharded
 from train.trainer import Trainer
 
 
@@ -77,7 +77,7 @@ def tune(
 ) -> tuple[list[Row], str]:
     """The budget of every bucket of cache ``shards`` (see the module docstring) and a line
     saying where it was measured. ``memory_limit_mib`` is required on CPU, ignored on CUDA.
-    ``env``: the torchrun job (``train.distributed.setup``) that searches a sharded strategy
+    ``env``: the torchrun job (``train.parallel.distributed.setup``) that searches a sharded strategy
     with every rank in step; one process when None."""
     if memory_limit_mib is not None and not (
         math.isfinite(memory_limit_mib) and memory_limit_mib > 0
@@ -131,7 +131,7 @@ def tune(
 def _cap_probe(
     trainer: Trainer, target: float, memory_limit_mib: float | None
 ) -> tuple[CapProbe, str]:
-    """A :class:`~train.memprobe.MemoryCap` probe: on CPU against ``memory_limit_mib``; on CUDA under torchrun
+    """A :class:`~train.memory.probes.MemoryCap` probe: on CPU against ``memory_limit_mib``; on CUDA under torchrun
     against the device's memory, counting live tensors, so that the ranks can agree (an
     allocator's error on one rank alone would leave the others in a collective)."""
     device = trainer.env.device

@@ -2,7 +2,7 @@
 as a mel autoencoder on a melcache cache: ``[model] impl = "examples.chattts_dvae.adapter:DVAE"``
 (``pip install 'melcache[chattts]'``).
 
-What the adapter bridges (``train/contract.py`` for the keys):
+What the adapter bridges (``train/model/contract.py`` for the keys):
 
 - ChatTTS's ``DVAE.forward`` runs under ``torch.inference_mode``; the adapter runs its parts
   (``downsample_conv`` → ``encoder`` → ``vq_layer.quantizer`` → ``decoder`` → ``out_conv``) with
@@ -14,7 +14,7 @@ What the adapter bridges (``train/contract.py`` for the keys):
   random init the adapter sets it to the cache's per-channel std (``set_mel_stats``).
 - vector_quantize_pytorch's ``GroupedResidualFSQ.forward`` all-reduces a quantize-dropout seed
   in every training forward (and reads it on the host), even with that dropout off: the trainer
-  refuses it at start, naming ``dvae.vq_layer.quantizer`` (``train/guards.py``). The adapter
+  refuses it at start, naming ``dvae.vq_layer.quantizer`` (``train/model/guards.py``). The adapter
   calls its residual FSQ groups itself, with the (unused) seed given, so no collective runs.
 """
 

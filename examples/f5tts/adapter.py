@@ -2,7 +2,7 @@
 a melcache cache: ``[model] impl = "examples.f5tts.adapter:F5TTS"`` (``pip install
 'melcache[f5tts]'``).
 
-What the adapter bridges (``train/contract.py`` for the keys):
+What the adapter bridges (``train/model/contract.py`` for the keys):
 
 - F5-TTS's mel is the vocos mel ChatTTS uses too: the cache must be built with
   ``configs/chattts.toml`` (the ``"chattts"`` feature preset, every key checked at start).
@@ -26,7 +26,7 @@ import torch
 from f5_tts.model import CFM, DiT
 from torch import nn
 
-from train.collate import Batch
+from melcache.loader.batch import Batch
 
 PROMPT_SHARE = 0.3  # of each utterance given as the audio prompt when predicting
 ODE_STEPS = 6  # F5-TTS's predefined Empirically Pruned Step Sampling for few steps

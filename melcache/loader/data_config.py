@@ -1,0 +1,109 @@
+"""The loader's configuration: batch budgets, workers, shard checks, mixes, extras.
+
+A frozen, keyword-only dataclass validated at creation; errors name the key, the bad value
+and what it should be. The trainer reads it from its ``[data]`` table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from melcache.reader import SHARD_CHECKS
+from melcache.sections import require
+
+ON_ERROR = ("raise", "skip")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The streaming loader's one configuration, handed whole to :func:`make_loader` and on
+    to its workers (job rank, world size and seed aside): the loader keys of the trainer's
+    ``[data]`` table, which adds its own (``train.config.tables.TrainDataConfig``)."""
+
+    # Padded mel frames per micro-batch per rank: one count for every length bucket, or a
+    # table {bucket: count} (``python -m train tune`` writes one), since attention memory grows
+    # with the square of the length and a budget safe for the longest bucket starves the rest.
+    batch_frames: int | Mapping[str, int] = 6_000
+    max_batch_size: int = 64
+    num_workers: int = 2
+    pad_multiple: int = 8
+    on_error: str = "raise"
+    shard_check: str = "fast"  # "fast" (xxh3_128 every read), "sha256" or "off": README Loading
+    # Every rank's batches of a step from one length bucket (README "Streaming loader");
+    # false: the stream of earlier releases (one cache: the same batches, old states resume).
+    sync_buckets: bool = True
+    # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
+    # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
+    mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    mix_temperature: float = 1.0
+    # Per-utterance fields each batch carries in batch.extras ([build] extras of the cache, or
+    # "reference"): melcache/loader/batch.py; a plug-in's melcache_contract "extras" adds its own.
+    extras: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_frames, Mapping):
+            object.__setattr__(self, "batch_frames", _budget_table(self.batch_frames))
+        else:
+            require(_is_count(self.batch_frames), "data.batch_frames", self.batch_frames, _BUDGET)
+        require(self.max_batch_size > 0, "data.max_batch_size", self.max_batch_size, "≥ 1")
+        require(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
+        require(self.pad_multiple > 0, "data.pad_multiple", self.pad_multiple, "≥ 1")
+        require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
+        require(
+            self.shard_check in SHARD_CHECKS,
+            "data.shard_check",
+            self.shard_check,
+            " or ".join(SHARD_CHECKS),
+        )
+        require(
+            isinstance(self.sync_buckets, bool),
+            "data.sync_buckets",
+            self.sync_buckets,
+            "true or false",
+        )
+        require(
+            isinstance(self.mix, Mapping), "data.mix", self.mix, "a table of locations to weights"
+        )
+        for where, weight in self.mix.items():
+            require(
+                isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+                f"data.mix.{where}",
+                weight,
+                "a positive weight",
+            )
+        require(
+            isinstance(self.extras, tuple) and all(isinstance(n, str) and n for n in self.extras),
+            "data.extras",
+            self.extras,
+            "a list of field names",
+        )
+        require(
+            self.mix_temperature >= 0, "data.mix_temperature", self.mix_temperature, "0 or more"
+        )
+
+    def budget(self, bucket: int) -> int:
+        """Padded frames per micro-batch in length bucket ``bucket`` (the loader checks at start
+        that a table names every bucket of the cache)."""
+        if isinstance(self.batch_frames, int):
+            return self.batch_frames
+        return self.batch_frames[str(bucket)]
+
+
+_BUDGET = "a positive count, or a table of bucket numbers to counts such as {0 = 24000, 1 = 16000}"
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _budget_table(table: Mapping[Any, Any]) -> dict[str, int]:
+    """A ``batch_frames`` table checked and keyed by canonical bucket numbers, in order."""
+    require(len(table) > 0, "data.batch_frames", dict(table), _BUDGET)
+    out: dict[str, int] = {}
+    for key, value in table.items():
+        require(str(key).isdigit(), "data.batch_frames", dict(table), _BUDGET)
+        require(_is_count(value), f"data.batch_frames.{key}", value, "a positive count")
+        out[str(int(key))] = value
+    return dict(sorted(out.items(), key=lambda item: int(item[0])))

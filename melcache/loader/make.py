@@ -1,0 +1,355 @@
+"""Streaming loader: a melcache cache as an endless stream of padded batches, one per rank.
+
+Usage::
+
+    from melcache.loader import DataConfig, make_loader
+    loader = make_loader("shards/", DataConfig(batch_frames=20_000), rank=rank, world_size=world)
+    loader.load_state_dict(saved)          # optional, before iterating
+    for step, batch in zip(range(steps), loader):
+        batch = batch.to(device)           # non-blocking: the host copy is pinned with CUDA
+        ...
+        saved = loader.state_dict()        # what *this loop* has consumed, not the prefetch
+
+A :class:`Batch` holds ``mel`` float16 ``[B, T, n_mels]`` (T a multiple of ``pad_multiple``,
+padded with ``ln(log_floor)``, silence in log space), ``mel_lengths`` ``[B]``, ``text`` int64
+``[B, L]`` (UTF-8 bytes + 1 by default: vocabulary 257, 0 = padding), ``text_lengths``,
+``keys``, ``speaker`` (``None`` where unknown), ``bucket`` and ``extras`` (the per-utterance
+fields ``data.extras`` asks for: ``melcache/loader/batch.py``). All samples of a batch come from
+one length bucket ``b`` (one shard, or two neighbours of a unit of small shards); ``B × T <= batch_frames`` (one number, or the table's
+entry for ``b``) and ``B <= max_batch_size``.
+
+Splitting: the schedule (``melcache/loader/schedule.py``) picks each batch's sub-stream (one length
+bucket of one cache; with ``sync_buckets = false`` one whole cache, the stream of earlier
+releases) from ``(seed, step, rank, worker)``: bucket-synchronous across ranks, caches at
+their weights. Each sub-stream reads every shard once per epoch across the job's
+``world_size × max(1, num_workers)`` workers and never runs dry (no DDP hang).
+
+Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
+worker's position after it in its sub-stream (``melcache/loader/stream.py``); the loader records it as
+the batch is handed to the caller. A restore re-reads at most one shard (or unit) per worker and
+sub-stream, skipping its consumed batches without decoding a mel. A state from a different
+world size, worker count, seed, cache, mix or batch budget is refused, naming the key.
+
+Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
+``shard_check="off"``) altered shard with a :class:`ShardError` naming it, in any epoch: every
+read is checked (``melcache.reader.ShardCheck``); ``"skip"`` logs each such shard once, records
+it in ``loader.skipped_shards`` and goes on, and still raises if no shard can be read at all
+rather than spin. Only ``mel.npy`` and ``json`` members are read, never with pickle.
+
+Lifetime: an iterator holds its loader (the loader holds it only weakly), so an inline
+``for batch in make_loader(...)`` streams for as long as it is iterated; the workers stop when
+the last iterator is dropped or at ``close()``. The stream is endless by contract: once
+stopped, ``next()`` raises :class:`LoaderClosed` saying why, never ``StopIteration``.
+
+Throughput: workers (``melcache/loader/workers.py``) pad mels straight into shared-memory ring slots
+(``melcache/loader/transport.py``, each the size of the largest batch any bucket can make) and
+DataLoader carries only the small rest; the consumer copies each mel out, into pinned memory
+when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from melcache.errors import ShardError, UserError
+from melcache.features import FeatureConfig
+from melcache.loader.batch import BYTE_VOCAB_SIZE, PAD_ID, Batch, utf8_tokens
+from melcache.loader.data_config import DataConfig
+from melcache.loader.mix import (
+    CacheArg,
+    OpenedMix,
+    bucket_lengths,
+    check_extras,
+    check_layout,
+    open_mix,
+    shards_digest,
+    whole_shared_reads,
+)
+from melcache.loader.schedule import make_schedule, substreams
+from melcache.loader.stream import Cursor, StreamSpec, progress
+from melcache.loader.workers import check_shared_memory, worker_batches
+from melcache.sections import require
+
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "PAD_ID",
+    "Batch",
+    "BatchIterator",
+    "DataConfig",
+    "LoaderClosed",
+    "ShardError",
+    "StreamLoader",
+    "bucket_lengths",
+    "make_loader",
+    "utf8_tokens",
+]
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 3
+# Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
+# stream of data.sync_buckets = false over one cache, which continues it exactly.
+WHOLE_CACHE_VERSION = 1
+# Version 2 (this release before units of shards and the frames each position ends with now)
+# continues exactly only where neither changed the stream: one cache, sync_buckets = false.
+NO_FRAMES_VERSION = 2
+
+
+class StreamLoader:
+    """Endless iterable of :class:`Batch` for one rank, with exact save/restore.
+
+    Build it with :func:`make_loader`. Attributes: ``spec`` (everything the workers are
+    given, the :class:`DataConfig` included), ``features`` (the caches' one
+    :class:`FeatureConfig`), ``index`` (the first cache's parsed ``index.json``; ``indexes``:
+    all), ``weights`` (each cache's share of the frames), ``skipped_shards`` (shard name →
+    reason, each logged once, under ``on_error="skip"``).
+    """
+
+    def __init__(self, spec: StreamSpec, mix: OpenedMix, pin_memory: bool) -> None:
+        self.spec, self.pin_memory = spec, pin_memory
+        self.features, self.indexes, self.weights = mix.features, mix.indexes, mix.weights
+        self.index = mix.indexes[0]
+        self.skipped_shards: dict[str, str] = {}
+        start = [spec.start(sub) for sub in spec.subs]
+        self._positions = [list(start) for _ in range(spec.workers_per_rank)]
+        self._next_worker = 0  # logical worker whose batch the consumer gets next
+        self._batches = 0
+        self._active: weakref.ref[BatchIterator] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """Epochs every worker of this rank has finished in every sub-stream (each runs
+        through its epochs by itself)."""
+        return min(int(e) for worker in self.progress() for e in worker)
+
+    def epochs(self) -> dict[str, float]:
+        """Epochs consumed so far of each cache, by its location: the frame-weighted mean over
+        its buckets of where this rank's workers stand in them (the job's other ranks keep
+        pace, the schedule being the same)."""
+        progress = self.progress()
+        out: dict[str, list[float]] = {}
+        for u, sub in enumerate(self.spec.subs):
+            mean = sum(worker[u] for worker in progress) / len(progress)
+            share = out.setdefault(self.spec.sources[sub.source].location, [0.0, 0.0])
+            share[0] += mean * sub.frames
+            share[1] += sub.frames
+        return {where: round(total / frames, 4) for where, (total, frames) in out.items()}
+
+    def progress(self) -> list[list[float]]:
+        """Per worker and sub-stream: epochs of it behind the worker's next batch."""
+        return progress(self.spec, self._positions)
+
+    def __iter__(self) -> BatchIterator:
+        self.close()  # one live stream at a time: it owns the state
+        positions = [list(p) for p in self._positions]
+        stream = worker_batches(self.spec, positions, self._batches, self.pin_memory)
+        iterator = BatchIterator(self, stream)
+        # Held weakly: the iterator keeps this loader alive, not the other way round, so the
+        # workers stop as soon as the last iterator is dropped, whether or not the loader is.
+        self._active = weakref.ref(iterator)
+        return iterator
+
+    def close(self) -> None:
+        """Stop the running stream, if any, and its worker processes; its iterator then
+        raises :class:`LoaderClosed` instead of giving more batches."""
+        iterator = self._active() if self._active is not None else None
+        self._active = None
+        if iterator is not None:
+            iterator.close("the loader was closed (close(), load_state_dict() or a new iter())")
+
+    def _consume(self, cursor: Cursor) -> None:
+        if cursor.worker != self._next_worker:  # DataLoader broke its round-robin promise
+            raise RuntimeError(
+                f"batch from worker {cursor.worker}, expected worker {self._next_worker}"
+            )
+        self._positions[cursor.worker][cursor.stream] = cursor.after
+        self._next_worker = (cursor.worker + 1) % self.spec.workers_per_rank
+        self._batches += 1
+        for name, reason in cursor.skipped:
+            if name not in self.skipped_shards:
+                logger.warning("skipping shard %s: %s", name, reason)
+                self.skipped_shards[name] = reason
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the consumer has taken so far; plain ints/strs/lists/dicts, so it loads
+        with ``torch.load(weights_only=True)``: per worker and sub-stream a position of one
+        integer (a bucket) or three (a whole cache), then the real frames taken from it."""
+        return {
+            "version": STATE_VERSION,
+            **self._identity(),
+            "next_worker": self._next_worker,
+            "batches": self._batches,
+            "positions": [[list(p) for p in worker] for worker in self._positions],
+            "skipped_shards": dict(self.skipped_shards),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue exactly after the last batch the saved loader handed out.
+
+        Call before iterating (a running iterator stops). Raises :class:`UserError` naming
+        the key when the state belongs to a different job layout, seed, cache, mix or budget.
+        A state of the previous release (version 1) continues a one-cache loader with
+        ``data.sync_buckets = false``.
+        """
+        self.close()
+        version = state.get("version")
+        identity = self._identity()
+        if version in (WHOLE_CACHE_VERSION, NO_FRAMES_VERSION):
+            if len(self.spec.subs) != 1 or self.spec.subs[0].bucket >= 0:
+                raise UserError(
+                    f"loader state was saved by an earlier loader (version {version}), whose "
+                    "stream continues here only as one cache with data.sync_buckets = false; "
+                    "resume with that setting (or start the data stream afresh without "
+                    "load_state_dict)"
+                )
+            if version == WHOLE_CACHE_VERSION:  # one position per worker, no sync_buckets/mix
+                identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
+                positions = [[[*p, 0]] for p in state["positions"]]
+            else:
+                positions = [[[*p, 0] for p in worker] for worker in state["positions"]]
+        elif version == STATE_VERSION:
+            positions = state["positions"]
+        else:
+            raise UserError(f"loader state version {version!r}, expected {STATE_VERSION}")
+        for key, value in identity.items():
+            if state.get(key) != value:
+                raise UserError(
+                    f"loader state was saved with {key} = {state.get(key)!r} but this loader "
+                    f"has {key} = {value!r}; resume with the same value (or start the data "
+                    "stream afresh without load_state_dict)"
+                )
+        shape = [[len(self.spec.start(sub)) for sub in self.spec.subs]] * len(self._positions)
+        restored = [[tuple(map(int, p)) for p in worker] for worker in positions]
+        next_worker, batches = int(state["next_worker"]), int(state["batches"])
+        if [[len(p) for p in worker] for worker in restored] != shape or (
+            next_worker != batches % len(self._positions)
+        ):
+            raise UserError(
+                f"loader state has positions of shape {[[len(p) for p in w] for w in restored]} "
+                f"and next_worker = {next_worker} after {batches} batches; expected {shape}"
+            )
+        self._positions = [list(worker) for worker in restored]
+        self._next_worker, self._batches = next_worker, batches
+        self.skipped_shards = dict(state.get("skipped_shards", {}))
+
+    def _identity(self) -> dict[str, Any]:
+        """What a state is only valid for: job layout, seed, caches and mix, and budget."""
+        spec, data = self.spec, self.spec.data
+        digests = [shards_digest(source.shards) for source in spec.sources]
+        return {
+            "rank": spec.rank,
+            "world_size": spec.world_size,
+            "workers_per_rank": spec.workers_per_rank,
+            "seed": spec.seed,
+            "batch_frames": data.batch_frames,
+            "max_batch_size": data.max_batch_size,
+            "pad_multiple": data.pad_multiple,
+            "cache_digest": digests[0] if len(digests) == 1 else digests,
+            "sync_buckets": data.sync_buckets,
+            "mix": [round(w, 9) for w in self.weights],
+        }
+
+
+class LoaderClosed(RuntimeError):
+    """The loader's endless stream stopped: it was closed, or its workers ended."""
+
+
+class BatchIterator:
+    """One pass over a :class:`StreamLoader`: endless until closed, then raises
+    :class:`LoaderClosed` (never ``StopIteration``, which would end a training loop as if
+    it had succeeded).
+
+    It holds its loader, so ``for batch in make_loader(...)`` keeps the loader alive for as
+    long as it iterates; dropping the iterator frees the stream, whose ``finally`` stops the
+    worker processes.
+    """
+
+    def __init__(self, loader: StreamLoader, stream: Iterator[tuple[Batch, Cursor]]) -> None:
+        self.loader, self._stream = loader, stream
+        self._closed: str | None = None
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._closed is not None:
+            raise LoaderClosed(f"no more batches: {self._closed}")
+        try:
+            batch, cursor = next(self._stream)
+        except StopIteration:
+            self.close("its worker processes stopped before the endless stream could end")
+            raise LoaderClosed(f"no more batches: {self._closed}") from None
+        self.loader._consume(cursor)
+        return batch
+
+    def close(self, reason: str = "the iterator was closed") -> None:
+        """Stop the stream and its worker processes; later ``next()`` calls raise."""
+        if self._closed is None:
+            self._closed = reason
+            self._stream.close()
+
+
+def make_loader(
+    cache: CacheArg,
+    data: DataConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    expect_features: Mapping[str, Any] | FeatureConfig | None = None,
+    tokenizer: Callable[[str], list[int]] | None = None,
+    pin_memory: bool | None = None,
+) -> StreamLoader:
+    """Open ``cache`` as rank ``rank``'s endless stream: one location (folder or URL prefix),
+    a list of them (a mix weighted by ``data.mix``, else by hours) or a mapping of locations
+    to weights (``{"en/": 0.7, "zh/": 0.3}``: shares of the frames), ``^ data.mix_temperature``.
+
+    ``data`` is the trainer's ``[data]`` table (:class:`DataConfig`), passed on whole to the
+    workers: ``batch_frames`` bounds ``B × T`` with ``T`` the padded length (a multiple of
+    ``pad_multiple``), ``max_batch_size`` bounds ``B``, ``sync_buckets`` keeps the ranks of a
+    step in one bucket. ``tokenizer`` maps text to ids with 0 kept free for padding
+    (default: UTF-8 bytes + 1, vocabulary 257). ``pin_memory`` defaults to whether CUDA is
+    available. Raises :class:`UserError` for a bad argument, an unfinished cache, a feature
+    mismatch (with the model or between caches), a ``data.extras`` field a cache lacks, a
+    budget below the longest utterance, or,
+    with ``sync_buckets = false``, fewer shards than ``world_size × max(1, num_workers)``.
+    """
+    require(world_size >= 1, "loader world_size", world_size, "at least 1")
+    require(0 <= rank < world_size, "loader rank", rank, f"in 0..{world_size - 1}")
+    require(seed >= 0, "loader seed", seed, "a non-negative integer")
+    mix = open_mix(cache, data, expect_features)
+    check_extras(mix, data.extras)
+    num_slots = world_size * max(1, data.num_workers)
+    check_layout(mix.sources, data, num_slots)
+    subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+    if rank == 0:  # one line per job, not per rank
+        for line in whole_shared_reads(mix.sources, subs, data, num_slots):
+            logger.warning(line)
+    spec = StreamSpec(
+        sources=mix.sources,
+        subs=subs,
+        schedule=make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),
+        data=data,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        n_mels=mix.features.n_mels,
+        pad_value=math.log(mix.features.log_floor),
+        tokenizer=tokenizer or utf8_tokens,
+    )
+    check_shared_memory(spec)
+    return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
+
+
+def _resolve_pin_memory(requested: bool | None) -> bool:
+    """Pin when CUDA is there to copy to; like DataLoader, warn and skip it otherwise."""
+    if requested and not torch.cuda.is_available():
+        logger.warning("pin_memory=True without CUDA: batches stay in pageable memory")
+        return False
+    return torch.cuda.is_available() if requested is None else requested

@@ -1,0 +1,183 @@
+"""The caches one loader reads: their indexes, one feature config, the mix weights, the layout.
+
+``make_loader`` takes one location (one cache), a list of locations (a mix weighted by
+``data.mix``, else by hours) or a mapping of locations to weights. Every cache of a mix must
+have been built with the same feature config: a batch has one mel definition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from melcache.batching import round_up
+from melcache.errors import UserError
+from melcache.extras import REFERENCE, cache_extras
+from melcache.features import FeatureConfig, check_features, features_from_dict
+from melcache.index import read_index
+from melcache.loader.data_config import DataConfig
+from melcache.loader.schedule import SubStream, mix_weights
+from melcache.loader.stream import Source
+from melcache.location import is_url
+from melcache.table import TABLE_NAME, Table
+
+CacheArg = str | Path | Sequence[str | Path] | Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedMix:
+    """The caches, their parsed indexes, their one feature config and frame shares."""
+
+    sources: tuple[Source, ...]
+    indexes: tuple[dict[str, Any], ...]
+    features: FeatureConfig
+    weights: tuple[float, ...]
+
+
+def open_mix(
+    cache: CacheArg, data: DataConfig, expect_features: Mapping[str, Any] | FeatureConfig | None
+) -> OpenedMix:
+    """Read every cache's index, check their features against ``expect_features`` and each
+    other, and resolve the weights: given, else ``data.mix``, else hours; then ``^α``."""
+    if isinstance(cache, (str, Path)):
+        locations, given = [str(cache)], None
+    elif isinstance(cache, Mapping):
+        locations, given = [str(k) for k in cache], [float(v) for v in cache.values()]
+    else:
+        locations, given = [str(c) for c in cache], None
+    if not locations or len(set(locations)) != len(locations):
+        raise UserError(f"loader caches {locations}: give at least one, each once")
+    if given is None and data.mix and len(locations) > 1:
+        unknown = sorted(set(data.mix) ^ set(locations))
+        if unknown:
+            raise UserError(
+                f"data.mix names {sorted(data.mix)} but the caches are {locations}: give one "
+                f"weight per cache, keyed by its location as given (differs: {unknown})"
+            )
+        given = [float(data.mix[where]) for where in locations]
+    if given is not None and not all(w > 0 for w in given):
+        raise UserError(f"loader mix weights {given}: each must be positive")
+    indexes = tuple(read_index(where) for where in locations)
+    features = features_from_dict(indexes[0]["features"], source=f"{locations[0]} index")
+    check_features(features, expect_features, locations[0])
+    for where, index in zip(locations[1:], indexes[1:], strict=True):
+        other = features_from_dict(index["features"], source=f"{where} index")
+        for key, value in features.to_dict().items():
+            if other.to_dict()[key] != value:
+                raise UserError(
+                    f"cache {where} was built with features.{key} = {other.to_dict()[key]!r} "
+                    f"but cache {locations[0]} with {value!r}: the caches of a mix need one "
+                    "feature config; rebuild one of them"
+                )
+    hours = [sum(s["frames"] for s in index["shards"]) for index in indexes]
+    sources = tuple(
+        Source(where, tuple(index["shards"]), ranged=_reads_by_table(where, index, data))
+        for where, index in zip(locations, indexes, strict=True)
+    )
+    weights = tuple(mix_weights(hours, given, data.mix_temperature))
+    return OpenedMix(sources, indexes, features, weights)
+
+
+def check_extras(mix: OpenedMix, asked: Sequence[str]) -> None:
+    """Refuse, naming the field, an extra asked for that a cache of the mix does not carry."""
+    for source, index in zip(mix.sources, mix.indexes, strict=True):
+        carried = cache_extras(index)
+        missing = next((name for name in asked if name not in (*carried, REFERENCE)), None)
+        if missing is not None:
+            raise UserError(
+                f"cache {source.location} has no per-utterance field {missing!r}, asked for by "
+                f"data.extras or the model's melcache_contract (it carries "
+                f"{', '.join(carried) or 'none'}): rebuild it from a manifest with "
+                f'[build] extras = ["{missing}"]'
+            )
+
+
+def _reads_by_table(where: str, index: dict[str, Any], data: DataConfig) -> bool:
+    """Whether bucket readers read only their batches' samples (see ``Source.ranged``): a
+    local cache whose index lists a table, unless every read must be checked by sha256; the
+    table is checked here, so a damaged one is one error before any worker starts."""
+    if not (data.sync_buckets and data.shard_check != "sha256" and index.get("table")):
+        return False
+    if is_url(where):  # a range request per utterance would cost more than whole shards
+        return False
+    Table(where, index)
+    return True
+
+
+def whole_shared_reads(
+    sources: Sequence[Source], subs: Sequence[SubStream], data: DataConfig, num_slots: int
+) -> list[str]:
+    """One line per local cache whose shards the job's slots share but must read whole, as it
+    has no table: each slot then reads all of a unit for its few batches of it. (``shard_check
+    = "sha256"`` reads whole shards by choice.)"""
+    if not data.sync_buckets or data.shard_check == "sha256":
+        return []
+    return [
+        f"cache {source.location} has no {TABLE_NAME}: the job's {num_slots} workers share its "
+        "shards and each reads them whole for its own batches; python -m preprocess "
+        f"index-table {source.location} writes one"
+        for number, source in enumerate(sources)
+        if not source.ranged
+        and not is_url(source.location)
+        and any(sub.source == number and len(sub.units) < num_slots for sub in subs)
+    ]
+
+
+def check_layout(sources: Sequence[Source], data: DataConfig, num_slots: int) -> None:
+    """Refuse a budget table that does not name exactly the mix's buckets, a budget below a
+    bucket's longest utterance, and (whole-cache streams only) a cache with fewer shards
+    than the job has workers."""
+    for source in sources:
+        if not data.sync_buckets and len(source.shards) < num_slots:
+            raise UserError(
+                f"cache {source.location} has {len(source.shards)} shards, fewer than "
+                f"world_size × workers = {num_slots}, so a worker would get none with "
+                "data.sync_buckets = false; use data.sync_buckets = true (workers then share "
+                f"shards), fewer workers, or rebuild with [build] min_shards >= {num_slots}"
+            )
+    longest = bucket_lengths(tuple(s for source in sources for s in source.shards))
+    where = " + ".join(source.location for source in sources)
+    if isinstance(data.batch_frames, dict):
+        named, present = {int(b) for b in data.batch_frames}, set(longest)
+        if named != present:
+            raise UserError(
+                f"data.batch_frames names buckets {sorted(named)} but cache {where} has buckets "
+                f"{sorted(present)}: give one budget per bucket of this cache (python -m train "
+                "tune writes such a table), or one number for all"
+            )
+    for bucket, frames in longest.items():
+        budget, padded = data.budget(bucket), round_up(frames, data.pad_multiple)
+        if padded > budget:
+            key = "batch_frames" if isinstance(data.batch_frames, int) else f"batch_frames.{bucket}"
+            raise UserError(
+                f"loader {key} = {budget} is below the longest utterance of bucket {bucket} of "
+                f"cache {where} ({frames} frames, {padded} padded); raise {key}"
+            )
+
+
+def bucket_lengths(shards: tuple[dict[str, Any], ...]) -> dict[int, int]:
+    """The longest utterance (frames) of each length bucket, from the index's shard entries."""
+    longest: dict[int, int] = {}
+    for shard in shards:
+        longest[shard["bucket"]] = max(longest.get(shard["bucket"], 0), shard["max_frames"])
+    return dict(sorted(longest.items()))
+
+
+def largest_batch(sources: Sequence[Source], data: DataConfig) -> int:
+    """Padded frames of the largest batch the loader can make: per bucket its budget, or
+    ``max_batch_size`` of its longest utterances when fewer frames than that."""
+    shards = tuple(s for source in sources for s in source.shards)
+    return max(
+        min(data.budget(bucket), data.max_batch_size * round_up(frames, data.pad_multiple))
+        for bucket, frames in bucket_lengths(shards).items()
+    )
+
+
+def shards_digest(shards: tuple[dict[str, Any], ...]) -> str:
+    """A short digest of a cache's content as its index lists it."""
+    blob = json.dumps([[s["name"], s["samples"], s.get("sha256")] for s in shards]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,231 @@
+"""Which sub-stream each batch comes from: a schedule of ``(seed, step, rank, worker)`` and the
+frames the worker has taken so far.
+
+A *sub-stream* is one length bucket of one cache (``bucket = -1``: the whole cache, the
+stream of ``data.sync_buckets = false``), read shard after shard, epoch after epoch. Each
+rank-level step ``j`` (a rank's ``j``-th batch: worker ``j % W``'s ``j // W``-th) takes its
+batch from the sub-stream :meth:`Schedule.pick` names:
+
+- bucket-synchronous: the bucket is drawn from ``x = frac(c₁ + j·φ)``, the same on every rank,
+  so all ranks of a step hold batches of one length bucket and no rank waits for a longer one.
+  Each bucket's probability is its batch share, ``Σ weight(cache) × batches per epoch ÷ frames
+  of the cache`` over the caches that have it, so within a cache every bucket runs through its
+  epochs at about the same pace (each shard is read once per epoch of its sub-stream).
+- the cache within the bucket: the one furthest behind in the frames this worker has taken,
+  ``(weight × all − the cache's) + (target × all − the sub-stream's)`` (the sub-stream's
+  target: its cache's weight × its share of the cache's frames), plus a lead per slot and
+  cache so that the ranks of one step take different caches. The first term keeps each
+  cache at its weight: frames per batch vary (a bucket's short and long shards), so counting
+  batches would let a 200-batch window drift by several percent of its frames, while the
+  deficit keeps every window within about a batch of it. The second keeps a cache's buckets
+  at one pace where the buckets' draws fall unevenly on the caches (a bucket only one cache
+  has); with the first alone, a cache's buckets would drift apart.
+
+A Kronecker (Weyl) sequence instead of random draws: its counts stay within a few of their
+expected values over every window of steps, where random draws drift by √n, and it needs no
+state. The cache choice needs the worker's frames per sub-stream, a few integers that travel
+with its position, so a resume is still exact and O(1).
+
+Within a sub-stream the epochs are one endless sequence of batches: its shards are grouped
+into units (length neighbours read and cut together, so a batch may continue into the next
+shard), the units permuted per epoch, each cut into a count of batches known from the index;
+the ``world_size × workers`` slots of the job take its chunks in turn, so a slot's place is
+one integer and any batch is located in O(1), and slots share a unit when there are fewer
+units than slots.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from melcache.batching import SUBSTREAM_ORDER, even_batch_count, even_units, make_rng
+from melcache.loader.data_config import DataConfig
+
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+SILVER = math.sqrt(2.0) - 1.0  # independent of GOLDEN over the rationals: a 2-D sequence
+SCHEDULE_OFFSETS = 5  # purpose tag of the sequences' random starting points
+WHOLE = -1  # bucket of a sub-stream that is a whole cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SubStream:
+    """One length bucket of one cache (or the whole cache), as the schedule sees it."""
+
+    source: int  # index of the cache in the mix
+    bucket: int  # length bucket, or WHOLE
+    units: tuple[tuple[int, ...], ...]  # shards read and cut together (indices into the
+    # cache's shard list): length neighbours in a bucket (melcache.batching.even_units), else one
+    batches: tuple[int, ...]  # batches of each unit per epoch (the even cut)
+    frames: int  # real frames in one epoch
+
+    @property
+    def per_epoch(self) -> int:
+        """Batches in one epoch of the sub-stream, over all slots of the job."""
+        return sum(self.batches)
+
+
+def substreams(
+    sources: Sequence[Sequence[Mapping[str, Any]]], data: DataConfig, sync: bool
+) -> tuple[SubStream, ...]:
+    """The sub-streams of a mix: one per (cache, bucket) when ``sync``, else one per cache."""
+    out = []
+    for source, shards in enumerate(sources):
+        groups: dict[int, list[int]] = {}
+        for shard_id, entry in enumerate(shards):
+            groups.setdefault(entry["bucket"] if sync else WHOLE, []).append(shard_id)
+        for bucket, ids in sorted(groups.items()):
+            units = [[i] for i in ids]
+            if bucket != WHOLE:
+                cut = {"batch_frames": data.budget(bucket), "max_batch_size": data.max_batch_size,
+                       "pad_multiple": data.pad_multiple}  # fmt: skip
+                grouped = even_units([shards[i]["samples"] for i in ids],
+                                     [shards[i]["max_frames"] for i in ids], **cut)  # fmt: skip
+                units = [[ids[j] for j in unit] for unit in grouped]
+            counts = [
+                even_batch_count(
+                    sum(shards[i]["samples"] for i in unit),
+                    max(shards[i]["max_frames"] for i in unit),
+                    batch_frames=data.budget(shards[unit[0]]["bucket"]),
+                    max_batch_size=data.max_batch_size,
+                    pad_multiple=data.pad_multiple,
+                )
+                for unit in units
+            ]
+            frames = sum(shards[i]["frames"] for i in ids)
+            unit_ids = tuple(tuple(unit) for unit in units)
+            out.append(SubStream(source, bucket, unit_ids, tuple(counts), frames))
+    return tuple(out)
+
+
+def mix_weights(
+    hours: Sequence[float], weights: Sequence[float] | None, temperature: float
+) -> list[float]:
+    """Frame shares of the caches: ``weights`` (default: each cache's hours) to the power
+    ``temperature``, normalised (NeMo's temperature sampling: α < 1 lifts small caches)."""
+    base = list(hours if weights is None else weights)
+    powered = [w**temperature for w in base]
+    total = sum(powered)
+    return [w / total for w in powered]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The choice of a sub-stream per step (see the module docstring)."""
+
+    groups: tuple[tuple[int, ...], ...]  # sub-stream indices drawn together (a bucket, or all)
+    group_edges: tuple[float, ...]  # cumulative probabilities of the groups
+    source_of: tuple[int, ...]  # cache of each sub-stream
+    weights: tuple[float, ...]  # frame share of each cache
+    targets: tuple[float, ...]  # frame share of each sub-stream: its cache's, by its frames
+    batch_frames: float  # mean real frames of a batch: the scale of the slots' leads
+    offsets: tuple[float, float]
+
+    def pick(self, step: int, slot: int, consumed: Sequence[int]) -> int:
+        """Sub-stream of a worker's batch at rank-level step ``step``: the group from a sequence
+        every rank shares, the member furthest behind in the frames ``consumed`` (per
+        sub-stream) by slot ``slot`` so far."""
+        x = math.fmod(self.offsets[0] + step * GOLDEN, 1.0)
+        group = self.groups[_bin(self.group_edges, x)]
+        if len(group) == 1:
+            return group[0]
+        taken = [0] * len(self.weights)
+        for sub, frames in enumerate(consumed):
+            taken[self.source_of[sub]] += frames
+        total = sum(taken)
+
+        def behind(sub: int) -> float:
+            source = self.source_of[sub]
+            turn = (slot * len(self.weights) + source) * SILVER
+            lead = math.fmod(self.offsets[1] + turn, 1.0) * self.batch_frames
+            cache = self.weights[source] * total - taken[source]
+            return cache + self.targets[sub] * total - consumed[sub] + lead
+
+        return max(group, key=behind)
+
+
+def make_schedule(
+    subs: Sequence[SubStream], weights: Sequence[float], *, seed: int, sync: bool
+) -> Schedule:
+    """The schedule of ``subs`` with cache frame shares ``weights``; ``sync`` groups them by
+    bucket (drawn alike on every rank), otherwise all form one group."""
+    source_frames: dict[int, int] = {}
+    for sub in subs:
+        source_frames[sub.source] = source_frames.get(sub.source, 0) + sub.frames
+    share = [weights[s.source] * s.per_epoch / source_frames[s.source] for s in subs]
+    frame_share = [weights[s.source] * s.frames / source_frames[s.source] for s in subs]
+    keys = sorted({s.bucket for s in subs}) if sync else [None]
+    groups = tuple(
+        tuple(i for i, s in enumerate(subs) if key is None or s.bucket == key) for key in keys
+    )
+    mass = [sum(share[i] for i in g) for g in groups]
+    rng = make_rng(seed, SCHEDULE_OFFSETS)
+    return Schedule(
+        groups=groups,
+        group_edges=_edges(mass),
+        source_of=tuple(s.source for s in subs),
+        weights=tuple(weights),
+        targets=tuple(frame_share),
+        batch_frames=sum(s.frames for s in subs) / sum(s.per_epoch for s in subs),
+        offsets=(float(rng.random()), float(rng.random())),
+    )
+
+
+def _edges(masses: Sequence[float]) -> tuple[float, ...]:
+    total = sum(masses)
+    return tuple(itertools.accumulate(m / total for m in masses))
+
+
+def _bin(edges: tuple[float, ...], value: float) -> int:
+    return min(bisect.bisect_right(edges, value), len(edges) - 1)
+
+
+def chunk_size(sub: SubStream, num_slots: int) -> int:
+    """Batches a slot takes in a row: about its share of an epoch, at least one."""
+    return max(1, sub.per_epoch // num_slots)
+
+
+def global_batch(sub: SubStream, *, slot: int, num_slots: int, taken: int) -> int:
+    """Number, in the sub-stream's endless sequence, of slot ``slot``'s batch after ``taken``:
+    slots take chunks in turn, so the slots' batches are disjoint and cover the sequence."""
+    size = chunk_size(sub, num_slots)
+    return (slot + (taken // size) * num_slots) * size + taken % size
+
+
+def visit_run(
+    sub: SubStream, *, seed: int, slot: int, num_slots: int, taken: int, limit: int
+) -> int:
+    """How many of slot ``slot``'s batches from its ``taken``-th on are of one visit of one
+    unit (the same epoch and place), counted up to ``limit``: the share of the unit the
+    slot's read is for."""
+
+    def visit(t: int) -> tuple[int, int]:
+        number = global_batch(sub, slot=slot, num_slots=num_slots, taken=t)
+        return locate(sub, seed=seed, number=number)[:2]
+
+    first, run = visit(taken), 1
+    while run < limit and visit(taken + run) == first:
+        run += 1
+    return run
+
+
+def locate(sub: SubStream, *, seed: int, number: int) -> tuple[int, int, int]:
+    """``(epoch, place in sub.units, batch of that unit's cut)`` of batch ``number``."""
+    epoch, offset = divmod(number, sub.per_epoch)
+    order, ends = _epoch_layout(sub, seed, epoch)
+    pos = bisect.bisect_right(ends, offset)
+    return epoch, order[pos], offset - (ends[pos - 1] if pos else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _epoch_layout(sub: SubStream, seed: int, epoch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The epoch's order of ``sub.units`` places, and the running batch count at the end
+    of each."""
+    rng = make_rng(seed, SUBSTREAM_ORDER, sub.source, sub.bucket + 1, epoch)
+    order = tuple(rng.permutation(len(sub.units)).tolist())
+    return order, tuple(itertools.accumulate(sub.batches[i] for i in order))

@@ -1,0 +1,381 @@
+"""One loader worker's endless batch stream, as plain generator stages.
+
+``worker_stream`` asks the schedule (``melcache/loader/schedule.py``) which sub-stream each of its
+batches comes from, and pulls that batch from the sub-stream's reader: a lazy generator that
+reads each shard it needs (the last one kept), cuts it into batches and hands them out. A
+batch travels with a :class:`Cursor`: the sub-stream it came from and the worker's position
+in that sub-stream *after* it, which is all the loader needs to resume.
+
+Two readers. A bucket sub-stream (``data.sync_buckets``, the default) is one endless sequence
+of batches whose counts come from the index; its position is one integer, the batches this
+worker's slot has taken, and any batch is located without reading (``schedule.locate``). A
+whole-cache sub-stream (``sync_buckets = false``) is the stream of earlier releases: each
+epoch the cache's shards are dealt to the slots and cut greedily; its position is (epoch,
+shard in the slot's list, batches taken from it), the batching a pure function of
+``(seed, epoch, shard)``. Either way a restored worker re-reads at most one shard (a bucket
+sub-stream: one unit of its shards, or only its batches of it, ``melcache/loader/units.py``) per
+sub-stream and skips its consumed batches without decoding their mels. Each position ends
+with the real frames the worker has taken from the sub-stream: the schedule's choice of cache
+within a bucket follows them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+from melcache.access import Cache
+from melcache.batching import (
+    BATCH_PLAN,
+    EVEN_PLAN,
+    make_rng,
+    plan_batches,
+    plan_even_batches,
+    worker_shards,
+)
+from melcache.errors import ShardError
+from melcache.loader.batch import PackedBatch, Tokenizer, collate
+from melcache.loader.data_config import DataConfig
+from melcache.loader.schedule import Schedule, SubStream, global_batch, locate
+from melcache.loader.transport import BatchRing
+from melcache.loader.units import ranged_unit, takes_little, whole_unit
+from melcache.location import member_location
+from melcache.reader import RawSample, ShardCheck, read_shard
+
+# A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
+# the reader's position after it, its samples, their source and their shards' index entries
+# (one, or two where a batch continues into the next shard of its unit).
+Planned = tuple[Hashable, tuple[int, ...], list[RawSample], int, tuple[dict[str, Any], ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a whole-cache reader continues: ``batch`` batches into shard ``shard`` of its
+    ``epoch`` list."""
+
+    epoch: int = 0
+    shard: int = 0
+    batch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """Travels with each batch: who made it, from which sub-stream, where that worker stands
+    in it after the batch, and the shards it skipped since its previous batch (``(name,
+    reason)`` pairs)."""
+
+    worker: int
+    stream: int
+    after: tuple[int, ...]
+    skipped: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One cache of the mix: its location (folder or URL prefix) and its index's shards;
+    ``ranged``: a bucket reader reads only its batches' samples, located by the cache's
+    utterance table (a local cache with a table, checked per sample by its digest)."""
+
+    location: str
+    shards: tuple[dict[str, Any], ...]
+    ranged: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamSpec:
+    """Everything a worker process needs to produce its stream (picklable)."""
+
+    sources: tuple[Source, ...]
+    subs: tuple[SubStream, ...]
+    schedule: Schedule
+    data: DataConfig  # the [data] table, whole
+    rank: int
+    world_size: int
+    seed: int
+    n_mels: int
+    pad_value: float
+    tokenizer: Tokenizer
+
+    @property
+    def workers_per_rank(self) -> int:
+        """Logical workers per rank: ``num_workers = 0`` reads in the main process, as one."""
+        return max(1, self.data.num_workers)
+
+    @property
+    def num_slots(self) -> int:
+        """Workers in the whole job: each reads a disjoint share of every sub-stream."""
+        return self.world_size * self.workers_per_rank
+
+    def start(self, sub: SubStream) -> tuple[int, ...]:
+        """A worker's position in ``sub`` before its first batch: batches taken (a bucket) or
+        (epoch, shard, batch) (a whole cache), then the real frames taken."""
+        return (0, 0) if sub.bucket >= 0 else (0, 0, 0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardVisit:
+    """One read of one shard by this worker, in one epoch."""
+
+    epoch: int
+    pos: int  # index in this worker's shard list for the epoch
+    count: int  # length of that list
+    shard_id: int  # index into the source's shards
+    skip_batches: int  # batches consumed before a restore (first visit only)
+
+    def after(self, batch: int, num_batches: int) -> Position:
+        """Normalised position after ``batch`` batches of ``num_batches``: a finished shard
+        points at the next one, so a restore never re-reads a shard it does not need."""
+        if batch < num_batches:
+            return Position(self.epoch, self.pos, batch)
+        if self.pos + 1 < self.count:
+            return Position(self.epoch, self.pos + 1, 0)
+        return Position(self.epoch + 1, 0, 0)
+
+
+class SkipLog:
+    """The ``on_error`` policy of one worker: re-raise, or note the shard and go on.
+
+    Skipping must not hang: when every shard of the mix has failed (or three times as many
+    shards as the mix holds) with no batch in between, it raises after all.
+    """
+
+    def __init__(self, on_error: str, num_shards: int) -> None:
+        self.on_error = on_error
+        self.num_shards = num_shards
+        self.pending: list[tuple[str, str]] = []
+        self.failed: set[tuple[int, str]] = set()  # distinct (source, shard) failed lately
+        self.streak = 0  # shards failed since the last batch
+
+    def record(self, shard: tuple[int, str], name: str, exc: ShardError) -> None:
+        if self.on_error == "raise":
+            raise exc
+        self.pending.append((name, str(exc)))
+        self.failed.add(shard)
+        self.streak += 1
+        if len(self.failed) == self.num_shards or self.streak >= 3 * self.num_shards:
+            raise ShardError(
+                f"{self.streak} shards in a row failed, {len(self.failed)} of the cache's "
+                f"{self.num_shards} distinct; the last: {exc}"
+            )
+
+    def take(self) -> tuple[tuple[str, str], ...]:
+        """Skips to report with the batch about to be yielded; progress resets the watchdog."""
+        pending, self.pending = tuple(self.pending), []
+        self.failed, self.streak = set(), 0
+        return pending
+
+
+def _read(
+    spec: StreamSpec, source: int, shard_id: int, *, check: ShardCheck, skips: SkipLog
+) -> list[RawSample] | None:
+    """One shard's samples, or ``None`` when it is bad and the policy is to skip it."""
+    where, entry = spec.sources[source], spec.sources[source].shards[shard_id]
+    try:
+        return read_shard(member_location(where.location, entry["name"]), entry, check)
+    except ShardError as exc:
+        skips.record((source, entry["name"]), entry["name"], exc)
+        return None
+
+
+def whole_cache_batches(
+    spec: StreamSpec, sub: SubStream, slot: int, start: Position, check: ShardCheck, skips: SkipLog
+) -> Iterator[Planned]:
+    """A whole cache as earlier releases streamed it: this slot's shards of every epoch
+    (dealt by ``worker_shards``), each cut greedily (a pure function of seed, epoch and
+    shard), the batches a restore already consumed dropped before any mel is decoded."""
+    shards, source = spec.sources[sub.source].shards, sub.source
+    epoch, first, skip = start.epoch, start.shard, start.batch
+    while True:
+        ids = worker_shards(
+            len(shards), seed=spec.seed, epoch=epoch, slot=slot, num_slots=spec.num_slots,
+            stream=source,
+        )  # fmt: skip
+        for pos in range(first, len(ids)):
+            visit = ShardVisit(epoch, pos, len(ids), ids[pos], skip)
+            skip, samples = 0, _read(spec, source, visit.shard_id, check=check, skips=skips)
+            if samples is None:
+                continue
+            entry = shards[visit.shard_id]
+            batches = plan_batches(
+                [s.frames for s in samples],
+                rng=make_rng(
+                    spec.seed, BATCH_PLAN, epoch, visit.shard_id, *((source,) if source else ())
+                ),
+                batch_frames=spec.data.budget(entry["bucket"]),
+                max_batch_size=spec.data.max_batch_size,
+                pad_multiple=spec.data.pad_multiple,
+            )
+            for number in range(visit.skip_batches, len(batches)):
+                after = visit.after(number + 1, len(batches))
+                picked = [samples[i] for i in batches[number]]
+                yield visit, (after.epoch, after.shard, after.batch), picked, source, (entry,)
+        epoch, first = epoch + 1, 0
+
+
+def bucket_batches(
+    spec: StreamSpec,
+    sub: SubStream,
+    slot: int,
+    taken: int,
+    check: ShardCheck,
+    skips: SkipLog,
+    cache: Cache | None,
+) -> Iterator[Planned]:
+    """This slot's batches of one bucket sub-stream, from its ``taken``-th on: each located
+    in O(1) from the index, its unit of shards cut once for a run of its batches. Where the
+    slot takes little of a unit (it shares it with other slots) and the cache has a table
+    (``cache``), only its batches' samples are read, else the unit's shards whole. A shard
+    that cannot be read is recorded and left out: of the unit's cut when read whole, of the
+    batch when read by range."""
+    visit: tuple[int, int] | None = None
+    plan: list[list[int]] = []
+    read = functools.partial(_read, spec, sub.source, check=check, skips=skips)
+
+    def record(name: str, problem: ShardError) -> None:
+        skips.record((sub.source, name), name, problem)
+
+    while True:
+        number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
+        epoch, place, batch = locate(sub, seed=spec.seed, number=number)
+        taken += 1
+        unit = sub.units[place]
+        if visit != (epoch, unit[0]):
+            visit = (epoch, unit[0])
+            source = spec.sources[sub.source]
+            if cache is not None and takes_little(
+                sub, place, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken - 1
+            ):
+                members = ranged_unit(cache, source.location, source.shards, unit, record)
+            else:
+                members = whole_unit(source.shards, unit, read)
+            rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
+            count = min(sub.batches[place], len(members.frames))
+            data = spec.data
+            plan = plan_even_batches(
+                members.frames, rng=rng, count=count, max_batch_size=data.max_batch_size,
+                pad_multiple=data.pad_multiple,
+            ) if count else []  # fmt: skip
+        if batch < len(plan):
+            held = members.fetch(plan[batch])
+            if held:  # else every shard of the batch failed, each recorded
+                owners = (members.owners[at] for at, _ in held)
+                entries = tuple({entry["name"]: entry for entry in owners}.values())
+                yield visit, (taken,), [sample for _, sample in held], sub.source, entries
+
+
+def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:
+    """Per worker of this rank and sub-stream: epochs of it behind the worker's next batch."""
+    out = []
+    for worker, row in enumerate(positions):
+        slot = spec.rank * spec.workers_per_rank + worker
+        out.append([
+            p[0] + p[1] * spec.num_slots / len(sub.units)  # (epoch, shard, batch)
+            if sub.bucket < 0
+            else global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=p[0]) / sub.per_epoch
+            for sub, p in zip(spec.subs, row, strict=True)
+        ])  # fmt: skip
+    return out
+
+
+def open_readers(
+    spec: StreamSpec,
+    slot: int,
+    positions: list[tuple[int, ...]],
+    check: ShardCheck,
+    skips: SkipLog,
+    stack: contextlib.ExitStack,
+) -> list[Iterator[Planned]]:
+    """Slot ``slot``'s reader of each sub-stream, from ``positions``: planned batches, no mel
+    decoded; the caches they read by table are opened once each, closed with ``stack``."""
+    caches = [
+        stack.enter_context(Cache(source.location)) if source.ranged else None
+        for source in spec.sources
+    ]
+    return [
+        bucket_batches(spec, sub, slot, position[0], check, skips, caches[sub.source])
+        if sub.bucket >= 0
+        else whole_cache_batches(spec, sub, slot, Position(*position[:3]), check, skips)
+        for sub, position in zip(spec.subs, positions, strict=True)
+    ]
+
+
+def planned_stream(spec: StreamSpec, worker: int) -> Iterator[Planned]:
+    """Logical worker ``worker``'s batches from the start, in the schedule's order, planned
+    but no mel decoded (what benchmarks and tests plan whole jobs with)."""
+    slot = spec.rank * spec.workers_per_rank + worker
+    starts = [spec.start(sub) for sub in spec.subs]
+    with contextlib.ExitStack() as stack:
+        readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1), stack)
+        consumed = [0] * len(readers)
+        for step in itertools.count():
+            stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
+            planned = next(readers[stream])
+            consumed[stream] += sum(s.frames for s in planned[2])
+            yield planned
+
+
+def worker_stream(
+    spec: StreamSpec, worker: int, step: int, positions: list[tuple[int, ...]], ring: BatchRing
+) -> Iterator[tuple[PackedBatch, Cursor]]:
+    """The endless stream of logical worker ``worker`` of this rank, resumed at its batch
+    ``step`` with ``positions`` in its sub-streams: each batch from the sub-stream the
+    schedule picks; a shard with a bad mel loses its remaining batches in that sub-stream."""
+    skips = SkipLog(spec.data.on_error, sum(len(s.shards) for s in spec.sources))
+    check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
+    slot = spec.rank * spec.workers_per_rank + worker
+    with contextlib.ExitStack() as stack:
+        readers = open_readers(spec, slot, positions, check, skips, stack)
+        consumed = [position[-1] for position in positions]
+        failed: list[Hashable] = [None] * len(readers)
+        seq = 0
+        while True:
+            rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
+            stream = spec.schedule.pick(rank_step, slot, consumed)
+            packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
+            consumed[stream] += int(packed.mel_lengths.sum())
+            ring.publish(seq)
+            seq += 1
+            step += 1
+            yield packed, Cursor(worker, stream, (*after, consumed[stream]), skips.take())
+
+
+def _collate_next(
+    spec: StreamSpec,
+    reader: Iterator[Planned],
+    failed: list[Hashable],
+    stream: int,
+    skips: SkipLog,
+    ring: BatchRing,
+    seq: int,
+) -> tuple[PackedBatch, tuple[int, ...]]:
+    """Decode and pad the reader's next batch into ring slot ``seq``; a batch with a bad mel
+    goes to the ``on_error`` policy and its shard visit loses its remaining batches."""
+    for visit, after, samples, source, entries in reader:
+        if visit == failed[stream]:
+            continue
+        location = spec.sources[source].location
+        name = " + ".join(entry["name"] for entry in entries)
+        try:
+            packed = collate(
+                samples,
+                seq=seq,
+                mel_out=functools.partial(ring.slot, seq),
+                n_mels=spec.n_mels,
+                pad_multiple=spec.data.pad_multiple,
+                pad_value=spec.pad_value,
+                tokenizer=spec.tokenizer,
+                where=" + ".join(member_location(location, e["name"]) for e in entries),
+                bucket=entries[0]["bucket"],
+                source=location,
+                extras=spec.data.extras,
+            )
+        except ShardError as exc:
+            failed[stream] = visit
+            skips.record((source, name), name, exc)
+            continue
+        return packed, after
+    raise AssertionError("a sub-stream reader is endless")

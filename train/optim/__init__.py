@@ -1,0 +1,1 @@
+"""Optimizer, precision, loss scaler and clipping: what turns gradients into a step; imports config."""

@@ -1,0 +1,1 @@
+"""How ranks cooperate: process groups, seeding, DDP and its comm hooks (PowerSGD), FSDP2; imports config and optim."""
