@@ -1,0 +1,119 @@
+"""The house's one layer table, and a check that every import in the three packages obeys it.
+
+Each room has a rank; a module may import its own room and rooms of a lower rank in its
+stack, never a higher one nor a sibling of the same rank. Every import counts, also those
+inside functions and under ``TYPE_CHECKING``: an upward import hidden in a function is still
+a cycle waiting to happen. README "Layout" explains why each room exists.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("melcache", "preprocess", "train")
+
+# room → (stack, rank). Rooms are module prefixes; the longest prefix names a module's room.
+# melcache is the base of both stacks; preprocess and train never import each other.
+LAYERS: dict[str, tuple[str, int]] = {
+    "melcache": ("base", 0),
+    "melcache.loader": ("base", 1),
+    "preprocess": ("preprocess", 2),
+    "train.config": ("train", 2),
+    "train.optim": ("train", 3),
+    "train.parallel": ("train", 4),
+    "train.model": ("train", 5),
+    "train.adapt": ("train", 6),
+    "train.memory": ("train", 6),
+    "train.run": ("train", 7),
+    "train": ("train", 8),  # the commands and the loop: train/*.py
+}
+
+
+def room_of(module: str) -> str:
+    """The room of a dotted module name: the longest prefix in :data:`LAYERS`."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in LAYERS:
+            return prefix
+    raise KeyError(module)
+
+
+def allowed(importer: str, imported: str) -> bool:
+    """Whether a module of room ``importer`` may import one of room ``imported``."""
+    if importer == imported:
+        return True
+    (stack, rank), (their_stack, their_rank) = LAYERS[importer], LAYERS[imported]
+    return their_rank < rank and their_stack in ("base", stack)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, module) of every import of the three packages in ``source``, relative ones
+    resolved against ``module``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                names = [".".join([*base, node.module] if node.module else base)]
+            else:
+                names = [node.module or ""]
+            # ``from train.run import dcp`` imports the module train.run.dcp
+            names = [f"{names[0]}.{alias.name}" for alias in node.names] or names
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in PACKAGES]
+    return found
+
+
+def violations(path: Path, source: str) -> list[str]:
+    module = module_name(path)
+    mine = room_of(module)
+    out = []
+    for line, imported in imports_of(source, module, path.name == "__init__.py"):
+        theirs = room_of(imported)
+        if not allowed(mine, theirs):
+            out.append(f"{path.relative_to(REPO)}:{line}: {mine} imports {imported} ({theirs})")
+    return out
+
+
+def package_files() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py"))
+
+
+def test_every_import_runs_downward() -> None:
+    files = package_files()
+    assert len(files) > 80, files  # the walk found the packages
+    bad = [v for path in files for v in violations(path, path.read_text(encoding="utf-8"))]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("where", "source", "upward"),
+    [
+        ("melcache/loader/stream.py", "from train.run.metrics import Metrics", True),
+        ("melcache/format.py", "import melcache.loader.make", True),  # format → loader
+        ("train/optim/scaler.py", "def f():\n    from train.parallel import distributed", True),
+        ("train/adapt/spikes.py", "from train.memory.oom import OomGuard", True),  # a sibling
+        ("train/config/tables.py", "from train.trainer import Trainer", True),  # room → root
+        ("preprocess/cli.py", "from train.data import make_loader", True),  # build → trainer
+        ("train/run/parts.py", "from preprocess.build import build", True),  # trainer → build
+        ("melcache/loader/make.py", "from . import stream\nfrom ..access import open", False),
+        ("train/run/parts.py", "from train.model import contract", False),
+    ],
+)
+def test_an_upward_import_is_caught(where: str, source: str, upward: bool) -> None:
+    """The check itself: each upward import is reported, and a downward one is not."""
+    found = violations(REPO / where, source)
+    assert bool(found) == upward, found
