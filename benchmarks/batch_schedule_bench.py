@@ -123,7 +123,7 @@ def schedule_overhead(shards: str, steps: int, root: Path) -> dict[str, float]:
     trainer = Trainer(load_config(TINY, overrides), shards, root / "overhead", env)
     spent = [0.0]
     for name in ("accum_for", "observe"):
-        real = getattr(trainer.batch, name)
+        real = getattr(trainer.parts.batch, name)
 
         def timed(*args, real=real):
             start = time.perf_counter()
@@ -132,7 +132,7 @@ def schedule_overhead(shards: str, steps: int, root: Path) -> dict[str, float]:
             finally:
                 spent[0] += time.perf_counter() - start
 
-        setattr(trainer.batch, name, timed)
+        setattr(trainer.parts.batch, name, timed)
     try:
         start = time.perf_counter()
         trainer.fit(max_steps=steps)

@@ -330,7 +330,7 @@ def run_row(row: Row, args: argparse.Namespace, env: Env, sampler: UtilSampler) 
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as out:
         trainer = Trainer(cfg, str(args.cache), Path(out), env)
         if not row.side_stream:
-            trainer.copies.stream = None
+            trainer.parts.copies.stream = None
         warmup, steps = (-(-n // cfg.train.grad_accum) for n in (args.warmup, args.steps))
         sync = contextlib.nullcontext()
         if not row.no_sync:  # the trainer always uses no_sync; this row must not
@@ -348,11 +348,11 @@ def run_row(row: Row, args: argparse.Namespace, env: Env, sampler: UtilSampler) 
             batches.close()
             trainer.close()
     # The trainer runs fp32 matmuls as TF32 on CUDA (set_float32_matmul_precision("high")).
-    cuda_fp32 = env.device.type == "cuda" and trainer.precision == "fp32"
+    cuda_fp32 = env.device.type == "cuda" and trainer.parts.precision == "fp32"
     return {
         "row": row.name,
         "what": row.what,
-        "precision": "tf32" if cuda_fp32 else trainer.precision,
+        "precision": "tf32" if cuda_fp32 else trainer.parts.precision,
         "grad_accum": cfg.train.grad_accum,
         "batch_frames": cfg.data.batch_frames,
         **result,
@@ -411,8 +411,8 @@ def row_batches(
 ) -> Generator[Batch, None, None]:
     """The trainer's own streaming loader, or the on-the-fly baseline with the same budget."""
     if not row.on_the_fly:
-        return iter(trainer.loader)
-    index = trainer.loader.index
+        return iter(trainer.parts.loader)
+    index = trainer.parts.loader.index
     features = features_from_dict(index["features"])
     size = baseline_batch_size(index, trainer.cfg)
     pad = trainer.cfg.data.pad_multiple

@@ -68,7 +68,7 @@ def timed(fn) -> tuple[float, float]:
 def bare_steps(trainer: Trainer, model: torch.nn.Module, batches: list, steps: int) -> None:
     """The minimal loop (same model class/config, same precision)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the trainer's optimizer
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.parts.precision)
     for i in range(steps):
         b = batches[i % len(batches)]
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
@@ -89,13 +89,13 @@ def overhead(shards: str, steps: int, rounds: int, overrides: list[str]) -> dict
     cfg = load_config(TINY, [*overrides, "data.num_workers=0", "train.log_every=10"])
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(cfg, shards, Path(out), env)
-        source = iter(trainer.loader)
+        source = iter(trainer.parts.loader)
         batches = [next(source) for _ in range(steps)]
-        trainer.loader.close()
-        trainer.loader = InMemory(batches)
+        trainer.parts.loader.close()
+        trainer.parts.loader = InMemory(batches)
         trainer.save = lambda: None  # checkpoint I/O is not step overhead
-        bare_model = type(trainer.raw_model)(n_mels=cfg.model.n_mels, **cfg.model.args)
-        bare_model.load_state_dict(trainer.raw_model.state_dict())
+        bare_model = type(trainer.parts.raw_model)(n_mels=cfg.model.n_mels, **cfg.model.args)
+        bare_model.load_state_dict(trainer.parts.raw_model.state_dict())
         loops = {
             "bare": lambda: bare_steps(trainer, bare_model, batches, steps),
             "trainer": lambda: trainer_steps(trainer, steps),
@@ -108,7 +108,7 @@ def overhead(shards: str, steps: int, rounds: int, overrides: list[str]) -> dict
             times = {name: timed(loops[name]) for name in order}
             rounds_ms.append({n: [round(1000 * x / steps, 2) for x in times[n]] for n in loops})
         trainer.close()
-    out = {"precision": trainer.precision, "steps_per_round": steps, "rounds": rounds}
+    out = {"precision": trainer.parts.precision, "steps_per_round": steps, "rounds": rounds}
     for i, clock in enumerate(("wall", "cpu")):
         for name in loops:
             ms = statistics.median(r[name][i] for r in rounds_ms)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from melcache.loader.batch import Batch
+from melcache.loader import Batch
 from tests._oom_model import OutOfMemoryAbove
 from train.model import TextToMel
 

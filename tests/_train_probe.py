@@ -107,7 +107,7 @@ def accumulation_matches_union(env, cache: str, out: Path, overrides: list[str],
         ],
     )
     trainer = Trainer(cfg, cache, out / "accum", env)
-    reference = copy.deepcopy(trainer.raw_model)
+    reference = copy.deepcopy(trainer.parts.raw_model)
     ref_opt = torch.optim.AdamW(
         [
             {
@@ -116,15 +116,15 @@ def accumulation_matches_union(env, cache: str, out: Path, overrides: list[str],
             },
             {"params": [p for p in reference.parameters() if p.dim() < 2], "weight_decay": 0.0},
         ],
-        lr=trainer.optimizer.param_groups[0]["lr"],
+        lr=trainer.parts.optimizer.param_groups[0]["lr"],
         betas=cfg.optim.betas,
         eps=cfg.optim.eps,
     )
-    batches = iter(trainer.loader)
+    batches = iter(trainer.parts.loader)
     micro = [next(batches) for _ in range(k)]
     every = [None] * env.world_size
     dist.all_gather_object(every, micro)
-    trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
+    trainer.parts.optimizer.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
     trainer.train_step(micro)
     whole = union([b for rank_batches in every for b in rank_batches])
     out_ref = reference(whole.mel, whole.mel_lengths, whole.text, whole.text_lengths)
@@ -132,11 +132,11 @@ def accumulation_matches_union(env, cache: str, out: Path, overrides: list[str],
     ref_opt.step()
     grad_diff = max(
         ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
-        for p, q in zip(trainer.raw_model.parameters(), reference.parameters(), strict=True)
+        for p, q in zip(trainer.parts.raw_model.parameters(), reference.parameters(), strict=True)
     )
     param_diff = max(
         (p - q).abs().max().item()
-        for p, q in zip(trainer.raw_model.parameters(), reference.parameters(), strict=True)
+        for p, q in zip(trainer.parts.raw_model.parameters(), reference.parameters(), strict=True)
     )
     trainer.close()
     return {
@@ -162,9 +162,9 @@ def precision_runs(env, cache: str, out: Path, overrides: list[str], precision: 
         else []
     )
     return {
-        "precision": trainer.precision,
-        "scaler_enabled": trainer.scaler.is_enabled(),
-        "scale": trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None,
+        "precision": trainer.parts.precision,
+        "scaler_enabled": trainer.parts.scaler.is_enabled(),
+        "scale": trainer.parts.scaler.get_scale() if trainer.parts.scaler.is_enabled() else None,
         "losses": [r["loss"] for r in records],
     }
 
@@ -197,17 +197,17 @@ def powersgd_overflow_main(cache: str, out: Path, overrides: list[str]) -> None:
             real_backward(out_, loss_scale * (math.inf if poison else 1.0))
 
         trainer._backward = overflowing_backward
-        batches = iter(trainer.loader)
+        batches = iter(trainer.parts.loader)
         for _ in range(8):
-            before = [p.detach().clone() for p in trainer.raw_model.parameters()]
+            before = [p.detach().clone() for p in trainer.parts.raw_model.parameters()]
             trainer.train_step([next(batches)])
             trainer.step += 1
             changed = any(
                 not torch.equal(a, p)
-                for a, p in zip(before, trainer.raw_model.parameters(), strict=True)
+                for a, p in zip(before, trainer.parts.raw_model.parameters(), strict=True)
             )
-            steps.append({"changed": changed, "scale": trainer.scaler.get_scale()})
-        memory = trainer.powersgd.state_dict()
+            steps.append({"changed": changed, "scale": trainer.parts.scaler.get_scale()})
+        memory = trainer.parts.powersgd.state_dict()
         result = {
             "steps": steps,
             "compressed": sorted(memory["error"]),
@@ -240,7 +240,7 @@ def tune_check_main(cache: str, budgets: Path, limit_mib: float, out: Path, over
         cfg = load_config([TINY, budgets], overrides)
         rows, _ = tune(cfg, cache, memory_limit_mib=limit_mib, env=env)
         trainer = Trainer(cfg, cache, out / f"check-{env.rank}", env)
-        baseline = tensor_bytes(trainer.raw_model.state_dict().values())
+        baseline = tensor_bytes(trainer.parts.raw_model.state_dict().values())
         cap = MemoryCap(0.9 * limit_mib * 2**20, baseline, agree=agreement(env))
 
         def fits(batch: Batch) -> bool:
@@ -254,7 +254,7 @@ def tune_check_main(cache: str, budgets: Path, limit_mib: float, out: Path, over
             except (torch.OutOfMemoryError, UserError):  # FSDP2's trainer: a UserError
                 if not cap.raised:
                     raise
-                abandon_step(trainer.raw_model)
+                abandon_step(trainer.parts.raw_model)
                 return False
 
         assert fits(worst_batch(1, 29, 8, 0))  # the optimizer state, as in one process

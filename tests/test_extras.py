@@ -151,16 +151,22 @@ def test_the_loader_hands_out_the_fields_asked_for(
 
 def test_a_plugin_asking_for_extras_gets_them(cache: Path, train_cache: Path, tmp_path) -> None:
     t = fit(cache, tmp_path / "run", 3, plugin("LanguagePrompted"))
-    assert t.raw_model.references_seen > 0
-    assert t.loader.spec.data.extras == ("language", "reference")
+    assert t.parts.raw_model.references_seen > 0
+    assert t.parts.loader.spec.data.extras == ("language", "reference")
     with pytest.raises(UserError, match=r"has no per-utterance field 'language'.*carries none"):
         trainer(train_cache, tmp_path / "lacking", plugin("LanguagePrompted"))
 
 
 def test_batches_cut_after_out_of_memory_keep_their_extras(cache: Path, tmp_path: Path) -> None:
     t = fit(cache, tmp_path, 6, plugin("LanguagePrompted"), "model.args.limit_frames=300")
-    assert t.budgets.skipped_steps > 0 and t.budgets.caps  # it failed, then trained in pieces
-    assert t.step == 6 and t.raw_model.references_seen > 0 and min(t.raw_model.rows_seen) == 1
+    assert (
+        t.parts.budgets.skipped_steps > 0 and t.parts.budgets.caps
+    )  # it failed, then trained in pieces
+    assert (
+        t.step == 6
+        and t.parts.raw_model.references_seen > 0
+        and min(t.parts.raw_model.rows_seen) == 1
+    )
 
 
 def test_made_up_batches_carry_the_fields_asked_for() -> None:

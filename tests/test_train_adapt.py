@@ -79,7 +79,7 @@ def test_a_loss_spike_is_skipped_and_a_resume_is_bitwise(train_cache: Path, tmp_
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     t = fit(train_cache, straight, 12, *SPIKES)
     (event,) = spikes(straight)
-    assert event["step"] == SPIKE_AT and t.measures.spikes.skipped == 1
+    assert event["step"] == SPIKE_AT and t.parts.measures.spikes.skipped == 1
     assert event["step_loss"] > event["loss_mean"] + 6 * event["loss_std"]
     final = load(checkpoint(straight, 12))
     # 12 steps, 11 updates: the fused AdamW skipped one on the device.
@@ -97,7 +97,7 @@ def test_a_loss_spike_is_skipped_and_a_resume_is_bitwise(train_cache: Path, tmp_
 
 def test_without_a_spike_nothing_is_skipped(train_cache: Path, tmp_path: Path) -> None:
     t = fit(train_cache, tmp_path, 10, *SPIKES, "model.args.factor=1.0")
-    assert t.measures.spikes.skipped == 0 and not spikes(tmp_path)
+    assert t.parts.measures.spikes.skipped == 0 and not spikes(tmp_path)
     state = load(checkpoint(tmp_path, 10))["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {10}
 
@@ -136,7 +136,11 @@ def test_spikes_in_a_row_rewind_to_the_start_and_skip_their_batches(
         "step": 7, "event": "rewind", "to_step": 0, "spikes": 2, "batches_skipped": 7
     }  # fmt: skip
     assert [e["step"] for e in spikes(straight)] == [5, 6]
-    assert (t.measures.spikes.rewinds, t.measures.spikes.skipped, t.measures.spikes.streak) == (
+    assert (
+        t.parts.measures.spikes.rewinds,
+        t.parts.measures.spikes.skipped,
+        t.parts.measures.spikes.streak,
+    ) == (
         1,
         2,
         0,
@@ -383,7 +387,9 @@ def test_an_fp16_spike_skips_the_update_but_is_no_overflow() -> None:
 def test_a_loss_spike_is_skipped_under_fp16(train_cache: Path, tmp_path: Path) -> None:
     """× 3, not × 100: a loss that large overflows fp16, which the scaler skips itself."""
     t = fit(train_cache, tmp_path, 12, *SPIKES, "train.precision=fp16", "model.args.factor=3.0")
-    assert [e["step"] for e in spikes(tmp_path)] == [SPIKE_AT] and t.measures.spikes.skipped == 1
+    assert [e["step"] for e in spikes(tmp_path)] == [
+        SPIKE_AT
+    ] and t.parts.measures.spikes.skipped == 1
     assert all(r["amp_skip_rate"] == 0 for r in metrics(tmp_path) if "loss" in r)
     final = load(checkpoint(tmp_path, 12))
     assert {int(s["step"]) for s in final["optimizer"]["state"].values()} == {11}
@@ -396,7 +402,7 @@ def test_fp16_on_cpu_logs_its_skip_rate(train_cache: Path, tmp_path: Path) -> No
     assert [r["step"] for r in windows] == [3, 6]
     assert all(0 <= r["amp_skip_rate"] <= 1 for r in windows)
     assert load(checkpoint(tmp_path, 6))["scaler"]["hysteresis_left"] <= 2
-    assert t.scaler.get_scale() >= 1.0
+    assert t.parts.scaler.get_scale() >= 1.0
 
 
 # ---- a batch that grows ------------------------------------------------------------------
@@ -421,12 +427,12 @@ def test_a_ramped_batch_raises_accumulation_and_lr_and_resumes_bitwise(
     events = batch_events(tmp_path / "straight")
     # The line 1 + 3·s/6 crosses 2 at step 2 and 4 at step 6: the chain 1, 2, 4.
     assert [(e["step"], e["accum_before"], e["accum"]) for e in events] == [(3, 1, 2), (7, 2, 4)]
-    assert t.scheduler.base_lrs == pytest.approx([2e-3, 2e-3])  # √(1/4) · √2 · √2 = 1
+    assert t.parts.scheduler.base_lrs == pytest.approx([2e-3, 2e-3])  # √(1/4) · √2 · √2 = 1
     local = load(checkpoint(tmp_path / "straight", 12), "rank-00000.pt")
     assert local["loader"]["batches"] == 2 * 1 + 4 * 2 + 6 * 4  # micro-batches drawn
     fit(train_cache, tmp_path / "halves", 6, *extra)
     resumed = fit(train_cache, tmp_path / "halves", 12, *extra)
-    assert resumed.batch.accum == 4
+    assert resumed.parts.batch.accum == 4
     assert batch_events(tmp_path / "halves") == events
     same_weights(checkpoint(tmp_path / "straight", 12), checkpoint(tmp_path / "halves", 12))
 

@@ -52,11 +52,13 @@ def test_a_mean_loss_with_its_weight_trains_like_the_sum(train_cache: Path, tmp_
     logged loss and weights as the reference's sum over valid frames."""
     ref = fit(train_cache, tmp_path / "ref", 4, "data.pad_multiple=1")
     mean = fit(train_cache, tmp_path / "mean", 4, plugin("WholeBatchMean"))
-    assert mean.loader.spec.data.pad_multiple == 1  # the model said "longest"
+    assert mean.parts.loader.spec.data.pad_multiple == 1  # the model said "longest"
     torch.testing.assert_close(
         losses(tmp_path / "mean"), losses(tmp_path / "ref"), rtol=1e-4, atol=0
     )
-    for p, q in zip(mean.raw_model.parameters(), ref.raw_model.parameters(), strict=True):
+    for p, q in zip(
+        mean.parts.raw_model.parameters(), ref.parts.raw_model.parameters(), strict=True
+    ):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
@@ -64,10 +66,12 @@ def test_a_models_own_count_is_the_denominator(train_cache: Path, tmp_path: Path
     """A loss summed over half the frames, with that count, logs the mean over those frames."""
     t = trainer(train_cache, tmp_path, plugin("CountedHalf"))
     try:
-        batch = next(iter(t.loader))
+        batch = next(iter(t.parts.loader))
         half = (batch.mel_lengths + 1) // 2
         with torch.no_grad():
-            expected = t.raw_model(batch.mel, batch.mel_lengths, batch.text, batch.text_lengths)
+            expected = t.parts.raw_model(
+                batch.mel, batch.mel_lengths, batch.text, batch.text_lengths
+            )
         t.meter = type(t.meter)(CPU)
         t.train_step([batch])
         logged = t.meter.summary()["loss"]
@@ -113,7 +117,7 @@ def test_unused_parameters_are_named_or_allowed(train_cache: Path, tmp_path: Pat
 def test_the_trainer_puts_the_model_in_training_mode(train_cache: Path, tmp_path: Path) -> None:
     t = trainer(train_cache, tmp_path)
     t.close()
-    assert t.raw_model.training
+    assert t.parts.raw_model.training
 
 
 def test_declared_features_are_compared_key_by_key(train_cache: Path, tmp_path: Path) -> None:
@@ -157,5 +161,5 @@ def test_the_tokenizers_vocabulary_reaches_the_model(train_cache: Path, tmp_path
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("".join(f"{c}\n" for c in "abcdefghijklmnopqrstuvwxyz ,.'"), encoding="utf-8")
     t = fit(train_cache, tmp_path / "run", 2, "data.tokenizer=chars", f"data.vocab={vocab!s}")
-    assert t.raw_model.text_embed.num_embeddings == 32
+    assert t.parts.raw_model.text_embed.num_embeddings == 32
     assert losses(tmp_path / "run")

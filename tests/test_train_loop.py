@@ -83,7 +83,7 @@ def test_sigterm_checkpoints_and_resume_continues(train_cache: Path, tmp_path: P
     resumed = make_trainer(train_cache, tmp_path)
     try:
         assert resumed.step == 3
-        assert resumed.loader.state_dict() == trainer.loader.state_dict()
+        assert resumed.parts.loader.state_dict() == trainer.parts.loader.state_dict()
         resumed.fit(max_steps=6)
     finally:
         resumed.close()

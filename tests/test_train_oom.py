@@ -17,7 +17,7 @@ import torch
 from helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
 
 from melcache.errors import UserError
-from melcache.loader.batch import Batch
+from melcache.loader import Batch
 from train.config.tables import load_config
 from train.memory.oom import Budgets
 from train.parallel.distributed import Env
@@ -96,8 +96,8 @@ def test_forward_oom_skips_the_step_lowers_the_budget_and_resumes(
     assert logged and all(e["rows"] * e["frames"] > 600 for e in logged)
     caps: dict[int, int] = {}
     raised = replay(tmp_path / "record.jsonl", logged, caps, bucket_of(train_cache))
-    assert raised == len(logged) == trainer.budgets.skipped_steps
-    assert trainer.budgets.caps == caps
+    assert raised == len(logged) == trainer.parts.budgets.skipped_steps
+    assert trainer.parts.budgets.caps == caps
     saved = load(checkpoint(tmp_path, 12))["budgets"]
     assert saved["caps"] == {str(b): c for b, c in caps.items()}
     assert saved["skipped_steps"] == raised
@@ -109,7 +109,7 @@ def test_forward_oom_skips_the_step_lowers_the_budget_and_resumes(
     (tmp_path / "record.jsonl").unlink()
     resumed = oom_trainer(train_cache, tmp_path, 600)
     try:
-        assert resumed.budgets.caps == caps
+        assert resumed.parts.budgets.caps == caps
         resumed.fit(max_steps=20)
     finally:
         resumed.close()
@@ -142,7 +142,7 @@ def test_backward_oom_without_ddp_is_a_skipped_step_too(train_cache: Path, tmp_p
     logged = events(tmp_path)
     assert logged and {e["stage"] for e in logged} == {"backward"}
     raised = replay(tmp_path / "record.jsonl", logged, {}, bucket_of(train_cache))
-    assert raised == trainer.budgets.skipped_steps == len(logged)
+    assert raised == trainer.parts.budgets.skipped_steps == len(logged)
 
 
 def test_batches_over_a_lowered_budget_are_cut_into_pieces() -> None:
@@ -272,7 +272,7 @@ def test_lowered_budgets_grow_back_after_clean_steps(train_cache: Path, tmp_path
         assert r["step"] - last_change >= 3 or r["step"] == regrown_at  # every cap at once
         caps[r["bucket"]] = r["budget"]
         last_change = regrown_at = r["step"]
-    assert trainer.budgets.caps == caps
+    assert trainer.parts.budgets.caps == caps
     saved = load(checkpoint(tmp_path, 16))["budgets"]
     assert saved["caps"] == {str(b): c for b, c in caps.items()}
-    assert saved["clean_steps"] == trainer.budgets.clean_steps
+    assert saved["clean_steps"] == trainer.parts.budgets.clean_steps

@@ -16,7 +16,7 @@ import torch
 from _train_probe import worst_batch
 from helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
 
-from melcache.loader.batch import Batch
+from melcache.loader import Batch
 from train.config.tables import load_config
 from train.memory.probes import MemoryCap, tensor_bytes
 from train.parallel.distributed import Env
@@ -111,7 +111,9 @@ def test_tune_is_within_one_step_of_the_limit_and_a_tuned_run_stays_under_it(
     # The true limit, found independently: a real training step on the bucket's worst batch
     # of B utterances fits 90 % of the limit, one of B + 1 runs out of memory.
     trainer = Trainer(cfg, str(tune_cache), tmp_path / "check", CPU)
-    cap = MemoryCap(0.9 * LIMIT_MIB * 2**20, tensor_bytes(trainer.raw_model.state_dict().values()))
+    cap = MemoryCap(
+        0.9 * LIMIT_MIB * 2**20, tensor_bytes(trainer.parts.raw_model.state_dict().values())
+    )
     with cap:
         assert not trainer.train_step([worst_batch(1, 29, 8, 0)]).skipped  # optimizer state
     for row in rows:
@@ -123,14 +125,16 @@ def test_tune_is_within_one_step_of_the_limit_and_a_tuned_run_stays_under_it(
                     [worst_batch(size, row.max_frames, row.text_tokens, 0)]
                 )
             assert verdict.skipped != fits, (row, size)
-            trainer.budgets.caps.clear()
+            trainer.parts.budgets.caps.clear()
     trainer.close()
     samples = {r.bucket: r.samples for r in rows}
     assert samples[0] > samples[max(samples)]  # shorter utterances: more per batch
 
     # Training with the tuned table under the whole limit never runs out of memory.
     trainer = Trainer(cfg, str(tune_cache), tmp_path / "run", CPU)
-    run_cap = MemoryCap(LIMIT_MIB * 2**20, tensor_bytes(trainer.raw_model.state_dict().values()))
+    run_cap = MemoryCap(
+        LIMIT_MIB * 2**20, tensor_bytes(trainer.parts.raw_model.state_dict().values())
+    )
     step, largest = trainer.train_step, {}
 
     def capped_step(micro: list[Batch]):
@@ -144,7 +148,7 @@ def test_tune_is_within_one_step_of_the_limit_and_a_tuned_run_stays_under_it(
         trainer.fit(max_steps=24)
     finally:
         trainer.close()
-    assert trainer.budgets.skipped_steps == 0 and not trainer.budgets.caps
+    assert trainer.parts.budgets.skipped_steps == 0 and not trainer.parts.budgets.caps
     assert run_cap.peak <= LIMIT_MIB * 2**20
     longest_budget = table[str(max(samples))]
     assert largest[0] > longest_budget  # more frames than one budget safe for every bucket

@@ -24,15 +24,17 @@ def test_validation_is_fixed_logged_pictured_and_plotted(train_cache: Path, tmp_
         assert [r["step"] for r in records] == [3, 6]
         # Same weights, same loss; the training RNG and mode are as they were.
         rng = torch.get_rng_state()
-        again = t.validator.run(*t._val_args())["val_loss"]
+        again = t.parts.validator.run(*t._val_args())["val_loss"]
         assert again == pytest.approx(records[-1]["val_loss"], rel=1e-5)  # logged to 6 digits
-        assert torch.equal(rng, torch.get_rng_state()) and t.raw_model.training
+        assert torch.equal(rng, torch.get_rng_state()) and t.parts.raw_model.training
         # The EMA's weights are evaluated, and the model's own put back.
-        own = [p.detach().clone() for p in t.raw_model.parameters()]
-        t.ema.decay = 0.0
-        t.ema.update()  # EMA = current weights: the loss changes
-        assert t.validator.run(*t._val_args())["val_loss"] != pytest.approx(again, rel=1e-9)
-        assert all(torch.equal(p, q) for p, q in zip(own, t.raw_model.parameters(), strict=True))
+        own = [p.detach().clone() for p in t.parts.raw_model.parameters()]
+        t.parts.ema.decay = 0.0
+        t.parts.ema.update()  # EMA = current weights: the loss changes
+        assert t.parts.validator.run(*t._val_args())["val_loss"] != pytest.approx(again, rel=1e-9)
+        assert all(
+            torch.equal(p, q) for p, q in zip(own, t.parts.raw_model.parameters(), strict=True)
+        )
     finally:
         t.close()
     assert (tmp_path / "val" / "step-00000006.png").stat().st_size > 1000

@@ -21,14 +21,13 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from melcache.errors import UserError
-from melcache.loader.make import Batch
+from melcache.loader import Batch
 from train.config.tables import Config
 from train.model import describe
 from train.model.contract import inverse_count, model_inputs, normalise, rescale_gradients
@@ -38,7 +37,7 @@ from train.optim.scaler import HIGH_SKIP_RATE
 from train.parallel.distributed import Env, StopFlag, all_reduce_sum, no_sync, setup, teardown
 from train.run.folder import owned_run_folder
 from train.run.metrics import Meter, MetricsLog
-from train.run.parts import build_run_parts, wrap_for_training
+from train.run.parts import RunParts, build_run_parts, wrap_for_training
 from train.run.resume import resume_or_start, rewind, save
 
 log = logging.getLogger(__name__)
@@ -49,21 +48,19 @@ class Trainer:
 
     def __init__(self, cfg: Config, shards: str | list[str], out: Path, env: Env) -> None:
         self.cfg, self.env, self.out = cfg, env, Path(out)
-        self.parts = build_run_parts(cfg, shards, self.out, env)
-        # The loop reads self.optimizer, self.loader, ...: the parts are the trainer's fields.
-        vars(self).update({f.name: getattr(self.parts, f.name) for f in fields(self.parts)})
+        self.parts: RunParts = build_run_parts(cfg, shards, self.out, env)
         self.step = resume_or_start(self.parts)
-        self._pending_records = self.budgets.apply_pending()  # cuts a stopped run left
+        self._pending_records = self.parts.budgets.apply_pending()  # cuts a stopped run left
         self.model = wrap_for_training(self.parts)
         self.meter = Meter(env)
         self.stop = StopFlag()
-        self._lr = self.optimizer.param_groups[0]["lr"]
+        self._lr = self.parts.optimizer.param_groups[0]["lr"]
         log.info(
             "model %s on %s × %d, %s, step %d",
-            describe(self.raw_model),
+            describe(self.parts.raw_model),
             env.device,
             env.world_size,
-            self.precision,
+            self.parts.precision,
             self.step,
         )
 
@@ -75,36 +72,38 @@ class Trainer:
         for record in self._pending_records:
             metrics.event(self.step, record)
         self._pending_records = []
-        if self.budgets.exhausted:
-            raise UserError(self.budgets.exhausted)
-        batches = iter(self.loader)  # the loader never draws from the global torch RNG
+        if self.parts.budgets.exhausted:
+            raise UserError(self.parts.budgets.exhausted)
+        batches = iter(self.parts.loader)  # the loader never draws from the global torch RNG
         self.meter = Meter(self.env)  # the first window starts now, not at construction
         try:
             with self.stop.installed():
                 while self.step < max_steps:
-                    for record in self.batch.accum_for(self.step):  # the ramp
+                    for record in self.parts.batch.accum_for(self.step):  # the ramp
                         metrics.event(self.step + 1, record)
                     t0 = time.perf_counter()
-                    micro = [next(batches) for _ in range(self.batch.accum)]
+                    micro = [next(batches) for _ in range(self.parts.batch.accum)]
                     self.meter.add_wait(time.perf_counter() - t0)
                     verdict = self.train_step(micro)
                     self.step += 1
                     metrics.advance()
                     for record in verdict.records:  # a skipped step, a lowered budget
                         metrics.event(self.step, record)
-                    if self.budgets.exhausted:  # the same on every rank
-                        raise UserError(self.budgets.exhausted)
-                    if self.measures.rewind_due:  # spikes in a row: back to the last checkpoint
+                    if self.parts.budgets.exhausted:  # the same on every rank
+                        raise UserError(self.parts.budgets.exhausted)
+                    if (
+                        self.parts.measures.rewind_due
+                    ):  # spikes in a row: back to the last checkpoint
                         self._rewind(metrics)
                         continue
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
                         self._log_window(metrics)
-                    if self.validator is not None and self.step % t.val_every == 0:
-                        metrics.log(self.step, self.validator.run(*self._val_args()))
+                    if self.parts.validator is not None and self.step % t.val_every == 0:
+                        metrics.log(self.step, self.parts.validator.run(*self._val_args()))
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
                         for record in self._flush_spike():
                             metrics.event(self.step, record)
-                        if self.measures.rewind_due:  # that flush ended the streak
+                        if self.parts.measures.rewind_due:  # that flush ended the streak
                             self._rewind(metrics)  # a stop signal stays set for the next step
                             continue
                         self.save()
@@ -119,46 +118,52 @@ class Trainer:
 
     def train_step(self, micro: list[Batch]) -> Verdict:
         """One optimizer step over ``micro``, or, if any rank ran out of memory, none on any."""
-        self.budgets.reset()
-        passes = self.budgets.split(micro)  # batches over their bucket's lowered budget, cut
+        self.parts.budgets.reset()
+        passes = self.parts.budgets.split(micro)  # batches over their bucket's lowered budget, cut
         inv_frames = self._inverse_global_frames(micro)
         # DDP averages gradients over ranks; × world size turns that mean into the sum.
         loss_sums = self._forward_backward(passes, inv_frames * self.env.world_size)
-        votes = [self.stop.local, float(self.budgets.lost), self.measures.spike_vote()]
-        stop, lost, spiked = self.vote.sum(votes)
+        votes = [self.stop.local, float(self.parts.budgets.lost), self.parts.measures.spike_vote()]
+        stop, lost, spiked = self.parts.vote.sum(votes)
         # The last step's spike, learnt a step late: no host read of a device value.
-        records = self.measures.settle(spiked, self.step)
+        records = self.parts.measures.settle(spiked, self.step)
         if lost:
             return Verdict(stop=stop > 0, skipped=True, records=records + self._skip_step())
-        self.first.gradients()  # the first step: every parameter got one
+        self.parts.first.gradients()  # the first step: every parameter got one
         for batch in micro:
             self.meter.add_batch(batch.mel_lengths, batch.mel.shape, batch.text_lengths)
         inv_count = inverse_count(loss_sums, inv_frames, self.env)  # a model's own count
-        self.scaler.unscale_(self.optimizer)
+        self.parts.scaler.unscale_(self.parts.optimizer)
         if inv_count is not inv_frames:
-            rescale_gradients(self.raw_model, inv_count / inv_frames)
+            rescale_gradients(self.parts.raw_model, inv_count / inv_frames)
         frames = sum(int(b.mel_lengths.sum()) for b in micro)
         loss_share = sum(s["loss_sum"] for s in loss_sums) * inv_count
-        norm, skip = self.measures.measure(
-            self.raw_model, loss_share, frames, self._all_frames, self.scaler.grad_scale()
+        norm, skip = self.parts.measures.measure(
+            self.parts.raw_model,
+            loss_share,
+            frames,
+            self._all_frames,
+            self.parts.scaler.grad_scale(),
         )
         self._meter_step(loss_sums, inv_count, norm, skip)
-        if self.powersgd is not None:  # an fp16 overflow or a spike must not poison its memory
+        if (
+            self.parts.powersgd is not None
+        ):  # an fp16 overflow or a spike must not poison its memory
             finite = torch.isfinite(norm)
-            self.powersgd.settle(finite if skip is None else ~skip & finite)
-        self._lr = self.optimizer.param_groups[0]["lr"]
+            self.parts.powersgd.settle(finite if skip is None else ~skip & finite)
+        self._lr = self.parts.optimizer.param_groups[0]["lr"]
         # Skips the step on a spike and (fp16) on inf/NaN gradients; the fused AdamW reads the
         # found-inf flag on the device (its step count too), so no host sync here.
-        self.scaler.step(self.optimizer, skip=skip)
-        self.scaler.update()
-        if self.scaler.overflow is not None:  # equal on every rank: the gradients are
-            self.meter.add_device("amp_skip_rate", self.scaler.overflow, replicated=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update(None if skip is None else ~skip)
+        self.parts.scaler.step(self.parts.optimizer, skip=skip)
+        self.parts.scaler.update()
+        if self.parts.scaler.overflow is not None:  # equal on every rank: the gradients are
+            self.meter.add_device("amp_skip_rate", self.parts.scaler.overflow, replicated=True)
+        self.parts.optimizer.zero_grad(set_to_none=True)
+        self.parts.scheduler.step()
+        if self.parts.ema is not None:
+            self.parts.ema.update(None if skip is None else ~skip)
         self.meter.end_step()
-        records += self.budgets.clean_step(self.cfg.train.budget_regrow_steps)
+        records += self.parts.budgets.clean_step(self.cfg.train.budget_regrow_steps)
         return Verdict(stop=stop > 0, skipped=False, records=records)
 
     def _meter_step(
@@ -183,13 +188,13 @@ class Trainer:
         """The window's summary into metrics.jsonl; the closed loop reads it."""
         values = self._summary()
         metrics.log(self.step, values)
-        for record in self.batch.observe(self.step, values):
+        for record in self.parts.batch.observe(self.step, values):
             metrics.event(self.step, record)
 
     def _rewind(self, metrics: MetricsLog) -> None:
         """``train.spike_rewind_after`` spikes in a row: back to the last checkpoint, while
         the loader goes on, so the batches drawn since are skipped, not replayed (PaLM)."""
-        start, drawn = self.step, self.loader.state_dict()["batches"]
+        start, drawn = self.step, self.parts.loader.state_dict()["batches"]
         self.step, drawn_then = rewind(self.parts)
         record = {
             "event": "rewind",
@@ -200,7 +205,7 @@ class Trainer:
         metrics.event(start, record)
         metrics.advance(self.step - start)
         self.meter = Meter(self.env)  # the window's steps are undone
-        self._lr = self.optimizer.param_groups[0]["lr"]
+        self._lr = self.parts.optimizer.param_groups[0]["lr"]
         if self.env.is_main:
             log.warning(
                 "step %d: %d loss spikes in a row; back to step %d, skipping the %d batches "
@@ -210,8 +215,8 @@ class Trainer:
 
     def _flush_spike(self) -> list[dict[str, Any]]:
         """Vote the last step's spike flag now (before a checkpoint, which then holds it)."""
-        (votes,) = self.vote.sum([self.measures.spike_vote()])
-        return self.measures.settle(votes, self.step)
+        (votes,) = self.parts.vote.sum([self.parts.measures.spike_vote()])
+        return self.parts.measures.settle(votes, self.step)
 
     def _inverse_global_frames(self, micro: list[Batch]) -> torch.Tensor:
         """1 / the valid mel frames of this step on all ranks, on the device."""
@@ -230,57 +235,60 @@ class Trainer:
         loss sums of each. Once this rank has run out of memory it computes no more of the
         step, except the synchronised pass DDP needs from every rank, on a stand-in."""
         sums, inputs = [], []
-        with self.budgets.watch(max(passes, key=lambda b: b.mel.numel()), "input copy"):
-            inputs = self.copies.start(passes)  # on CUDA, a side stream
+        with self.parts.budgets.watch(max(passes, key=lambda b: b.mel.numel()), "input copy"):
+            inputs = self.parts.copies.start(passes)  # on CUDA, a side stream
         for i, batch in enumerate(inputs):
             last = i == len(passes) - 1
-            with self.budgets.watch(passes[i], "forward"), no_sync(self.model, sync=last):
-                out = self._forward(self.copies.ready(batch))
-            if not (self.budgets.lost or last):
-                with self.budgets.watch(passes[i], "backward"), no_sync(self.model, sync=False):
+            with self.parts.budgets.watch(passes[i], "forward"), no_sync(self.model, sync=last):
+                out = self._forward(self.parts.copies.ready(batch))
+            if not (self.parts.budgets.lost or last):
+                with (
+                    self.parts.budgets.watch(passes[i], "backward"),
+                    no_sync(self.model, sync=False),
+                ):
                     self._backward(out, loss_scale)
-            if self.budgets.lost:
+            if self.parts.budgets.lost:
                 break
             sums.append({k: v.detach() for k, v in out.items() if k.endswith(("_sum", "_count"))})
-        if self.budgets.lost and not self.env.distributed:
+        if self.parts.budgets.lost and not self.env.distributed:
             return sums  # no DDP to keep in step with
-        with self.budgets.fatal(passes[-1], self.step + 1, self.ckpt.latest):
-            if self.budgets.lost:
-                stand_in = self.budgets.stand_in(passes[-1]).to(self.env.device)
+        with self.parts.budgets.fatal(passes[-1], self.step + 1, self.parts.ckpt.latest):
+            if self.parts.budgets.lost:
+                stand_in = self.parts.budgets.stand_in(passes[-1]).to(self.env.device)
                 out, loss_scale = self._forward(stand_in), torch.zeros_like(loss_scale)
             self._backward(out, loss_scale)  # DDP's gradient all-reduce runs in here
         return sums
 
     def _val_args(self) -> tuple[Any, ...]:
-        return self.raw_model, self.ema, self.step, self._autocast
+        return self.parts.raw_model, self.parts.ema, self.step, self._autocast
 
     def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         try:
-            with self._autocast(), self.first.forward():  # collectives refused at the first
-                out = normalise(self.model(*model_inputs(batch, self.spec)))
+            with self._autocast(), self.parts.first.forward():  # collectives refused at the first
+                out = normalise(self.model(*model_inputs(batch, self.parts.spec)))
         except RuntimeError as exc:  # DDP's unused-parameter error, in names
-            named = translate_ddp_error(exc, self.raw_model)
+            named = translate_ddp_error(exc, self.parts.raw_model)
             if named is exc:
                 raise
             raise named from None
-        self.first.outputs(out)
+        self.parts.first.outputs(out)
         return out
 
     def _backward(self, out: dict[str, torch.Tensor], loss_scale: torch.Tensor) -> None:
-        self.scaler.scale(out["loss_sum"] * loss_scale).backward()
+        self.parts.scaler.scale(out["loss_sum"] * loss_scale).backward()
 
     def _skip_step(self) -> list[dict[str, Any]]:
         """Every rank drops this step's gradients: it counts as done (the schedule goes on)
         but trains nothing. The failures are gathered and lower their buckets' budgets."""
-        failures = [f for f in self.vote.gather(self.budgets.failure) if f is not None]
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.powersgd is not None:
-            self.powersgd.roll_back()
-        self.measures.dropped()
-        self.scheduler.step()
-        self.budgets.skipped_steps += 1
+        failures = [f for f in self.parts.vote.gather(self.parts.budgets.failure) if f is not None]
+        self.parts.optimizer.zero_grad(set_to_none=True)
+        if self.parts.powersgd is not None:
+            self.parts.powersgd.roll_back()
+        self.parts.measures.dropped()
+        self.parts.scheduler.step()
+        self.parts.budgets.skipped_steps += 1
         self.meter.skip_step()
-        records = self.budgets.settle(failures)
+        records = self.parts.budgets.settle(failures)
         if self.env.is_main:
             for r in records:
                 log.warning(
@@ -298,29 +306,29 @@ class Trainer:
     def close(self) -> None:
         """Finish the checkpoint in flight and stop the loader's workers; call in a ``finally``."""
         try:
-            self.ckpt.close()
+            self.parts.ckpt.close()
         finally:
-            self.loader.close()
+            self.parts.loader.close()
 
     def _summary(self) -> dict[str, float]:
         values = self.meter.summary()  # all ranks: one all-reduce, one host read
         values["lr"] = self._lr
-        values.update(self.measures.summary())  # the noise scale: a few more values
-        for where, epochs in self.loader.epochs().items():  # per cache of the mix
+        values.update(self.parts.measures.summary())  # the noise scale: a few more values
+        for where, epochs in self.parts.loader.epochs().items():  # per cache of the mix
             values[f"epochs {where}"] = epochs
         if values.get("amp_skip_rate", 0.0) > HIGH_SKIP_RATE:
             log.warning(
                 "%.0f %% of the steps logged at step %d skipped for fp16 overflow (scale now %g); "
                 "if it stays high, train in bf16 or lower optim.lr",
-                100 * values["amp_skip_rate"], self.step, self.scaler.get_scale(),
+                100 * values["amp_skip_rate"], self.step, self.parts.scaler.get_scale(),
             )  # fmt: skip
         # A window whose every step was skipped (out of memory) has no loss.
-        if not math.isfinite(values.get("loss", 0.0)) and self.precision != "fp16":
+        if not math.isfinite(values.get("loss", 0.0)) and self.parts.precision != "fp16":
             raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
         return values
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        return autocast(self.precision, self.env.device)
+        return autocast(self.parts.precision, self.env.device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,7 +120,7 @@ def tune(
             quiet.setLevel(level)
             if capped:  # the cap was for the search only
                 torch.cuda.set_per_process_memory_fraction(1.0, device)
-    where += f", {trainer.precision}, {cfg.model.impl}"
+    where += f", {trainer.parts.precision}, {cfg.model.impl}"
     if env.distributed:
         where += f", {cfg.train.strategy} on {env.world_size} ranks"
     if cfg.train.activation_checkpointing:
@@ -152,10 +152,10 @@ def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
     rows: list[Row] = []
     fits_at_least = 1
     for bucket, max_frames in sorted(bucket_lengths(tuple(index["shards"])).items())[::-1]:
-        tokens = _longest_text(shards, index, bucket, trainer.loader.spec.tokenizer)
+        tokens = _longest_text(shards, index, bucket, trainer.parts.loader.spec.tokenizer)
         shape = _Shape(
-            bucket, max_frames, tokens, data.pad_multiple, trainer.loader.features.n_mels,
-            trainer.loader.spec.data.extras,
+            bucket, max_frames, tokens, data.pad_multiple, trainer.parts.loader.features.n_mels,
+            trainer.parts.loader.spec.data.extras,
         )  # fmt: skip
         peaks: dict[int, int] = {}  # batch size → peak memory of a step that fitted
         fits = functools.partial(_fits, trainer, probe, shape, peaks)
@@ -234,24 +234,24 @@ def _trial(trainer: Trainer, probe: Any, batch: Batch) -> int | None:
         if isinstance(exc, UserError) and not probe.raised:
             raise  # not the cap's: a real problem
         verdict = None
-        abandon_step(trainer.raw_model)
-        trainer.optimizer.zero_grad(set_to_none=True)
+        abandon_step(trainer.parts.raw_model)
+        trainer.parts.optimizer.zero_grad(set_to_none=True)
         # A fresh scaler: the failed step's unscale_ is on record.
-        trainer.scaler = HysteresisScaler.for_run(
-            trainer.cfg.train, trainer.env.device, trainer.precision
+        trainer.parts.scaler = HysteresisScaler.for_run(
+            trainer.cfg.train, trainer.env.device, trainer.parts.precision
         )
-    trainer.budgets.load_state_dict({"caps": {}, "single_failures": {}, "skipped_steps": 0})
+    trainer.parts.budgets.load_state_dict({"caps": {}, "single_failures": {}, "skipped_steps": 0})
     if verdict is None or verdict.skipped:
         return None
     return probe.peak
 
 
 def _trainer_tensors(trainer: Trainer) -> Iterator[torch.Tensor]:
-    yield from trainer.raw_model.state_dict().values()
-    for state in trainer.optimizer.state.values():
+    yield from trainer.parts.raw_model.state_dict().values()
+    for state in trainer.parts.optimizer.state.values():
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-    if trainer.ema is not None:
-        yield from trainer.ema.shadow
+    if trainer.parts.ema is not None:
+        yield from trainer.parts.ema.shadow
 
 
 def _longest_text(
