@@ -8,7 +8,7 @@ wrote it (the shards hard-linked, the index without ``xxh3_128``). Then, in this
 tree, with the same number of DataLoader workers each:
 
 1. the baseline a seed script writes: a map-style Dataset that decodes, resamples (soxr HQ)
-   and computes the same log-mel (``preprocess.features.MelExtractor``) in ``__getitem__``;
+   and computes the same log-mel (``preprocess.write.extractor.MelExtractor``) in ``__getitem__``;
    random batches of 32, ``pin_memory`` (with CUDA), ``persistent_workers``,
    ``prefetch_factor=2``, a collate that sorts by length and pads;
 2. ``train.data.make_loader`` over each cache with its default shard check
@@ -58,7 +58,7 @@ from benchmarks.speech import make_corpus
 from melcache.batching import padding_fraction
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index, write_index
-from preprocess.features import MelExtractor
+from preprocess.write.extractor import MelExtractor
 from train.collate import utf8_tokens
 from train.data import DataConfig, make_loader
 

@@ -37,8 +37,8 @@ from melcache.codec import decode_mel
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index
 from melcache.storage import STORAGE_OF_MEMBER, STORAGES
-from preprocess.audio import load_mono, probe, resampled_length
-from preprocess.features import MelExtractor
+from preprocess.inputs.audio import load_mono, probe, resampled_length
+from preprocess.write.extractor import MelExtractor
 from train.data import DataConfig, make_loader
 
 

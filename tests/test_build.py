@@ -20,10 +20,10 @@ from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
-from preprocess import writer
 from preprocess.config import BuildConfig
-from preprocess.inputs import Corpus
-from preprocess.plan import PlannedShard, PlannedUtterance
+from preprocess.inputs.layout import Corpus
+from preprocess.plan.shards import PlannedShard, PlannedUtterance
+from preprocess.write import shard as writer
 from train.data import DataConfig, make_loader
 
 

@@ -18,7 +18,7 @@ from test_train_contract import fit, plugin, trainer
 from melcache.errors import UserError
 from melcache.format import REJECTED_NAME
 from melcache.reader import ShardCheck, read_shard
-from preprocess.inputs import key_base
+from preprocess.inputs.layout import key_base
 from train import stream as train_stream
 from train.collate import extras_rows, stand_in_extras
 from train.config import DataConfig

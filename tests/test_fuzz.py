@@ -36,8 +36,8 @@ from melcache.format import (
 )
 from melcache.index import read_index, write_index, write_stats
 from melcache.reader import ShardCheck, read_shard
-from preprocess.inspect import summarize
-from preprocess.verify import verify
+from preprocess.check.inspect import summarize
+from preprocess.check.verify import verify
 from train.collate import collate, utf8_tokens
 from train.data import DataConfig, make_loader
 

@@ -33,10 +33,10 @@ from melcache.features import FeatureConfig
 from melcache.format import encode_npy
 from melcache.index import read_index
 from melcache.storage import COMPACT, FP16, MEL_MEMBERS
-from preprocess.audio import load_mono, probe, resampled_length
+from preprocess.check.verify import verify
 from preprocess.config import BuildConfig
-from preprocess.features import MelExtractor
-from preprocess.verify import verify
+from preprocess.inputs.audio import load_mono, probe, resampled_length
+from preprocess.write.extractor import MelExtractor
 from train.data import DataConfig, make_loader
 
 BOUND = 2.0**-6  # the acceptance: no larger an error than Lhotse's lilcom default
