@@ -1,1 +1,1 @@
-"""Check: read a finished cache back (verify, inspect, show); imports melcache, preprocess.config, inputs, plan, write and job."""
+"""Check: read a finished cache back; imports melcache, config, inputs, plan, write, job."""

@@ -1,1 +1,1 @@
-"""Inputs: one file per corpus layout, and what reads audio and metadata; imports melcache and nothing of preprocess outside this room."""
+"""Inputs: one file per corpus layout, and the audio and metadata readers; imports melcache only."""

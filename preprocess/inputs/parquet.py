@@ -9,9 +9,10 @@ fields: ``duration`` or ``num_samples`` + ``sampling_rate`` spare probing the au
 A shard gathers utterances of one length from every row group, and Parquet cannot hand out one
 row without decoding its row group's whole column chunk. So the scan, while it reads each row
 group, appends its audio and text to a plain tar, the file's *spool* in ``OUT/.build/spool/``;
-from then on the file is read exactly as a WebDataset tar is (:mod:`preprocess.inputs.archives`): the
-writer reads one member at its offset. The spool holds the corpus's audio once over while the
-build runs and is deleted when the cache is complete. Sources are ``FILE:ROW.EXT``.
+from then on the file is read exactly as a WebDataset tar is
+(:mod:`preprocess.inputs.archives`): the writer reads one member at its offset. The spool holds
+the corpus's audio once over while the build runs and is deleted when the cache is complete.
+Sources are ``FILE:ROW.EXT``.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Job: how the processes of a build cooperate (parts, owners, the worker pool); imports melcache and nothing else of preprocess."""
+"""Job: how the processes of a build cooperate (parts, owners, pool); imports melcache only."""

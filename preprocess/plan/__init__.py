@@ -1,1 +1,1 @@
-"""Plan: what is written where, fixed before decoding (the scan, the shard plan); imports melcache, preprocess.config, inputs and job."""
+"""Plan: what is written where, fixed before decoding; imports melcache, config, inputs, job."""

@@ -5,10 +5,11 @@ per utterance (about 50 bytes and a few microseconds each): its ordinal, its len
 target rate, where its transcript is, a hash of its text and one of its key, and its source
 path, all the sources' bytes end to end. Part K of N writes ``OUT/.build/scan-N/part-K/``,
 atomically, so N machines sharing ``OUT`` scan a corpus once between them, and a rerun
-whose corpus listing is unchanged (:func:`preprocess.inputs.corpus.unchanged`) does not scan again.
-Within a part, each worker process scans one piece (:class:`preprocess.inputs.corpus.Slice`) on
-its own, reading the listing, transcripts and headers itself: nothing per utterance crosses
-between processes, and the planning process never holds the columns while they are made.
+whose corpus listing is unchanged (:func:`preprocess.inputs.corpus.unchanged`) does not scan
+again. Within a part, each worker process scans one piece
+(:class:`preprocess.inputs.layout.Slice`) on its own, reading the listing, transcripts and
+headers itself: nothing per utterance crosses between processes, and the planning process
+never holds the columns while they are made.
 """
 
 from __future__ import annotations

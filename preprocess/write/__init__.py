@@ -1,1 +1,1 @@
-"""Write: decode, extract and write a shard, and finish the cache; imports melcache, preprocess.config, inputs, plan and job."""
+"""Write: extract, write a shard, finish the cache; imports melcache, config, inputs, plan, job."""
