@@ -34,8 +34,8 @@ import torchaudio
 
 from benchmarks.speech import make_corpus
 from melcache.features import FeatureConfig
-from preprocess.audio import read_float32
-from preprocess.features import MelExtractor
+from preprocess.inputs.audio import read_float32
+from preprocess.write.extractor import MelExtractor
 
 
 def timed_build(src: Path, out: Path, workers: int, *extra: str) -> tuple[float, float, int]:

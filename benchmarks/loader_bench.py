@@ -8,7 +8,7 @@ wrote it (the shards hard-linked, the index without ``xxh3_128``). Then, in this
 tree, with the same number of DataLoader workers each:
 
 1. the baseline a seed script writes: a map-style Dataset that decodes, resamples (soxr HQ)
-   and computes the same log-mel (``preprocess.features.MelExtractor``) in ``__getitem__``;
+   and computes the same log-mel (``preprocess.write.extractor.MelExtractor``) in ``__getitem__``;
    random batches of 32, ``pin_memory`` (with CUDA), ``persistent_workers``,
    ``prefetch_factor=2``, a collate that sorts by length and pads;
 2. ``melcache.loader.make.make_loader`` over each cache with its default shard check
@@ -60,7 +60,7 @@ from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index, write_index
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.batch import utf8_tokens
-from preprocess.features import MelExtractor
+from preprocess.write.extractor import MelExtractor
 
 
 class OnTheFlyMels(Dataset):

@@ -38,8 +38,8 @@ from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index
 from melcache.loader import DataConfig, make_loader
 from melcache.storage import STORAGE_OF_MEMBER, STORAGES
-from preprocess.audio import load_mono, probe, resampled_length
-from preprocess.features import MelExtractor
+from preprocess.inputs.audio import load_mono, probe, resampled_length
+from preprocess.write.extractor import MelExtractor
 
 
 def float32_mels(corpus: Path, sources: list[str], features: FeatureConfig) -> Iterator[np.ndarray]:

@@ -1,8 +1,8 @@
 """``preprocess build``: scan → plan → write shards in parallel → index.
 
-Each part scans its share of the corpus (:mod:`preprocess.scan`); the plan is made from all
-the scans and saved beside them (:mod:`preprocess.plan`). Each shard is written whole and
-acknowledged by a receipt (:mod:`preprocess.writer`). A rerun reuses the scans and the plan of
+Each part scans its share of the corpus (:mod:`preprocess.plan.scan`); the plan is made from all
+the scans and saved beside them (:mod:`preprocess.plan.shards`). Each shard is written whole and
+acknowledged by a receipt (:mod:`preprocess.write.shard`). A rerun reuses the scans and the plan of
 an unchanged corpus and skips every shard with a valid receipt, so a build killed at any
 moment resumes where it was and ends byte-identical to an uninterrupted one. The index is
 written last, from the receipts, by the part that finds them all.
@@ -27,12 +27,20 @@ from melcache.format import (
     FORMAT_VERSION,
 )
 from preprocess.config import BuildConfig
-from preprocess.finish import finish_cache
-from preprocess.inputs import RECEIPTS, Corpus
-from preprocess.owners import running_build, sweep_temps
-from preprocess.parallel import Runner, ordered_map
-from preprocess.parts import Meeting
-from preprocess.plan import (
+from preprocess.inputs.corpus import open_corpus
+from preprocess.inputs.layout import RECEIPTS, Corpus
+from preprocess.job.owners import running_build, sweep_temps
+from preprocess.job.part import Meeting
+from preprocess.job.pool import Runner, ordered_map
+from preprocess.plan.scan import (
+    Scan,
+    part_folder,
+    scan_folder,
+    scan_is_current,
+    scan_meta,
+    scan_part,
+)
+from preprocess.plan.shards import (
     Plan,
     length_rejections,
     load_plan,
@@ -40,9 +48,8 @@ from preprocess.plan import (
     planned_shard,
     save_plan,
 )
-from preprocess.scan import Scan, part_folder, scan_folder, scan_is_current, scan_meta, scan_part
-from preprocess.sources import open_corpus
-from preprocess.writer import (
+from preprocess.write.finish import finish_cache
+from preprocess.write.shard import (
     build_shard_job,
     init_worker,
     recipe,

@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     from preprocess.build import BuildOptions, build
-    from preprocess.inspect import describe_plan
-    from preprocess.parts import choose_part
+    from preprocess.check.inspect import describe_plan
+    from preprocess.job.part import choose_part
 
     features, config = load_config(args.config)
     if args.storage is not None:
@@ -80,7 +80,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from preprocess.verify import verify
+    from preprocess.check.verify import verify
 
     problems = verify(args.cache, workers=args.workers)
     for problem in problems:
@@ -93,7 +93,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from preprocess.inspect import plot_cache, summarize
+    from preprocess.check.inspect import plot_cache, summarize
 
     if args.key is not None:
         return _inspect_key(args)
@@ -108,14 +108,14 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect_key(args: argparse.Namespace) -> int:
-    from preprocess.show import show_utterance
+    from preprocess.check.show import show_utterance
 
     print(show_utterance(args.cache, args.key, args.png))
     return 0
 
 
 def _index_table(args: argparse.Namespace) -> int:
-    from preprocess.table import index_table
+    from preprocess.write.index_table import index_table
 
     index = index_table(args.cache, workers=args.workers)
     table = index["table"]

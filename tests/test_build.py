@@ -21,10 +21,10 @@ from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
 from melcache.loader import DataConfig, make_loader
-from preprocess import writer
 from preprocess.config import BuildConfig
-from preprocess.inputs import Corpus
-from preprocess.plan import PlannedShard, PlannedUtterance
+from preprocess.inputs.layout import Corpus
+from preprocess.plan.shards import PlannedShard, PlannedUtterance
+from preprocess.write import shard as writer
 
 
 def read_samples(shard: Path) -> list[dict]:

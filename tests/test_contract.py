@@ -37,8 +37,8 @@ from melcache.format import (
 from melcache.index import read_index, read_stats, write_stats
 from melcache.reader import DIGESTS, ShardCheck, integrity_problems, read_shard
 from melcache.sections import make_section
+from preprocess.check.verify import verify
 from preprocess.config import BuildConfig
-from preprocess.verify import verify
 
 # Which top-level packages each may import: the two stages meet only in melcache.
 ALLOWED = {"melcache": set(), "preprocess": {"melcache"}, "train": {"melcache"}}

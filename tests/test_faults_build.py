@@ -56,10 +56,10 @@ from melcache.format import (
     group_samples,
     iter_members,
 )
-from preprocess.audio import resampled_length
-from preprocess.inputs import Found, Slice
-from preprocess.sources import open_corpus, share
-from preprocess.verify import verify
+from preprocess.check.verify import verify
+from preprocess.inputs.audio import resampled_length
+from preprocess.inputs.corpus import open_corpus, share
+from preprocess.inputs.layout import Found, Slice
 
 pytestmark = pytest.mark.slow  # builds in subprocesses, kills, a tiny disk: the full tier
 SPEECH = SAMPLE_CORPUS / "en_m3" / "en_m3_02.wav"  # 1.5 s, 16 kHz mono
@@ -383,9 +383,9 @@ def test_unreadable_files_are_counted_rejections(tmp_path: Path) -> None:
 UNPRIVILEGED_PROBE = """
 import json, sys
 from pathlib import Path
-from preprocess.audio import AudioError, probe
-from preprocess.inputs import Slice
-from preprocess.sources import open_corpus, share
+from preprocess.inputs.audio import AudioError, probe
+from preprocess.inputs.layout import Slice
+from preprocess.inputs.corpus import open_corpus, share
 from melcache.errors import UserError
 found = {}
 for path in sys.argv[1:3]:

@@ -17,8 +17,8 @@ from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, group_samples, iter_members
-from preprocess.audio import _INTEGER_READS, read_float32
 from preprocess.config import load_config
+from preprocess.inputs.audio import _INTEGER_READS, read_float32
 
 
 def resampled(path: Path, rate: int) -> torch.Tensor:

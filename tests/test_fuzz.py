@@ -38,8 +38,8 @@ from melcache.index import read_index, write_index, write_stats
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.batch import collate, utf8_tokens
 from melcache.reader import ShardCheck, read_shard
-from preprocess.inspect import summarize
-from preprocess.verify import verify
+from preprocess.check.inspect import summarize
+from preprocess.check.verify import verify
 
 N_MELS = FeatureConfig().n_mels
 # Values a hostile or broken index or metadata might hold, beside the honest ones.

@@ -24,13 +24,13 @@ from helpers import REPO, build_command, run_preprocess
 
 from melcache.errors import UserError
 from melcache.index import read_index
-from preprocess.archives import TEXT_MEMBER_LIMIT, read_member, tar_samples
-from preprocess.audio import AudioError, probe
-from preprocess.inputs import Corpus, Found, Rejection, Slice
-from preprocess.parquet import parquet_rows
-from preprocess.scan import scan_meta
-from preprocess.sources import open_corpus, read_transcript, read_transcript_file, share
-from preprocess.where import Where
+from preprocess.inputs.archives import TEXT_MEMBER_LIMIT, read_member, tar_samples
+from preprocess.inputs.audio import AudioError, probe
+from preprocess.inputs.corpus import open_corpus, read_transcript, read_transcript_file, share
+from preprocess.inputs.layout import Corpus, Found, Rejection, Slice
+from preprocess.inputs.parquet import parquet_rows
+from preprocess.inputs.where import Where
+from preprocess.plan.scan import scan_meta
 
 RATE = 24000
 LONG_KEY = "speaker_" + "x" * 110 + "/EN_B00000_" + "y" * 40  # folder and name both > 100

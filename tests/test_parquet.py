@@ -30,7 +30,7 @@ from helpers import (
 
 from melcache.errors import UserError
 from melcache.format import decode_meta, group_samples, iter_members
-from preprocess.sources import open_corpus
+from preprocess.inputs.corpus import open_corpus
 
 FORMATS = ("mp3", "flac", "wav")
 AUDIO = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets' Audio feature

@@ -13,10 +13,10 @@ from helpers import SAMPLE_CORPUS
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from preprocess.config import BuildConfig
-from preprocess.plan import make_plan, planned_shard
-from preprocess.scan import Scan, part_folder, scan_folder, scan_part
-from preprocess.sources import open_corpus
-from preprocess.where import Where
+from preprocess.inputs.corpus import open_corpus
+from preprocess.inputs.where import Where
+from preprocess.plan.scan import Scan, part_folder, scan_folder, scan_part
+from preprocess.plan.shards import make_plan, planned_shard
 
 
 def in_process(fn, items, chunksize=1):  # the Runner of one worker

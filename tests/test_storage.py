@@ -34,10 +34,10 @@ from melcache.format import encode_npy
 from melcache.index import read_index
 from melcache.loader import DataConfig, make_loader
 from melcache.storage import COMPACT, FP16, MEL_MEMBERS
-from preprocess.audio import load_mono, probe, resampled_length
+from preprocess.check.verify import verify
 from preprocess.config import BuildConfig
-from preprocess.features import MelExtractor
-from preprocess.verify import verify
+from preprocess.inputs.audio import load_mono, probe, resampled_length
+from preprocess.write.extractor import MelExtractor
 
 BOUND = 2.0**-6  # the acceptance: no larger an error than Lhotse's lilcom default
 FEATURES = FeatureConfig()

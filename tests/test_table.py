@@ -32,7 +32,7 @@ from melcache.errors import ShardError, UserError
 from melcache.format import INDEX_NAME
 from melcache.reader import ShardCheck, read_shard
 from melcache.table import TABLE_NAME
-from preprocess.verify import verify
+from preprocess.check.verify import verify
 
 
 def streamed(cache: Path) -> list[tuple[str, str, str | None, int, np.ndarray]]:
@@ -122,7 +122,7 @@ def test_stale_table_is_refused(
     frame count changed, as a stale table would) is caught by verify and by the lookup; a
     table the index does not list is refused by both."""
     from melcache.table import encode_table, table_entry
-    from preprocess.table import cache_rows
+    from preprocess.write.index_table import cache_rows
 
     cache = copied(sample_cache, tmp_path)
     index = json.loads((cache / INDEX_NAME).read_text())
@@ -323,7 +323,7 @@ def test_index_table_reads_shards_other_tools_wrote(sample_cache: Path, tmp_path
     table is made through tarfile, and lookups parse the sample through the general reader."""
     from melcache.format import iter_members
     from melcache.reader import DIGESTS
-    from preprocess.table import index_table
+    from preprocess.write.index_table import index_table
 
     cache = copied(sample_cache, tmp_path)
     index = json.loads((cache / INDEX_NAME).read_text())
@@ -351,7 +351,7 @@ def test_index_table_reads_shards_other_tools_wrote(sample_cache: Path, tmp_path
 def test_rows_saved_for_other_bytes_are_not_used(sample_cache: Path, tmp_path: Path) -> None:
     """The build's writers save each shard's rows for the table; rows saved for other bytes
     of a shard (its sha256 differs) or unreadable ones are scanned again, never trusted."""
-    from preprocess.table import ROWS_FOLDER, index_table
+    from preprocess.write.index_table import ROWS_FOLDER, index_table
 
     cache = copied(sample_cache, tmp_path)
     saved = sorted((cache / ".build" / ROWS_FOLDER).glob("*.json"))

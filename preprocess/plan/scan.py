@@ -5,10 +5,11 @@ per utterance (about 50 bytes and a few microseconds each): its ordinal, its len
 target rate, where its transcript is, a hash of its text and one of its key, and its source
 path, all the sources' bytes end to end. Part K of N writes ``OUT/.build/scan-N/part-K/``,
 atomically, so N machines sharing ``OUT`` scan a corpus once between them, and a rerun
-whose corpus listing is unchanged (:func:`preprocess.sources.unchanged`) does not scan again.
-Within a part, each worker process scans one piece (:class:`preprocess.sources.Slice`) on
-its own, reading the listing, transcripts and headers itself: nothing per utterance crosses
-between processes, and the planning process never holds the columns while they are made.
+whose corpus listing is unchanged (:func:`preprocess.inputs.corpus.unchanged`) does not scan
+again. Within a part, each worker process scans one piece
+(:class:`preprocess.inputs.layout.Slice`) on its own, reading the listing, transcripts and
+headers itself: nothing per utterance crosses between processes, and the planning process
+never holds the columns while they are made.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from tqdm import tqdm
 from melcache.bounded import read_json
 from melcache.errors import UserError
 from melcache.format import temp_path
-from preprocess.archives import audio_input
-from preprocess.audio import AudioError, probe, resampled_length
-from preprocess.inputs import (
+from preprocess.inputs.archives import audio_input
+from preprocess.inputs.audio import AudioError, probe, resampled_length
+from preprocess.inputs.corpus import read_transcript_file, share, transcript_path, unchanged
+from preprocess.inputs.layout import (
     FILTERED,
     Corpus,
     Found,
@@ -45,8 +47,7 @@ from preprocess.inputs import (
     unit_of,
     utterance_hash,
 )
-from preprocess.parallel import Runner
-from preprocess.sources import read_transcript_file, share, transcript_path, unchanged
+from preprocess.job.pool import Runner
 
 log = logging.getLogger(__name__)
 

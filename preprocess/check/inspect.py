@@ -16,9 +16,9 @@ from melcache.features import FeatureConfig
 from melcache.index import index_storage, read_index
 from melcache.reader import ShardCheck, read_shard
 from preprocess.config import BuildConfig
-from preprocess.finish import reason_kind
-from preprocess.plan import Plan, length_rejections
-from preprocess.scan import Scan
+from preprocess.plan.scan import Scan
+from preprocess.plan.shards import Plan, length_rejections
+from preprocess.write.finish import reason_kind
 
 SHARDS_PER_BUCKET = 16  # enough samples for a faithful histogram without reading a huge cache
 

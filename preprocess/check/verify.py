@@ -26,8 +26,8 @@ from melcache.format import AUDIO_MEMBER, REJECTED_NAME, finite_mel
 from melcache.index import index_storage, read_index, read_stats
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
 from melcache.storage import MEL_MEMBERS, STEP, STORAGE_OF_MEMBER
-from preprocess.parallel import ordered_map
-from preprocess.table import table_problems
+from preprocess.job.pool import ordered_map
+from preprocess.write.index_table import table_problems
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,10 @@ fields: ``duration`` or ``num_samples`` + ``sampling_rate`` spare probing the au
 A shard gathers utterances of one length from every row group, and Parquet cannot hand out one
 row without decoding its row group's whole column chunk. So the scan, while it reads each row
 group, appends its audio and text to a plain tar, the file's *spool* in ``OUT/.build/spool/``;
-from then on the file is read exactly as a WebDataset tar is (:mod:`preprocess.archives`): the
-writer reads one member at its offset. The spool holds the corpus's audio once over while the
-build runs and is deleted when the cache is complete. Sources are ``FILE:ROW.EXT``.
+from then on the file is read exactly as a WebDataset tar is
+(:mod:`preprocess.inputs.archives`): the writer reads one member at its offset. The spool holds
+the corpus's audio once over while the build runs and is deleted when the cache is complete.
+Sources are ``FILE:ROW.EXT``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Any
 from melcache.bounded import open_regular
 from melcache.errors import UserError
 from melcache.extras import value_problem
-from preprocess.archives import TAR_AUDIO
-from preprocess.inputs import (
+from preprocess.inputs.archives import TAR_AUDIO
+from preprocess.inputs.layout import (
     FILTERED,
     Corpus,
     Found,
@@ -37,7 +38,7 @@ from preprocess.inputs import (
     listed_speaker,
     short,
 )
-from preprocess.where import Where
+from preprocess.inputs.where import Where
 
 DEFAULT_COLUMNS = ("audio", "text", "speaker")
 SPOOL = "spool"  # under OUT/.build

@@ -31,8 +31,8 @@ from melcache.table import (
     sample_digest,
     write_table,
 )
-from preprocess.inputs import RECEIPTS
-from preprocess.parallel import ordered_map
+from preprocess.inputs.layout import RECEIPTS
+from preprocess.job.pool import ordered_map
 
 # Per-sample columns, filled by the shard walk; ``speaker`` is numbered by encode_table.
 _COLUMNS = ("offset", "frames", "text_length", "digest")

@@ -1,7 +1,7 @@
 """The corpus: which inputs a part scans, and each utterance's transcript when it is written.
 
 Three layouts are read here, and two kinds of archive by their own modules (WebDataset tars,
-:mod:`preprocess.archives`; Parquet, :mod:`preprocess.parquet`):
+:mod:`preprocess.inputs.archives`; Parquet, :mod:`preprocess.inputs.parquet`):
 
 1. a folder searched recursively, audio with a transcript beside it
    (``<stem>.normalized.txt``, ``<stem>.txt`` or ``<stem>.lab``, in that order of preference);
@@ -32,9 +32,9 @@ from typing import Any
 from melcache.bounded import SMALL_FILE_LIMIT, open_regular
 from melcache.errors import UserError
 from melcache.format import is_unicode
-from preprocess.archives import find_archives, parse_text_member, read_member, tar_samples
-from preprocess.audio import AUDIO_EXTENSIONS
-from preprocess.inputs import (
+from preprocess.inputs.archives import find_archives, parse_text_member, read_member, tar_samples
+from preprocess.inputs.audio import AUDIO_EXTENSIONS
+from preprocess.inputs.layout import (
     FILTERED,
     RECEIPTS,
     Corpus,
@@ -48,8 +48,8 @@ from preprocess.inputs import (
     parse_json,
     stamp,
 )
-from preprocess.parquet import SPOOL, check_columns, parquet_rows, parse_columns
-from preprocess.where import Where
+from preprocess.inputs.parquet import SPOOL, check_columns, parquet_rows, parse_columns
+from preprocess.inputs.where import Where
 
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")
 # A relative path with no empty, "." or ".." component: what normpath would leave as it is.

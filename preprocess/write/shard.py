@@ -26,14 +26,14 @@ from melcache.extras import META_FIELD, value_problem
 from melcache.features import FeatureConfig
 from melcache.format import HashingStream, encode_sample, open_tar_writer, temp_path, write_atomic
 from melcache.storage import FP16, MEL_MEMBERS
-from preprocess.archives import audio_input
-from preprocess.audio import AudioError, encode_flac, load_mono
 from preprocess.config import BuildConfig
-from preprocess.features import MelExtractor
-from preprocess.inputs import RECEIPTS, Corpus, clean_text, utterance_hash
-from preprocess.plan import Plan, PlannedShard, PlannedUtterance
-from preprocess.sources import read_transcript
-from preprocess.table import save_shard_rows
+from preprocess.inputs.archives import audio_input
+from preprocess.inputs.audio import AudioError, encode_flac, load_mono
+from preprocess.inputs.corpus import read_transcript
+from preprocess.inputs.layout import RECEIPTS, Corpus, clean_text, utterance_hash
+from preprocess.plan.shards import Plan, PlannedShard, PlannedUtterance
+from preprocess.write.extractor import MelExtractor
+from preprocess.write.index_table import save_shard_rows
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from braceexpand import braceexpand
 
 from melcache.bounded import open_regular
 from melcache.errors import UserError
-from preprocess.audio import AudioError
-from preprocess.inputs import (
+from preprocess.inputs.audio import AudioError
+from preprocess.inputs.layout import (
     FILTERED,
     Corpus,
     Found,
@@ -35,7 +35,7 @@ from preprocess.inputs import (
     parse_json,
     short,
 )
-from preprocess.where import Where
+from preprocess.inputs.where import Where
 
 TAR_AUDIO = ("flac", "wav", "mp3", "opus", "ogg")
 # A transcript member, or a pax / GNU long-name header, is far below this; a header that

@@ -14,9 +14,9 @@ from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, REJECTED_NAME, STATS_NAME, write_atomic
 from melcache.index import write_index, write_stats
 from preprocess.config import BuildConfig
-from preprocess.inputs import Rejection, printable
-from preprocess.plan import Plan
-from preprocess.table import write_cache_table
+from preprocess.inputs.layout import Rejection, printable
+from preprocess.plan.shards import Plan
+from preprocess.write.index_table import write_cache_table
 
 _SHARD_FIELDS = (
     "name",

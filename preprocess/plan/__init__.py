@@ -1,0 +1,1 @@
+"""Plan: what is written where, fixed before decoding; imports melcache, config, inputs, job."""

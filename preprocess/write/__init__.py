@@ -1,0 +1,1 @@
+"""Write: extract, write a shard, finish the cache; imports melcache, config, inputs, plan, job."""
