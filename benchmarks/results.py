@@ -1,11 +1,11 @@
-"""Run the benchmarks and write their results table into README.md (between markers).
+"""Run the benchmarks and write their results tables into docs/results.md (between markers).
 
     python -m benchmarks.results [--quick] [--only results|loader|scale|tars|storage|budgets|gpu]
         [--data DIR]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
 against a naive librosa loop) and ``benchmarks/trainer_bench.py`` (trainer overhead and data
-wait), collects the JSON lines they print, and replaces the README section between
+wait), collects the JSON lines they print, and replaces the section of docs/results.md between
 ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
 command and the machine; ``benchmarks.loader_bench`` (streaming loader against on-the-fly
 extraction, and its shard check) fills ``<!-- loader:begin -->`` … ``<!-- loader:end -->``
@@ -17,6 +17,10 @@ global batch budget against ``train tune``'s per-bucket table) ``<!-- budgets:be
 and the rows ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
 ``--data DIR`` keeps every benchmark's corpora and caches under ``DIR`` (a sub-folder each).
+
+README.md holds no generated section: its "Headline numbers" table is a few figures picked by
+hand from docs/results.md, each linking to its table there, and is updated by hand when
+those tables change.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "results.md"  # where every section between markers lives
 
 
 def run_json(command: list[str], data: Path | None = None) -> list[dict[str, Any]]:
@@ -305,6 +310,20 @@ SECTIONS = {
 }
 
 
+def replace_section(text: str, name: str, rendered: str) -> str:
+    """``text`` with its section between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``
+    replaced by ``rendered``; a page without that section is an error naming it."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"{PAGE.relative_to(REPO)} has no {begin} … {end} section")
+    return re.sub(
+        re.escape(begin) + ".*?" + re.escape(end),
+        lambda _: f"{begin}\n{rendered}\n{end}",
+        text,
+        flags=re.S,
+    )
+
+
 def _cmd(command: list[str]) -> str:
     return " ".join(["python", *command[1:]])
 
@@ -317,28 +336,17 @@ def main() -> None:
         "--quick", action="store_true", help="small corpora (a check, not numbers to publish)"
     )
     parser.add_argument(
-        "--only", choices=sorted(SECTIONS), help="refresh one section of the README only"
+        "--only", choices=sorted(SECTIONS), help="refresh one section of docs/results.md only"
     )
     parser.add_argument(
         "--data", type=Path, help="keep the benchmarks' corpora and caches here (default: theirs)"
     )
     args = parser.parse_args()
-    readme = REPO / "README.md"
     for name, render in SECTIONS.items():
         if args.only not in (None, name):
             continue
         rendered = render(args.quick, args.data)
-        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-        text = readme.read_text()
-        if begin not in text or end not in text:
-            raise SystemExit(f"README.md has no {begin} … {end} section")
-        text = re.sub(
-            re.escape(begin) + ".*?" + re.escape(end),
-            f"{begin}\n{rendered}\n{end}",
-            text,
-            flags=re.S,
-        )
-        readme.write_text(text)
+        PAGE.write_text(replace_section(PAGE.read_text(), name, rendered))
         print(rendered)
 
 

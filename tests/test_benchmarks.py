@@ -1,8 +1,9 @@
-"""The build and loader benchmarks end to end on small corpora: every row the README reads."""
+"""The build and loader benchmarks end to end on small corpora: every row docs/results.md reads."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,21 @@ def bench_rows(module: str, data: Path, *args: str) -> list[dict[str, Any]]:
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_results_writes_its_sections_into_the_results_page_only() -> None:
+    page = results.PAGE.read_text()
+    for name in results.SECTIONS:
+        assert page.count(f"<!-- {name}:begin -->") == page.count(f"<!-- {name}:end -->") == 1
+    # The front page's headline figures are picked by hand, never a generated section.
+    assert ":begin -->" not in (REPO / "README.md").read_text()
+    text = results.replace_section(page, "scale", "a new \\1 table")
+    assert "<!-- scale:begin -->\na new \\1 table\n<!-- scale:end -->" in text
+    for name in set(results.SECTIONS) - {"scale"}:  # the other sections as they were
+        section = re.compile(f"<!-- {name}:begin -->.*?<!-- {name}:end -->", re.S)
+        assert section.findall(text) == section.findall(page), name
+    with pytest.raises(SystemExit, match=r"docs/results\.md has no <!-- gpu:begin -->"):
+        results.replace_section("no markers here", "gpu", "rows")
 
 
 @pytest.mark.slow
