@@ -26,7 +26,13 @@ PACKAGES = ("melcache", "preprocess", "train")
 LAYERS: dict[str, tuple[str, int]] = {
     "melcache": ("base", 0),
     "melcache.loader": ("base", 1),
-    "preprocess": ("preprocess", 2),
+    "preprocess.config": ("preprocess", 2),  # the [build] table
+    "preprocess.job": ("preprocess", 2),  # how a build's processes cooperate
+    "preprocess.inputs": ("preprocess", 2),  # one file per corpus layout
+    "preprocess.plan": ("preprocess", 3),
+    "preprocess.write": ("preprocess", 4),
+    "preprocess.check": ("preprocess", 5),
+    "preprocess": ("preprocess", 6),  # the command line and the build's orchestration
     "train.config": ("train", 2),
     "train.optim": ("train", 3),
     "train.parallel": ("train", 4),
@@ -116,6 +122,8 @@ def test_every_import_runs_downward() -> None:
         ("train/run/parts.py", "from preprocess.build import build", True),  # trainer → build
         ("melcache/loader/make.py", "from . import stream\nfrom ..access import open", False),
         ("train/run/parts.py", "from train.model import contract", False),
+        ("preprocess/inputs/audio.py", "from preprocess.plan import shards", True),
+        ("preprocess/check/verify.py", "from preprocess.write import index_table", False),
     ],
 )
 def test_an_upward_import_is_caught(where: str, source: str, upward: bool) -> None:
