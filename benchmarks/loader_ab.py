@@ -10,7 +10,7 @@ streams the cache with 2 workers (``batch_frames`` 32000, shard check ``fast``) 
 so a change in the machine's load falls on all of them alike. Prints per setting its median
 turn and spread, and the median (and range) within a round of its ratio to the first
 setting (the first ``--against`` commit's). Commits must read this cache and have
-``melcache.loader.make.make_loader``.
+``melcache.loader.make_loader`` or, before the loader moved beside the format, ``train.data``'s.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # One turn, run in the commit's folder: only the public loader API, as old commits have it.
 TURN = """
 import json, pathlib, sys, time
-import melcache.loader.make
-from melcache.loader.data_config import DataConfig
-from melcache.loader import make_loader
+try:
+    import melcache.loader as api  # the loader beside the format (#36 on)
+except ImportError:
+    import train.data as api  # commits before it
+module = sys.modules[api.make_loader.__module__]
 here = pathlib.Path.cwd().resolve()
-if not pathlib.Path(melcache.loader.make.__file__).resolve().is_relative_to(here):
-    sys.exit(f"imported {melcache.loader.make.__file__}, not the commit in {here}")
+if not pathlib.Path(module.__file__).resolve().is_relative_to(here):
+    sys.exit(f"imported {module.__file__}, not the commit in {here}")
+make_loader, DataConfig = api.make_loader, api.DataConfig
 cache, seconds, sync = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 keys = dict(batch_frames=32000, num_workers=2, shard_check="fast")
 if sync != "-":
@@ -51,7 +54,8 @@ print(json.dumps(count / (time.perf_counter() - start)))
 
 def has_sync_key(folder: Path) -> bool:
     """Whether the commit in ``folder`` has ``data.sync_buckets`` (added with the schedule)."""
-    return "sync_buckets" in (folder / "train" / "config.py").read_text()
+    homes = [folder / "melcache" / "loader" / "data_config.py", folder / "train" / "config.py"]
+    return any(p.is_file() and "sync_buckets" in p.read_text() for p in homes)
 
 
 def turn(folder: Path, cache: Path, seconds: float, sync: str) -> float:
