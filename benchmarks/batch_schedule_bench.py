@@ -36,7 +36,7 @@ import torch
 from benchmarks.trainer_bench import build_sample_cache
 from train.adapt.batch_ramp import ramp_accum
 from train.config.tables import load_config
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.run.metrics import read_metrics
 from train.trainer import Trainer
 

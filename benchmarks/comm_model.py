@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.config.train_table import TrainConfig
 from train.model import TextToMel
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.parallel.fsdp import shard
 from train.parallel.powersgd import PowerSGD
 

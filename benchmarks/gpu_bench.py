@@ -77,7 +77,7 @@ from melcache.errors import UserError
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.loader.batch import PAD_ID, Batch
 from train.config.tables import Config, load_config
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.run.metrics import peak_memory
 from train.trainer import Trainer
 from train.tune import tune

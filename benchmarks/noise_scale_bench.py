@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from train.adapt.monitor import NoiseScale
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 
 DIM, POPULATION, NOISE = 32, 50_000, 1.0
 BATCHES = {2: (16, 48), 4: (8, 16, 24, 48)}  # unequal examples per rank and step

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from train.config.tables import load_config  # noqa: E402
-from train.parallel.distributed import Env  # noqa: E402
+from train.parallel.env import Env  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.toml"

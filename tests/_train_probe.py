@@ -45,7 +45,7 @@ from melcache.errors import UserError  # noqa: E402
 from melcache.loader import Batch  # noqa: E402
 from train.config.tables import load_config  # noqa: E402
 from train.memory.probes import MemoryCap, agreement, tensor_bytes  # noqa: E402
-from train.parallel.distributed import setup, teardown  # noqa: E402
+from train.parallel.env import setup, teardown  # noqa: E402
 from train.parallel.fsdp import abandon_step  # noqa: E402
 from train.run import checkpoint  # noqa: E402
 from train.trainer import Trainer  # noqa: E402

@@ -334,7 +334,7 @@ def tiny_trainer(cache: Path, out: Path, overrides: list[str]):  # -> train.trai
     """A :class:`~train.trainer.Trainer` of the tiny config with ``overrides``, in this process
     on the CPU (imported here, not at the top: the build tests need no trainer)."""
     from train.config.tables import load_config
-    from train.parallel.distributed import Env
+    from train.parallel.env import Env
     from train.trainer import Trainer
 
     cfg = load_config(REPO / "configs" / "tiny.toml", overrides)

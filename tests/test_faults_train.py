@@ -8,7 +8,7 @@
   last complete checkpoint and ends at the same final step.
 
 The restart works with torchrun's default shared rendezvous store (each attempt's keys are
-prefixed, ``train/parallel/distributed.py``). Bytes flipped inside a mel, behind intact tar and .npy
+prefixed, ``train/parallel/env.py``). Bytes flipped inside a mel, behind intact tar and .npy
 headers, are caught by the loader's default shard check (xxh3_128) before the shard is used;
 the same damage met in a later epoch is tested in test_shard_check.py.
 - A checkpoint carrying a pickled payload is refused (``weights_only=True``), and the payload
@@ -55,7 +55,7 @@ from melcache.format import MEL_MEMBER
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.stream import planned_stream
 from train.config.tables import load_config
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.run.checkpoint import SHARED, Checkpointer, rank_file
 
 pytestmark = pytest.mark.slow  # torchrun jobs, kills and damaged caches: the full tier

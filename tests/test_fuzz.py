@@ -289,7 +289,7 @@ def fuzzed_bytes(real: bytes, rng: random.Random) -> tuple[bytes, str]:
 def test_fuzzed_checkpoint_files_give_one_line_errors_or_a_load(tmp_path: Path) -> None:
     import torch
 
-    from train.parallel.distributed import Env
+    from train.parallel.env import Env
     from train.run.checkpoint import MARKER, SHARED, Checkpointer, rank_file
 
     cpu = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

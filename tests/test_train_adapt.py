@@ -15,7 +15,7 @@ from helpers import REPO, checkpoint, load, metrics, run_ok, tiny_fit, tiny_trai
 
 from train.config.tables import OptimConfig, load_config
 from train.optim.clipping import GradClip
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.trainer import Trainer
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

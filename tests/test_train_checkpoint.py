@@ -14,7 +14,7 @@ import torch
 from helpers import small_tmpfs
 
 from melcache.errors import UserError
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.run import checkpoint, dcp
 from train.run.checkpoint import MARKER, SHARED, Checkpointer, rank_file
 from train.run.dcp import WEIGHTS

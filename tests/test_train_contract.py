@@ -14,7 +14,7 @@ from helpers import metrics, tiny_fit, tiny_trainer
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, feature_presets
 from train.model.tokenizers import build_tokenizer
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.trainer import Trainer
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

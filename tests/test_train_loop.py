@@ -12,7 +12,7 @@ import torch
 from melcache.errors import UserError
 from train.config.tables import load_config
 from train.optim.precision import resolve_precision
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

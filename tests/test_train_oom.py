@@ -20,7 +20,7 @@ from melcache.errors import UserError
 from melcache.loader import Batch
 from train.config.tables import load_config
 from train.memory.oom import Budgets
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.trainer import Trainer
 
 STAND_IN = 8  # frames (pad_multiple): shorter than any utterance of the cache

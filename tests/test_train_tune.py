@@ -19,7 +19,7 @@ from helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
 from melcache.loader import Batch
 from train.config.tables import load_config
 from train.memory.probes import MemoryCap, tensor_bytes
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.trainer import Trainer
 from train.tune import largest_fitting, tune
 

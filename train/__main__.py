@@ -83,7 +83,7 @@ def _plot_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-    rank = os.environ.get("RANK", "0")  # checked by train.parallel.distributed.setup, not here
+    rank = os.environ.get("RANK", "0")  # checked by train.parallel.env.setup, not here
     logging.basicConfig(
         level=logging.INFO if rank == "0" else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if argv[:1] == ["tune"]:
             from train.config.tables import load_config
-            from train.parallel.distributed import setup, teardown
+            from train.parallel.env import setup, teardown
             from train.tune import render, tune
 
             args = _tune_parser().parse_args(argv[1:])

@@ -34,7 +34,9 @@ from train.model.contract import inverse_count, model_inputs, normalise, rescale
 from train.model.guards import translate_ddp_error
 from train.optim.precision import autocast
 from train.optim.scaler import HIGH_SKIP_RATE
-from train.parallel.distributed import Env, StopFlag, all_reduce_sum, no_sync, setup, teardown
+from train.parallel.ddp import no_sync
+from train.parallel.env import Env, all_reduce_sum, setup, teardown
+from train.parallel.votes import StopFlag
 from train.run.folder import owned_run_folder
 from train.run.metrics import Meter, MetricsLog
 from train.run.parts import RunParts, build_run_parts, wrap_for_training

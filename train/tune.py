@@ -55,7 +55,7 @@ from melcache.reader import ShardCheck, read_shard
 from train.config.tables import Config
 from train.memory.probes import MIB, CapProbe, CudaProbe, MemoryCap, agreement, tensor_bytes
 from train.optim.scaler import HysteresisScaler
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.parallel.fsdp import abandon_step, sharded
 from train.trainer import Trainer
 
@@ -77,7 +77,7 @@ def tune(
 ) -> tuple[list[Row], str]:
     """The budget of every bucket of cache ``shards`` (see the module docstring) and a line
     saying where it was measured. ``memory_limit_mib`` is required on CPU, ignored on CUDA.
-    ``env``: the torchrun job (``train.parallel.distributed.setup``) that searches a sharded strategy
+    ``env``: the torchrun job (``train.parallel.env.setup``) that searches a sharded strategy
     with every rank in step; one process when None."""
     if memory_limit_mib is not None and not (
         math.isfinite(memory_limit_mib) and memory_limit_mib > 0

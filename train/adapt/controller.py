@@ -16,7 +16,7 @@ from train.adapt.monitor import NoiseScale
 from train.adapt.spikes import SpikeSkipper
 from train.config.tables import Config
 from train.optim.clipping import GradClip
-from train.parallel.distributed import Env, all_reduce_sum
+from train.parallel.env import Env, all_reduce_sum
 
 
 class StepMeasures:

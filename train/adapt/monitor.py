@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 
 
 class NoiseScale:

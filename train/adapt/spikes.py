@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from train.config.train_table import TrainConfig
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ launched, so the rank it happens on knows at once, without waiting for the devic
    computes nothing more this step except what DDP needs from every rank: one synchronised
    forward and backward, run on a one-utterance :meth:`Budgets.stand_in` if this rank's own
    last micro-batch is lost;
-2. votes at the end of the step (``train.parallel.distributed.HostVote``: one small all-reduce on the
+2. votes at the end of the step (``train.parallel.votes.HostVote``: one small all-reduce on the
    host, the stop signal riding along); if any rank lost its share, every rank drops the step's
    gradients and skips its optimizer step, and the ranks' failures are gathered;
 3. :meth:`Budgets.settle` lowers the budget of each bucket that failed, identically on every
@@ -49,7 +49,7 @@ import torch
 from melcache.bounded import loads_json, read_limited
 from melcache.errors import UserError
 from melcache.loader.batch import Batch, extras_rows, stand_in_extras
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 
 MIB = 2**20
 

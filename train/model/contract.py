@@ -42,7 +42,7 @@ from melcache.features import feature_presets
 from melcache.loader.batch import Batch
 from melcache.loader.data_config import DataConfig
 from train.config.tables import ModelConfig
-from train.parallel.distributed import Env, all_reduce_sum
+from train.parallel.env import Env, all_reduce_sum
 
 _DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _CHOICES = {

@@ -8,7 +8,7 @@ the model's ``nn.ModuleList``\\ s is one unit (all-gathered for its forward, fre
 root holds the rest. Parameters are all-gathered and compute in bf16 under bf16 precision
 (fp32 otherwise); the master copy and the gradient reduction are fp32 always: a bf16 reduction loses precision as ranks grow (torchtitan reduces in fp32).
 
-What the DDP path does differently (``train/parallel/distributed.py``): accumulation skips the
+What the DDP path does differently (``train/parallel/ddp.py``): accumulation skips the
 reduce-scatter with ``set_requires_gradient_sync(False)``; clipping takes the norm of the
 DTensor gradients (the result is replicated, ``train/optim/clipping.py``); the weights are checkpointed in torch's
 distributed checkpoint format, each rank writing its shards (``train/run/dcp.py``).
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from melcache.errors import UserError
 from train.config.train_table import TrainConfig
 from train.optim.optimizer import EMA
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 
 
 def sharded(cfg: TrainConfig, env: Env) -> bool:

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from train.config.train_table import TrainConfig
-from train.parallel.distributed import Env, derive_seed
+from train.parallel.env import Env
+from train.parallel.rng import derive_seed
 
 # A matrix is compressed when rank-r factors are at least this many times smaller (torch's
 # default): small matrices and every vector are all-reduced exactly.

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from melcache.bounded import loads_json, open_regular, read_limited
 from melcache.errors import UserError
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 from train.run import dcp
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from melcache.errors import UserError
 from melcache.lock import FolderLock
-from train.parallel.distributed import Env
+from train.parallel.env import Env
 
 LOCK_NAME = "trainer.lock"
 

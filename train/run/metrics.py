@@ -23,7 +23,7 @@ from tqdm import tqdm
 from melcache.batching import padding_fraction
 from melcache.bounded import loads_json, read_limited
 from melcache.errors import UserError
-from train.parallel.distributed import Env, all_reduce_sum
+from train.parallel.env import Env, all_reduce_sum
 
 log = logging.getLogger(__name__)
 

@@ -28,16 +28,12 @@ from train.model.tokenizers import build_tokenizer
 from train.optim.optimizer import EMA, build_optimizer, build_scheduler
 from train.optim.precision import AMP_DTYPES, resolve_precision
 from train.optim.scaler import HysteresisScaler
-from train.parallel.distributed import (
-    Env,
-    HostVote,
-    derive_seed,
-    seed_all,
-    use_deterministic_algorithms,
-    wrap_model,
-)
+from train.parallel.ddp import wrap_model
+from train.parallel.env import Env
 from train.parallel.fsdp import shard, sharded
 from train.parallel.powersgd import PowerSGD
+from train.parallel.rng import derive_seed, seed_all, use_deterministic_algorithms
+from train.parallel.votes import HostVote
 from train.run.checkpoint import Checkpointer
 from train.run.validation import Validator, build_validator
 

@@ -14,8 +14,8 @@ import torch
 
 from melcache.errors import UserError
 from melcache.index import read_stats
-from train.parallel.distributed import derive_seed, rng_state, seed_all, set_rng_state
 from train.parallel.fsdp import load_weights, weights_state
+from train.parallel.rng import derive_seed, rng_state, seed_all, set_rng_state
 from train.run.parts import RunParts
 
 log = logging.getLogger(__name__)

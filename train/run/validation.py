@@ -30,14 +30,8 @@ from melcache.loader.make import make_loader
 from train.config.tables import Config
 from train.model.contract import ModelSpec, cast_mel, loader_data, model_inputs, normalise
 from train.optim.optimizer import EMA
-from train.parallel.distributed import (
-    Env,
-    all_reduce_sum,
-    derive_seed,
-    rng_state,
-    seed_all,
-    set_rng_state,
-)
+from train.parallel.env import Env, all_reduce_sum
+from train.parallel.rng import derive_seed, rng_state, seed_all, set_rng_state
 
 log = logging.getLogger(__name__)
 
