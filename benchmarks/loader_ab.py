@@ -30,12 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # One turn, run in the commit's folder: only the public loader API, as old commits have it.
 TURN = """
 import json, pathlib, sys, time
-try:
-    import melcache.loader as api  # the loader beside the format (#36 on)
-except ImportError:
-    import train.data as api  # commits before it
-module = sys.modules[api.make_loader.__module__]
 here = pathlib.Path.cwd().resolve()
+# The loader beside the format (#36 on), or train.data in commits before it. Decided by the
+# commit's tree: an editable install would otherwise find this checkout's melcache.loader.
+if (here / "melcache" / "loader").is_dir():
+    import melcache.loader as api
+else:
+    import train.data as api
+module = sys.modules[api.make_loader.__module__]
 if not pathlib.Path(module.__file__).resolve().is_relative_to(here):
     sys.exit(f"imported {module.__file__}, not the commit in {here}")
 make_loader, DataConfig = api.make_loader, api.DataConfig
