@@ -11,7 +11,7 @@ tree, with the same number of DataLoader workers each:
    and computes the same log-mel (``preprocess.write.extractor.MelExtractor``) in ``__getitem__``;
    random batches of 32, ``pin_memory`` (with CUDA), ``persistent_workers``,
    ``prefetch_factor=2``, a collate that sorts by length and pads;
-2. ``melcache.loader.make.make_loader`` over each cache with its default shard check
+2. ``melcache.loader.make_loader`` over each cache with its default shard check
    (``shard_check="fast"``) and with none (``"off"``), and over this release's cache with
    ``"sha256"`` (sha256 on every read, the previous default).
 

@@ -10,7 +10,7 @@ times each (the best real-time factor counts), then for each cache reports:
   Lhotse's) and of the whole shards (tar headers, metadata json);
 - the max and mean absolute error of every stored mel against the float32 mel the build
   computes from the same audio;
-- loader samples/s (``melcache.loader.make.make_loader``, ``--workers`` processes, its default
+- loader samples/s (``melcache.loader.make_loader``, ``--workers`` processes, its default
   integrity check), warm, alternating between the caches ``--rounds`` times.
 
 When ``lhotse`` is installed (it is not a dependency), the same float32 mels go through its

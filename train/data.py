@@ -4,30 +4,8 @@
 the format it reads (``melcache/loader/``), and nothing in this repository imports it here.
 """
 
+import melcache.loader
 from melcache.errors import ShardError
-from melcache.loader import (
-    BYTE_VOCAB_SIZE,
-    PAD_ID,
-    Batch,
-    BatchIterator,
-    DataConfig,
-    LoaderClosed,
-    StreamLoader,
-    bucket_lengths,
-    make_loader,
-    utf8_tokens,
-)
+from melcache.loader import *  # noqa: F403 (every public name of the loader, as before)
 
-__all__ = [
-    "BYTE_VOCAB_SIZE",
-    "PAD_ID",
-    "Batch",
-    "BatchIterator",
-    "DataConfig",
-    "LoaderClosed",
-    "ShardError",
-    "StreamLoader",
-    "bucket_lengths",
-    "make_loader",
-    "utf8_tokens",
-]
+__all__ = [*melcache.loader.__all__, "ShardError"]

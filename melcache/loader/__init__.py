@@ -15,13 +15,8 @@ loader's state and resume).
 
 from melcache.loader.batch import BYTE_VOCAB_SIZE, PAD_ID, Batch, utf8_tokens
 from melcache.loader.data_config import DataConfig
-from melcache.loader.make import (
-    BatchIterator,
-    LoaderClosed,
-    StreamLoader,
-    bucket_lengths,
-    make_loader,
-)
+from melcache.loader.make import BatchIterator, LoaderClosed, StreamLoader, make_loader
+from melcache.loader.mix import bucket_lengths
 
 __all__ = [
     "BYTE_VOCAB_SIZE",

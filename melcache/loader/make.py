@@ -57,14 +57,13 @@ from typing import Any
 
 import torch
 
-from melcache.errors import ShardError, UserError
+from melcache.errors import UserError
 from melcache.features import FeatureConfig
-from melcache.loader.batch import BYTE_VOCAB_SIZE, PAD_ID, Batch, utf8_tokens
+from melcache.loader.batch import Batch, utf8_tokens
 from melcache.loader.data_config import DataConfig
 from melcache.loader.mix import (
     CacheArg,
     OpenedMix,
-    bucket_lengths,
     check_extras,
     check_layout,
     open_mix,
@@ -76,19 +75,7 @@ from melcache.loader.stream import Cursor, StreamSpec, progress
 from melcache.loader.workers import check_shared_memory, worker_batches
 from melcache.sections import require
 
-__all__ = [
-    "BYTE_VOCAB_SIZE",
-    "PAD_ID",
-    "Batch",
-    "BatchIterator",
-    "DataConfig",
-    "LoaderClosed",
-    "ShardError",
-    "StreamLoader",
-    "bucket_lengths",
-    "make_loader",
-    "utf8_tokens",
-]
+__all__ = ["BatchIterator", "LoaderClosed", "StreamLoader", "make_loader"]
 
 logger = logging.getLogger(__name__)
 
