@@ -26,7 +26,7 @@ import torch
 from f5_tts.model import CFM, DiT
 from torch import nn
 
-from melcache.loader.batch import Batch
+from melcache.loader import Batch
 
 PROMPT_SHARE = 0.3  # of each utterance given as the audio prompt when predicting
 ODE_STEPS = 6  # F5-TTS's predefined Empirically Pruned Step Sampling for few steps
