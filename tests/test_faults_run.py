@@ -72,7 +72,10 @@ def test_a_second_trainer_in_one_run_folder_is_refused_and_a_dead_ones_lock_take
     train_cache: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    with started(train(train_cache, out, steps=10_000), tmp_path / "first.log") as first:
+    # The first never checkpoints: on a fast machine it passed step 25 (tiny.toml's ckpt_every)
+    # before it was killed, and the rerun below then resumed past its own --max-steps 2.
+    first_cmd = train(train_cache, out, "train.ckpt_every=1000000", steps=10_000)
+    with started(first_cmd, tmp_path / "first.log") as first:
         lock = out / "trainer.lock"
         assert wait_for(lambda: (out / "config.json").exists(), first, 120), (
             tmp_path / "first.log"

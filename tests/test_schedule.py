@@ -232,7 +232,7 @@ def test_caches_of_a_mix_need_one_feature_config(sample_cache: Path, tmp_path: P
 
 PREVIOUS = """
 import json, sys, torch
-from melcache.loader import DataConfig, make_loader
+from train.data import DataConfig, make_loader  # the previous release: its own address
 loader = make_loader(sys.argv[1], DataConfig(batch_frames=1500, max_batch_size=2, num_workers=2),
                      seed=7)
 stream = iter(loader)
