@@ -9,7 +9,6 @@ a cycle waiting to happen. README "Layout" explains why each room exists.
 from __future__ import annotations
 
 import ast
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -148,28 +147,44 @@ def test_the_loader_lives_beside_the_format_and_the_old_address_still_works() ->
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 
-PRE_HOUSE = REPO / "tests" / "data" / "pre_house"
+BEFORE_THE_MOVE = "2892e50"  # flat train/, the loader in train/: the commit before #36
+RUN_KEYS = ("train.ckpt_every=6", "train.log_every=3")
 
 
-@pytest.mark.slow  # a 2-process torchrun job
+@pytest.mark.slow  # three 2-process torchrun jobs, two of them of the commit before the move
 def test_a_run_saved_before_the_move_resumes_bitwise_after_it(train_cache: Path, tmp_path: Path):
-    """A checkpoint and loader states written at 2892e50 (flat train/, the loader in train/,
-    tests/data/pre_house/make.py) resume with today's code to the same step-12 weights, RNG
-    and loader states as that commit's uninterrupted run."""
-    run = tmp_path / "run"
-    shutil.copytree(PRE_HOUSE / "run", run)
-    extra = ("train.ckpt_every=6", "train.log_every=3")
-    done = run_ok(train_cmd(train_cache, run, *extra, max_steps=12), timeout=600)
+    """A checkpoint and loader states written by the commit before the move (run from its own
+    tree, ``git archive``) resume with today's code to the same step-12 weights, RNG and
+    loader states as that commit's uninterrupted run."""
+    old = tmp_path / "before"
+    old.mkdir()
+    tree = ["git", "-C", str(REPO), "archive", BEFORE_THE_MOVE, "melcache", "train"]
+    archive = subprocess.run(tree, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    assert str(old / "train") in _imported_train(old), "the old tree's train/ would not run"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out, steps in ((straight, 12), (resumed, 6)):
+        command = train_cmd(train_cache, out, *RUN_KEYS, max_steps=steps)
+        command[command.index("--config") + 1] = str(old / "melcache" / "presets" / "tiny.toml")
+        done = subprocess.run(command, cwd=old, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    done = run_ok(train_cmd(train_cache, resumed, *RUN_KEYS, max_steps=12), timeout=600)
     assert "resumed from" in done.stderr
-    step = checkpoint(run, 12)
-    want = torch.load(PRE_HOUSE / "step-12" / "weights.pt", weights_only=True)
-    got = load(step)
-    assert _same(want["model"], got["model"]) and _same(want["ema"], got["ema"])
+    want, got = checkpoint(straight, 12), checkpoint(resumed, 12)
+    assert _same(load(want)["model"], load(got)["model"])
+    assert _same(load(want)["ema"], load(got)["ema"])
     for rank in (0, 1):
-        theirs = torch.load(PRE_HOUSE / "step-12" / f"rank-0000{rank}.pt", weights_only=True)
-        mine = load(step, f"rank-0000{rank}.pt")
+        theirs, mine = load(want, f"rank-0000{rank}.pt"), load(got, f"rank-0000{rank}.pt")
         assert _same(mine["loader"], theirs["loader"]), f"rank {rank} loader state differs"
         assert _same(mine["rng"], theirs["rng"]), f"rank {rank} RNG differs"
+
+
+def _imported_train(tree: Path) -> str:
+    """Where ``import train`` resolves when run from ``tree``, as its torchrun workers do."""
+    code = "import train.trainer; print(train.trainer.__file__)"
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def _same(a: object, b: object) -> bool:
