@@ -17,7 +17,7 @@ same seed) under
 
 Prints one JSON line per bucket and one for the whole epoch (batches, mean utterances and
 padded frames per batch, padding %); ``python -m benchmarks.results --only budgets`` renders
-them into the README. The memory profile is the tiny
+them into docs/results.md. The memory profile is the tiny
 model's on CPU (``train.memory.probes.MemoryCap``); a GPU and the base model have a larger quadratic
 share, so their short buckets gain more.
 """

@@ -1,4 +1,4 @@
-"""The README's plug-in examples with the real packages, from random init, on 2 gloo ranks:
+"""The plug-in examples (docs/models.md) with the real packages, from random init, on 2 gloo ranks:
 ``examples/f5tts`` (F5-TTS's CFM + DiT) and ``examples/chattts_dvae`` (ChatTTS's DVAE). Each
 trains with its loss falling, and a run stopped halfway resumes bitwise on CPU. Skipped where
 the extras are not installed (CI installs them: .ci/run). And the quick start's sample-corpus

@@ -55,7 +55,7 @@ def test_cpu_run_prints_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     nosync = by_name["accum-nosync"]["loss"]
     assert by_name["accum-sync"]["loss"] == pytest.approx(nosync, rel=1e-3)
     assert by_name["ckpt"]["loss"] == pytest.approx(nosync, rel=1e-3)
-    # The README's GPU section is rendered from the rows file, the same table.
+    # docs/results.md's GPU section is rendered from the rows file, the same table.
     monkeypatch.setattr(results, "GPU_RESULTS", rows_file)
     rendered = results.gpu_table(quick=False).splitlines()
     assert "tiny model on cpu" in rendered[0]

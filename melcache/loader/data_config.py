@@ -30,8 +30,8 @@ class DataConfig:
     num_workers: int = 2
     pad_multiple: int = 8
     on_error: str = "raise"
-    shard_check: str = "fast"  # "fast" (xxh3_128 every read), "sha256" or "off": README Loading
-    # Every rank's batches of a step from one length bucket (README "Streaming loader");
+    shard_check: str = "fast"  # "fast" (xxh3_128 every read), "sha256" or "off": docs/loader.md
+    # Every rank's batches of a step from one length bucket (docs/loader.md, "One schedule");
     # false: the stream of earlier releases (one cache: the same batches, old states resume).
     sync_buckets: bool = True
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:

@@ -35,7 +35,7 @@ class TrainConfig:
     powersgd_rank: int = 4
     powersgd_start_iter: int = 1_000
     bucket_cap_mb: float = 25.0  # DDP's gradient bucket size (torch's default)
-    # Data parallelism (README Sharding): DDP replicates everything; fsdp2 shards parameters,
+    # Data parallelism (docs/training.md, "FSDP2 and HSDP"): DDP replicates everything; fsdp2 shards parameters,
     # gradients and optimizer state over all ranks, hsdp over groups of hsdp_shard_size ranks
     # (0: one node's) replicated across groups. Sharded parameters are all-gathered in bf16
     # when train.precision is bf16 (fp32 otherwise); master copy and reduction stay fp32.

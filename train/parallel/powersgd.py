@@ -1,6 +1,6 @@
 """PowerSGD gradient compression (Vogels et al., 2019) as a DDP communication hook.
 
-Written here rather than taken from torch's ``powerSGD_hook`` (see README, Gradient
+Written here rather than taken from torch's ``powerSGD_hook`` (see docs/training.md, PowerSGD
 compression) because that one, in torch 2.14.1:
 
 - hangs on gloo once two buckets are in flight: its ``then`` callbacks block in
