@@ -396,3 +396,28 @@ def processes_naming(tag: str) -> list[int]:
         if tag.encode() in args and state != "Z" and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     return found
+
+
+def same_weights(a: Path, b: Path) -> None:
+    """Checkpoints ``a`` and ``b`` hold bitwise the same model, EMA, AdamW moments and
+    adaptive states."""
+    sa, sb = load(a), load(b)
+    for key, tensor in sa["model"].items():
+        assert torch.equal(tensor, sb["model"][key]), key
+    for name, tensor in sa["ema"]["shadow"].items():
+        assert torch.equal(tensor, sb["ema"]["shadow"][name]), name
+    for pid, moments in sa["optimizer"]["state"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(tensor, sb["optimizer"]["state"][pid][key]), (pid, key)
+    for part in ("clip", "spikes", "noise_scale"):
+        for key, value in sa.get(part, {}).items():
+            other = sb[part][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+
+
+def same_ddp_run(a: Path, b: Path) -> None:
+    """:func:`same_weights`, and each of 2 ranks' loader position and torch RNG equal."""
+    same_weights(a, b)
+    for rank in (0, 1):
+        ra, rb = load(a, f"rank-{rank:05d}.pt"), load(b, f"rank-{rank:05d}.pt")
+        assert ra["loader"] == rb["loader"] and torch.equal(ra["rng"]["torch"], rb["rng"]["torch"])

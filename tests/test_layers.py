@@ -9,13 +9,9 @@ a cycle waiting to happen. README "Layout" explains why each room exists.
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import checkpoint, load, run_ok, train_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("melcache", "preprocess", "train")
@@ -129,70 +125,3 @@ def test_an_upward_import_is_caught(where: str, source: str, upward: bool) -> No
     """The check itself: each upward import is reported, and a downward one is not."""
     found = violations(REPO / where, source)
     assert bool(found) == upward, found
-
-
-def test_the_loader_lives_beside_the_format_and_the_old_address_still_works() -> None:
-    """``from melcache.loader import make_loader, DataConfig`` is the documented way;
-    ``train.data`` and ``train.collate`` re-export it for one release; ``import melcache``
-    alone stays free of torch (a build host or a notebook needs no trainer)."""
-    import melcache.loader
-    import train.collate
-    import train.data
-
-    assert train.data.make_loader is melcache.loader.make_loader
-    assert train.data.DataConfig is melcache.loader.DataConfig
-    assert train.collate.Batch is train.data.Batch is melcache.loader.Batch
-    code = "import sys, melcache; print('torch' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
-
-
-BEFORE_THE_MOVE = "2892e50"  # flat train/, the loader in train/: the commit before #36
-RUN_KEYS = ("train.ckpt_every=6", "train.log_every=3")
-
-
-@pytest.mark.slow  # three 2-process torchrun jobs, two of them of the commit before the move
-def test_a_run_saved_before_the_move_resumes_bitwise_after_it(train_cache: Path, tmp_path: Path):
-    """A checkpoint and loader states written by the commit before the move (run from its own
-    tree, ``git archive``) resume with today's code to the same step-12 weights, RNG and
-    loader states as that commit's uninterrupted run."""
-    old = tmp_path / "before"
-    old.mkdir()
-    tree = ["git", "-C", str(REPO), "archive", BEFORE_THE_MOVE, "melcache", "train"]
-    archive = subprocess.run(tree, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    assert str(old / "train") in _imported_train(old), "the old tree's train/ would not run"
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    for out, steps in ((straight, 12), (resumed, 6)):
-        command = train_cmd(train_cache, out, *RUN_KEYS, max_steps=steps)
-        command[command.index("--config") + 1] = str(old / "melcache" / "presets" / "tiny.toml")
-        done = subprocess.run(command, cwd=old, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-    done = run_ok(train_cmd(train_cache, resumed, *RUN_KEYS, max_steps=12), timeout=600)
-    assert "resumed from" in done.stderr
-    want, got = checkpoint(straight, 12), checkpoint(resumed, 12)
-    assert _same(load(want)["model"], load(got)["model"])
-    assert _same(load(want)["ema"], load(got)["ema"])
-    for rank in (0, 1):
-        theirs, mine = load(want, f"rank-0000{rank}.pt"), load(got, f"rank-0000{rank}.pt")
-        assert _same(mine["loader"], theirs["loader"]), f"rank {rank} loader state differs"
-        assert _same(mine["rng"], theirs["rng"]), f"rank {rank} RNG differs"
-
-
-def _imported_train(tree: Path) -> str:
-    """Where ``import train`` resolves when run from ``tree``, as its torchrun workers do."""
-    code = "import train.trainer; print(train.trainer.__file__)"
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True
-    ).stdout
-
-
-def _same(a: object, b: object) -> bool:
-    """Nested dicts, lists and tensors equal to the bit."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    return a == b

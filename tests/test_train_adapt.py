@@ -11,7 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, checkpoint, load, metrics, run_ok, tiny_fit, tiny_trainer, train_cmd
+from helpers import (
+    REPO,
+    checkpoint,
+    load,
+    metrics,
+    run_ok,
+    same_ddp_run,
+    same_weights,
+    tiny_fit,
+    tiny_trainer,
+    train_cmd,
+)
 
 from train.config.tables import OptimConfig, load_config
 from train.optim.clipping import GradClip
@@ -50,29 +61,6 @@ def fit(cache: Path, out: Path, steps: int, *extra: str) -> Trainer:
 
 def spikes(out: Path) -> list[dict]:
     return [r for r in metrics(out) if r.get("event") == "spike"]
-
-
-def same_weights(a: Path, b: Path) -> None:
-    sa, sb = load(a), load(b)
-    for key, tensor in sa["model"].items():
-        assert torch.equal(tensor, sb["model"][key]), key
-    for name, tensor in sa["ema"]["shadow"].items():
-        assert torch.equal(tensor, sb["ema"]["shadow"][name]), name
-    for pid, moments in sa["optimizer"]["state"].items():
-        for key, tensor in moments.items():
-            assert torch.equal(tensor, sb["optimizer"]["state"][pid][key]), (pid, key)
-    for part in ("clip", "spikes", "noise_scale"):
-        for key, value in sa.get(part, {}).items():
-            other = sb[part][key]
-            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
-
-
-def same_ddp_run(a: Path, b: Path) -> None:
-    """:func:`same_weights`, and each of 2 ranks' loader position and torch RNG equal."""
-    same_weights(a, b)
-    for rank in (0, 1):
-        ra, rb = load(a, f"rank-{rank:05d}.pt"), load(b, f"rank-{rank:05d}.pt")
-        assert ra["loader"] == rb["loader"] and torch.equal(ra["rng"]["torch"], rb["rng"]["torch"])
 
 
 def test_a_loss_spike_is_skipped_and_a_resume_is_bitwise(train_cache: Path, tmp_path: Path) -> None:

@@ -6,12 +6,15 @@ import io
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path, PosixPath
 
 import pytest
 import torch
-from helpers import small_tmpfs
+from helpers import REPO, load, run_ok, same_ddp_run, small_tmpfs, train_cmd
+from helpers import checkpoint as step_folder
 
 from melcache.errors import UserError
 from train.parallel.env import Env
@@ -189,3 +192,43 @@ def test_dcp_metadata_may_name_the_path_class_of_any_python(module: str) -> None
     text = text.replace(PosixPath.__module__.encode() + b"\n", module.encode() + b"\n")
     assert module.encode() + b"\nPosixPath" in text
     assert dcp._MetadataUnpickler(io.BytesIO(text)).load() == PosixPath("/runs/a")
+
+
+BEFORE_THE_MOVE = "2892e50"  # flat train/, the loader in train/: the commit before #36
+RUN_KEYS = ("train.ckpt_every=6", "train.log_every=3")
+
+
+@pytest.mark.slow  # three 2-process torchrun jobs, two of them of the commit before the move
+def test_a_run_saved_before_the_move_resumes_bitwise_after_it(train_cache: Path, tmp_path: Path):
+    """A checkpoint and loader states written by the commit before the move (run from its own
+    tree, ``git archive``) resume with today's code to the same step-12 weights, RNG and
+    loader states as that commit's uninterrupted run."""
+    old = tmp_path / "before"
+    old.mkdir()
+    tree = ["git", "-C", str(REPO), "archive", BEFORE_THE_MOVE, "melcache", "train"]
+    archive = subprocess.run(tree, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    assert str(old / "train") in _imported_train(old), "the old tree's train/ would not run"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out, steps in ((straight, 12), (resumed, 6)):
+        command = train_cmd(train_cache, out, *RUN_KEYS, max_steps=steps)
+        command[command.index("--config") + 1] = str(old / "melcache" / "presets" / "tiny.toml")
+        done = subprocess.run(command, cwd=old, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    done = run_ok(train_cmd(train_cache, resumed, *RUN_KEYS, max_steps=12), timeout=600)
+    assert "resumed from" in done.stderr
+    want, got = step_folder(straight, 12), step_folder(resumed, 12)
+    same_ddp_run(want, got)
+    for rank in (0, 1):  # and the Python and NumPy generators, which same_ddp_run leaves out
+        theirs, mine = (load(c, f"rank-{rank:05d}.pt")["rng"] for c in (want, got))
+        assert mine["python"] == theirs["python"], f"rank {rank} Python RNG differs"
+        assert torch.equal(mine["numpy"]["keys"], theirs["numpy"]["keys"]), rank
+        assert mine["numpy"] == {**theirs["numpy"], "keys": mine["numpy"]["keys"]}, rank
+
+
+def _imported_train(tree: Path) -> str:
+    """Where ``import train`` resolves when run from ``tree``, as its torchrun workers do."""
+    code = "import train.trainer; print(train.trainer.__file__)"
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True
+    ).stdout
