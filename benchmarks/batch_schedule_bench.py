@@ -6,8 +6,8 @@ Three 2-rank gloo jobs of the tiny config on the sample corpus (``torchrun``), e
 ``--micro`` micro-batches per rank in all (the same frames, to within a step):
 
 - fixed: ``train.grad_accum = 4`` from the start;
-- ramp: ``train.batch_ramp_steps`` over the first quarter, accumulation 1 → 2 → 4;
-- closed loop: accumulation 1, doubled (up to 4) by ``train.batch_adaptive`` from the noise
+- ramp: ``train.adapt.batch_ramp_steps`` over the first quarter, accumulation 1 → 2 → 4;
+- closed loop: accumulation 1, doubled (up to 4) by ``train.adapt.batch_adaptive`` from the noise
   scale, at ``optim.lr`` × √(1/4) for accumulation 1 as the ramp starts, so that at 4 all
   three train at the same rate. It cannot know its step count ahead: it is resumed (exactly)
   in pieces until its loader has drawn ``--micro`` micro-batches.
@@ -16,7 +16,7 @@ Reported: steps, frames and the first logged step at which each reaches a target
 highest of the three runs' best window losses, so every run reaches it). Then the overhead:
 the schedule's own host work per step (ramp and closed-loop calls, timed inside one
 in-process run) as a share of the step, and the monitor's (hook, all-reduce, EMA) as the step
-time of the fixed job with ``train.noise_scale`` on against off.
+time of the fixed job with ``train.adapt.noise_scale`` on against off.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ COMMON = [
     "data.num_workers=1",
     "train.precision=fp32",
     "train.log_every=5",
-    "train.ckpt_every=1000",
+    "train.checkpoint.every=1000",
     "optim.warmup_steps=5",
 ]
 ACCUM = 4
@@ -79,10 +79,21 @@ def side_by_side(shards: str, micro: int, root: Path) -> dict[str, Any]:
         ramp_run += 1
     runs = {
         "fixed": (micro // ACCUM, [f"train.grad_accum={ACCUM}"]),
-        "ramp": (ramp_run, [f"train.grad_accum={ACCUM}", f"train.batch_ramp_steps={ramp_steps}"]),
+        "ramp": (
+            ramp_run,
+            [f"train.grad_accum={ACCUM}", f"train.adapt.batch_ramp_steps={ramp_steps}"],
+        ),
     }
-    adaptive = ["train.noise_scale=true", "train.batch_adaptive=true", "train.noise_scale_ema=0.9"]
-    adaptive += [f"train.batch_max_accum={ACCUM}", "train.batch_cooldown=5", "optim.lr=1e-3"]
+    adaptive = [
+        "train.adapt.noise_scale=true",
+        "train.adapt.batch_adaptive=true",
+        "train.adapt.noise_scale_ema=0.9",
+    ]
+    adaptive += [
+        f"train.adapt.batch_max_accum={ACCUM}",
+        "train.adapt.batch_cooldown=5",
+        "optim.lr=1e-3",
+    ]
     rows = {}
     for name, (steps, extra) in runs.items():
         job(shards, root / name, steps, extra)
@@ -92,7 +103,7 @@ def side_by_side(shards: str, micro: int, root: Path) -> dict[str, Any]:
         left = micro - (drawn(out) if steps else 0)
         accum = ACCUM if not steps else max(1, _last_accum(out))
         steps += max(1, left // accum)
-        job(shards, out, steps, [*adaptive, "train.ckpt_every=5"])
+        job(shards, out, steps, [*adaptive, "train.checkpoint.every=5"])
     rows["closed loop"] = windows(out)
     rises = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "batch_size"]
     target = max(min(r["loss"] for r in rs) for rs in rows.values())
@@ -118,7 +129,7 @@ def _last_accum(out: Path) -> int:
 def schedule_overhead(shards: str, steps: int, root: Path) -> dict[str, float]:
     """Host time of the schedule's calls per step, over the step time, in one process."""
     overrides = [*COMMON, "data.num_workers=0", f"train.grad_accum={ACCUM}"]
-    overrides.append(f"train.batch_ramp_steps={steps // 2}")
+    overrides.append(f"train.adapt.batch_ramp_steps={steps // 2}")
     env = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     trainer = Trainer(load_config(TINY, overrides), shards, root / "overhead", env)
     spent = [0.0]
@@ -148,7 +159,7 @@ def monitor_overhead(shards: str, steps: int, root: Path) -> dict[str, float]:
     (alternating, 2 rounds: the median of each)."""
     times: dict[str, list[float]] = {"off": [], "on": []}
     for round_ in range(2):
-        for name, extra in (("off", []), ("on", ["train.noise_scale=true"])):
+        for name, extra in (("off", []), ("on", ["train.adapt.noise_scale=true"])):
             out = root / f"monitor-{name}-{round_}"
             job(shards, out, steps, [f"train.grad_accum={ACCUM}", *extra])
             steady = windows(out)[1:]  # the first window holds start-up

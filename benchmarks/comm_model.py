@@ -34,7 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from train.config.train_table import TrainConfig
+from train.config.train_table import ParallelConfig
 from train.model import TextToMel
 from train.parallel.env import Env
 from train.parallel.fsdp import shard
@@ -50,7 +50,7 @@ _COUNTED = ("all_reduce", "all_gather_single", "reduce_scatter_single")
 # ---- measured: one step of the real hooks on 2 gloo ranks ----------------------------------
 def _wrap(model: torch.nn.Module, strategy: str, env: Env, bucket_mb: float) -> torch.nn.Module:
     if strategy in ("fsdp2", "hsdp"):
-        cfg = TrainConfig(strategy=strategy, hsdp_shard_size=1)  # hsdp: replicate 2 × shard 1
+        cfg = ParallelConfig(strategy=strategy, hsdp_shard_size=1)  # hsdp: replicate 2 × shard 1
         return shard(model, env, cfg, torch.bfloat16)
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     if strategy == "ddp-fp32":

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from melcache.errors import UserError
-from melcache.sections import load_toml, make_section, preset_names, require
+from melcache.sections import bounded, check_numbers, load_toml, make_section, preset_names, require
 
 # Bounds that keep every derived size (ring slots, filterbanks) sane for any index read.
 MAX_SAMPLE_RATE = 768_000
@@ -33,29 +33,21 @@ class FeatureConfig:
     ``sqrt(re² + im² + magnitude_eps)`` and the stored value ``ln(max(mel, log_floor))``.
     """
 
-    sample_rate: int = 24_000
-    n_fft: int = 1024
-    win_length: int = 1024
-    hop_length: int = 256
-    n_mels: int = 100
-    f_min: float = 0.0
-    f_max: float = 12_000.0
+    sample_rate: int = bounded(24_000, 1, MAX_SAMPLE_RATE)
+    n_fft: int = bounded(1024, 1, MAX_N_FFT)
+    win_length: int = bounded(1024, 1, MAX_N_FFT)  # and at most n_fft
+    hop_length: int = bounded(256, 1, MAX_N_FFT)  # and at most win_length
+    n_mels: int = bounded(100, 1, MAX_N_FFT // 2 + 1)  # and at most the FFT's bins
+    f_min: float = bounded(0.0, 0, MAX_SAMPLE_RATE / 2)
+    f_max: float = bounded(12_000.0, 0, MAX_SAMPLE_RATE / 2, open_low=True)  # ≤ sample_rate / 2
     mel_scale: str = "htk"
     mel_norm: str = "none"
     center: bool = True
-    magnitude_eps: float = 0.0
-    log_floor: float = 1e-5
+    magnitude_eps: float = bounded(0.0, 0, 1e6)
+    log_floor: float = bounded(1e-5, 0, 1e6, open_low=True)
 
     def __post_init__(self) -> None:
-        require(
-            0 < self.sample_rate <= MAX_SAMPLE_RATE,
-            "features.sample_rate",
-            self.sample_rate,
-            f"a rate in Hz up to {MAX_SAMPLE_RATE}",
-        )
-        require(
-            0 < self.n_fft <= MAX_N_FFT, "features.n_fft", self.n_fft, f"between 1 and {MAX_N_FFT}"
-        )
+        check_numbers(self, "features")
         require(
             0 < self.win_length <= self.n_fft,
             "features.win_length",

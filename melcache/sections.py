@@ -10,6 +10,7 @@ tables and keys, and values of the wrong TOML type, are refused here by name.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Mapping
 from importlib import resources
@@ -24,6 +25,65 @@ def require(ok: bool, key: str, value: Any, expected: str) -> None:
     """Raise a UserError naming the config key, its bad value and what would be valid."""
     if not ok:
         raise UserError(f"config key {key} = {value!r} is invalid: expected {expected}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range a numeric config key must fall in: ``[low, high]``, either end open."""
+
+    low: float
+    high: float
+    open_low: bool = False
+    open_high: bool = False
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` is inside the range."""
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below
+
+    def describe(self, kind: str) -> str:
+        """``"an int in [2, 1000000]"``: what a refusal says would be valid."""
+        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        low, high = _number(self.low), _number(self.high)
+        return f"{'an int' if kind == 'int' else 'a number'} in {left}{low}, {high}{right}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
+def bounded(
+    default: float, low: float, high: float, *, open_low: bool = False, open_high: bool = False
+) -> Any:
+    """A numeric config field with its range stated beside it (checked by :func:`check_numbers`)."""
+    return dataclasses.field(
+        default=default, metadata={"bounds": Bounds(low, high, open_low, open_high)}
+    )
+
+
+def check_numbers(config: Any, section: str) -> None:
+    """Check every ``int`` and ``float`` field of the config dataclass ``config``, named
+    ``section.key`` in errors: its type (a bool is not a number; an int given for a float key is
+    converted, so it is never computed with as a Python big integer), finite, and within the
+    range :func:`bounded` states beside it. Call it first in ``__post_init__``."""
+    for field in dataclasses.fields(config):
+        kind = str(field.type)
+        if kind not in ("int", "float"):
+            continue
+        key, value = f"{section}.{field.name}", getattr(config, field.name)
+        bounds = field.metadata.get("bounds")
+        expected = bounds.describe(kind) if bounds else f"a finite {kind}"
+        allowed = int if kind == "int" else (int, float)
+        require(isinstance(value, allowed) and not isinstance(value, bool), key, value, expected)
+        if kind == "float":
+            try:
+                value = float(value)
+            except OverflowError:  # an int beyond any float
+                value = math.inf
+            object.__setattr__(config, field.name, value)  # frozen: set once, at creation
+            require(math.isfinite(value), key, value, expected)
+        require(bounds is None or bounds.holds(value), key, value, expected)
 
 
 _PRESETS = resources.files("melcache") / "presets"
@@ -85,6 +145,11 @@ def make_section(kind: type, table: Any, section: str, source: str) -> Any:
     for field in dataclasses.fields(kind):
         if field.name not in values:
             continue
+        if _is_section(field.default_factory):  # a sub-table: [train.parallel]
+            values[field.name] = make_section(
+                field.default_factory, values[field.name], f"{section}.{field.name}", source
+            )
+            continue
         _check_type(values[field.name], field, f"{section}.{field.name}")
         if str(field.type).startswith("tuple") and isinstance(values[field.name], list):
             values[field.name] = tuple(
@@ -93,6 +158,10 @@ def make_section(kind: type, table: Any, section: str, source: str) -> Any:
         elif isinstance(values[field.name], Mapping):
             values[field.name] = dict(values[field.name])
     return kind(**values)
+
+
+def _is_section(factory: Any) -> bool:
+    return isinstance(factory, type) and dataclasses.is_dataclass(factory)
 
 
 _SCALARS = {"int": int, "float": (int, float), "bool": bool, "str": str}

@@ -14,7 +14,7 @@ from typing import Any
 
 from melcache.extras import name_problem
 from melcache.features import FeatureConfig
-from melcache.sections import load_toml, make_section, require
+from melcache.sections import bounded, check_numbers, load_toml, make_section, require
 from melcache.storage import FP16, STORAGES
 
 
@@ -22,50 +22,35 @@ from melcache.storage import FP16, STORAGES
 class BuildConfig:
     """How utterances are filtered, bucketed and packed into shards."""
 
-    min_seconds: float = 0.3
-    max_seconds: float = 30.0
-    num_buckets: int = 10
+    min_seconds: float = bounded(0.3, 0, 86_400, open_low=True)
+    max_seconds: float = bounded(30.0, 0, 86_400, open_low=True)  # and above min_seconds
+    num_buckets: int = bounded(10, 1, 1_000)
     bucket_edges_seconds: tuple[float, ...] = ()
-    shard_max_samples: int = 4000
-    shard_max_bytes: int = 128_000_000
-    min_shards: int = 64
-    silence_dbfs: float = -70.0
+    shard_max_samples: int = bounded(4000, 1, 10**9)
+    shard_max_bytes: int = bounded(128_000_000, 1 << 16, 1 << 40)
+    min_shards: int = bounded(64, 1, 10**7)
+    silence_dbfs: float = bounded(-70.0, -1_000, 0, open_high=True)
     storage: str = FP16  # how mels are stored: melcache.storage.STORAGES
     # Row fields each sample carries for models that ask (language, ...): melcache/extras.py
     extras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        require(self.min_seconds > 0, "build.min_seconds", self.min_seconds, "a positive duration")
+        check_numbers(self, "build")
         require(
             self.max_seconds > self.min_seconds,
             "build.max_seconds",
             self.max_seconds,
             f"above min_seconds ({self.min_seconds})",
         )
-        require(self.num_buckets >= 1, "build.num_buckets", self.num_buckets, "at least 1")
         edges = self.bucket_edges_seconds
         require(
-            all(self.min_seconds < e < self.max_seconds for e in edges)
+            isinstance(edges, tuple)
+            and all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in edges)
+            and all(self.min_seconds < e < self.max_seconds for e in edges)
             and list(edges) == sorted(set(edges)),
             "build.bucket_edges_seconds",
             list(edges),
             "strictly increasing inner edges between min_seconds and max_seconds",
-        )
-        require(
-            self.shard_max_samples >= 1,
-            "build.shard_max_samples",
-            self.shard_max_samples,
-            "at least 1",
-        )
-        require(
-            self.shard_max_bytes >= 1 << 16,
-            "build.shard_max_bytes",
-            self.shard_max_bytes,
-            "at least 65536",
-        )
-        require(self.min_shards >= 1, "build.min_shards", self.min_shards, "at least 1")
-        require(
-            self.silence_dbfs < 0, "build.silence_dbfs", self.silence_dbfs, "negative, e.g. -70"
         )
         require(
             self.storage in STORAGES,

@@ -69,7 +69,7 @@ class NoisyGradient(TextToMel):
     """TextToMel whose training loss gets a random linear term, ``noise`` × ξ·w summed over the
     output layer (ξ ~ N(0, 1) drawn per pass from the rank's own torch stream), × the pass's
     valid frames: gradient noise far above the batch, so the noise scale is large and the
-    closed loop (``train.batch_adaptive``) has a reason to raise the batch."""
+    closed loop (``train.adapt.batch_adaptive``) has a reason to raise the batch."""
 
     def __init__(self, *, n_mels: int, noise: float, **args):
         super().__init__(n_mels=n_mels, **args)

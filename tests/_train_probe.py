@@ -188,7 +188,9 @@ def ddp_main(cache: str, out: Path, overrides: list[str]) -> None:
 def powersgd_overflow_main(cache: str, out: Path, overrides: list[str]) -> None:
     env = setup()
     try:
-        cfg = load_config(TINY, [*overrides, "train.precision=fp16", "train.comm_hook=powersgd"])
+        cfg = load_config(
+            TINY, [*overrides, "train.precision=fp16", "train.parallel.comm_hook=powersgd"]
+        )
         trainer = Trainer(cfg, cache, out / "run", env)
         real_backward, steps = trainer._backward, []
 

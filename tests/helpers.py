@@ -291,7 +291,7 @@ SMALL = [
     "model.args.layers=2",
     "train.precision=fp32",
     "train.log_every=5",
-    "train.ckpt_every=5",
+    "train.checkpoint.every=5",
     "train.ema_decay=0.99",
 ]
 

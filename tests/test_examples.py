@@ -28,7 +28,7 @@ def train(name: str, cache: Path, out: Path, steps: int, *extra: str) -> None:
     run_ok(
         torchrun(
             "-m", "train", "--shards", str(cache), "--config", str(config), "--out", str(out),
-            "--max-steps", str(steps), "train.ckpt_every=10", *extra,
+            "--max-steps", str(steps), "train.checkpoint.every=10", *extra,
         ),
         timeout=600,
     )  # fmt: skip
@@ -93,7 +93,12 @@ def test_f5tts_predicts_the_rest_of_each_utterance_and_pictures_it(
         assert torch.equal(predicted[row, :prompt], mel[row, :prompt])  # the prompt, as given
         assert not torch.allclose(predicted[row, prompt:frames], mel[row, prompt:frames])
     # in a run: the picture at every validation, on 2 ranks
-    val = ["--val-shards", str(train_cache), "train.val_every=2", "train.val_batches=1"]
+    val = [
+        "--val-shards",
+        str(train_cache),
+        "train.validation.every=2",
+        "train.validation.batches=1",
+    ]
     train("f5tts", train_cache, tmp_path, 4, *val)
     assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [2, 4]
     for step in (2, 4):

@@ -74,7 +74,7 @@ def test_a_second_trainer_in_one_run_folder_is_refused_and_a_dead_ones_lock_take
     out = tmp_path / "run"
     # The first never checkpoints: on a fast machine it passed step 25 (tiny.toml's ckpt_every)
     # before it was killed, and the rerun below then resumed past its own --max-steps 2.
-    first_cmd = train(train_cache, out, "train.ckpt_every=1000000", steps=10_000)
+    first_cmd = train(train_cache, out, "train.checkpoint.every=1000000", steps=10_000)
     with started(first_cmd, tmp_path / "first.log") as first:
         lock = out / "trainer.lock"
         assert wait_for(lambda: (out / "config.json").exists(), first, 120), (
@@ -86,7 +86,10 @@ def test_a_second_trainer_in_one_run_folder_is_refused_and_a_dead_ones_lock_take
         os.kill(first.pid, signal.SIGKILL)  # and dies without a word: its lock is stale
         first.wait()
     done = subprocess.run(
-        train(train_cache, out, "train.ckpt_every=1"), cwd=REPO, capture_output=True, text=True
+        train(train_cache, out, "train.checkpoint.every=1"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "checkpoints" / "step-00000002").is_dir()

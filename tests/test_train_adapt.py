@@ -35,9 +35,9 @@ SPIKE_AT = 9
 SPIKES = [
     "model.impl=tests._spike_model:SpikeAt",
     f"model.args.at={SPIKE_AT}",
-    "train.skip_spikes=true",
-    "train.spike_window=8",
-    "train.spike_min_history=4",
+    "train.adapt.skip_spikes=true",
+    "train.adapt.spike_window=8",
+    "train.adapt.spike_min_history=4",
 ]
 ONE = [
     "data.batch_frames=800",
@@ -46,7 +46,7 @@ ONE = [
     "model.args.layers=1",
     "train.precision=fp32",
     "train.log_every=3",
-    "train.ckpt_every=6",
+    "train.checkpoint.every=6",
     "train.ema_decay=0.99",
 ]
 
@@ -97,10 +97,10 @@ def rewind_args(keys: Path, at: int, count: int, after: int) -> list[str]:
         f"model.args.at={at}",
         f"model.args.count={count}",
         f"model.args.keys_log={str(keys)!r}",
-        "train.skip_spikes=true",
-        "train.spike_window=8",
-        "train.spike_min_history=4",
-        f"train.spike_rewind_after={after}",
+        "train.adapt.skip_spikes=true",
+        "train.adapt.spike_window=8",
+        "train.adapt.spike_min_history=4",
+        f"train.adapt.spike_rewind_after={after}",
     ]
 
 
@@ -117,7 +117,7 @@ def test_spikes_in_a_row_rewind_to_the_start_and_skip_their_batches(
     to step 0, saved at the start; steps 1-8 then train on batches 8-15, not 1-7 again, and
     12 steps straight equal 8 + resume + 4, bitwise."""
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    extra = ["train.ckpt_every=100"]
+    extra = ["train.checkpoint.every=100"]
     t = fit(train_cache, straight, 12, *extra, *rewind_args(tmp_path / "k1", 5, 2, 2))
     (rewound,) = [r for r in metrics(straight) if r.get("event") == "rewind"]
     assert rewound == {
@@ -231,8 +231,8 @@ def test_ddp_a_spike_on_one_rank_is_skipped_on_every_rank_and_resumes_bitwise(
 ) -> None:
     """Rank 1's loss spikes at step 9: both ranks see it in the global loss and skip that step,
     no other; 12 steps straight equal 6 + resume + 6, bit for bit (the noise scale's EMAs too)."""
-    extra = [*SPIKES, "model.args.rank=1", "train.ckpt_every=6", "train.log_every=3"]
-    extra.append("train.noise_scale=true")
+    extra = [*SPIKES, "model.args.rank=1", "train.checkpoint.every=6", "train.log_every=3"]
+    extra.append("train.adapt.noise_scale=true")
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     run_ok(train_cmd(train_cache, straight, *extra, max_steps=12), timeout=600)
     (event,) = spikes(straight)
@@ -254,7 +254,7 @@ def test_ddp_noise_scale_under_fp16_equals_fp32s(train_cache: Path, tmp_path: Pa
     """The comm hook sees fp16's gradients times the loss scale (2^16 here): divided out, the
     monitor's tr(Σ) and |G|² match an fp32 run of the same steps (×2^32 if it were not). fp16's
     first step overflows and is left out: a short EMA makes the last steps count."""
-    extra = ["train.noise_scale=true", "train.noise_scale_ema=0.5", "train.log_every=4"]
+    extra = ["train.adapt.noise_scale=true", "train.adapt.noise_scale_ema=0.5", "train.log_every=4"]
     windows = {}
     for precision in ("fp32", "fp16"):
         out = tmp_path / precision
@@ -275,7 +275,7 @@ def test_ddp_spikes_in_a_row_rewind_once_skip_their_batches_and_resume_bitwise(
     by step 12) go back to the checkpoint of step 8, once; the loaders go on, so steps 9-16
     train on batches 13-20 and batches 9-12 are never trained on. 16 steps straight equal
     12 (the rewind included) + resume + 4, bit for bit."""
-    extra = ["train.ckpt_every=4", "train.log_every=2", "model.args.rank=1"]
+    extra = ["train.checkpoint.every=4", "train.log_every=2", "model.args.rank=1"]
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     done = run_ok(
         train_cmd(
@@ -410,7 +410,7 @@ def batch_events(out: Path) -> list[dict]:
 def test_a_ramped_batch_raises_accumulation_and_lr_and_resumes_bitwise(
     train_cache: Path, tmp_path: Path
 ) -> None:
-    extra = ["train.grad_accum=4", "train.batch_ramp_steps=6"]
+    extra = ["train.grad_accum=4", "train.adapt.batch_ramp_steps=6"]
     t = fit(train_cache, tmp_path / "straight", 12, *extra)
     events = batch_events(tmp_path / "straight")
     # The line 1 + 3·s/6 crosses 2 at step 2 and 4 at step 6: the chain 1, 2, 4.
@@ -427,7 +427,7 @@ def test_a_ramped_batch_raises_accumulation_and_lr_and_resumes_bitwise(
 
 def test_the_closed_loop_doubles_only_upwards_after_its_cool_down() -> None:
     from train.adapt.batch_ramp import BatchSchedule
-    from train.config.train_table import TrainConfig
+    from train.config.train_table import AdaptConfig, TrainConfig
     from train.optim.optimizer import build_optimizer, build_scheduler
 
     model = torch.nn.Linear(2, 2)
@@ -435,7 +435,10 @@ def test_the_closed_loop_doubles_only_upwards_after_its_cool_down() -> None:
     optimizer = build_optimizer(model, optim_cfg)
     scheduler = build_scheduler(optimizer, optim_cfg)
     cfg = TrainConfig(
-        noise_scale=True, batch_adaptive=True, batch_cooldown=10, batch_max_accum=4, log_every=5
+        adapt=AdaptConfig(
+            noise_scale=True, batch_adaptive=True, batch_cooldown=10, batch_max_accum=4
+        ),
+        log_every=5,
     )
     batch = BatchSchedule(cfg, optimizer, scheduler)
     noisy = {"noise_scale": 1e5, "noise_batch": 1e3}  # x = 100: doubling pays
@@ -469,9 +472,9 @@ def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> N
     raises the batch; 12 steps straight equal 6 + resume + 6, the same rises at the same steps
     (the decision reads only checkpointed EMAs)."""
     extra = ["model.impl=tests._spike_model:NoisyGradient", "model.args.noise=1.0"]
-    extra += ["train.noise_scale=true", "train.batch_adaptive=true"]
-    extra += ["train.batch_cooldown=0", "train.log_every=2", "train.ckpt_every=6"]
-    extra += ["train.noise_scale_ema=0.5", "train.batch_max_accum=4"]
+    extra += ["train.adapt.noise_scale=true", "train.adapt.batch_adaptive=true"]
+    extra += ["train.adapt.batch_cooldown=0", "train.log_every=2", "train.checkpoint.every=6"]
+    extra += ["train.adapt.noise_scale_ema=0.5", "train.adapt.batch_max_accum=4"]
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     run_ok(train_cmd(train_cache, straight, *extra, max_steps=12), timeout=600)
     run_ok(train_cmd(train_cache, halves, *extra, max_steps=6), timeout=600)
@@ -492,12 +495,15 @@ def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["train.noise_scale=true", "train.comm_hook=powersgd"], "train.comm_hook"),
-        (["train.batch_adaptive=true"], "train.noise_scale"),
-        (["train.spike_min_history=200"], "train.spike_min_history"),
-        (["train.spike_rewind_after=3"], "train.skip_spikes"),
+        (
+            ["train.adapt.noise_scale=true", "train.parallel.comm_hook=powersgd"],
+            "train.parallel.comm_hook",
+        ),
+        (["train.adapt.batch_adaptive=true"], "train.adapt.noise_scale"),
+        (["train.adapt.spike_min_history=200"], "train.adapt.spike_min_history"),
+        (["train.adapt.spike_rewind_after=3"], "train.adapt.skip_spikes"),
         (["optim.clip=zclip2"], "optim.clip"),
-        (["train.grad_accum=8", "train.batch_max_accum=4"], "train.batch_max_accum"),
+        (["train.grad_accum=8", "train.adapt.batch_max_accum=4"], "train.adapt.batch_max_accum"),
     ],
 )
 def test_adaptive_keys_that_cannot_work_are_refused_by_name(

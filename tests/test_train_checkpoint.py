@@ -17,6 +17,7 @@ from helpers import REPO, load, run_ok, same_ddp_run, small_tmpfs, train_cmd
 from helpers import checkpoint as step_folder
 
 from melcache.errors import UserError
+from train.config.renamed import RENAMED
 from train.parallel.env import Env
 from train.run import checkpoint, dcp
 from train.run.checkpoint import MARKER, SHARED, Checkpointer, rank_file
@@ -195,7 +196,7 @@ def test_dcp_metadata_may_name_the_path_class_of_any_python(module: str) -> None
 
 
 BEFORE_THE_MOVE = "2892e50"  # flat train/, the loader in train/: the commit before #36
-RUN_KEYS = ("train.ckpt_every=6", "train.log_every=3")
+RUN_KEYS = ("train.checkpoint.every=6", "train.log_every=3")
 
 
 @pytest.mark.slow  # three 2-process torchrun jobs, two of them of the commit before the move
@@ -211,12 +212,15 @@ def test_a_run_saved_before_the_move_resumes_bitwise_after_it(train_cache: Path,
     assert str(old / "train") in _imported_train(old), "the old tree's train/ would not run"
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out, steps in ((straight, 12), (resumed, 6)):
-        command = train_cmd(train_cache, out, *RUN_KEYS, max_steps=steps)
+        command = [
+            _old_name(arg) for arg in train_cmd(train_cache, out, *RUN_KEYS, max_steps=steps)
+        ]
         command[command.index("--config") + 1] = str(old / "melcache" / "presets" / "tiny.toml")
         done = subprocess.run(command, cwd=old, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     done = run_ok(train_cmd(train_cache, resumed, *RUN_KEYS, max_steps=12), timeout=600)
     assert "resumed from" in done.stderr
+    assert "changed config" not in done.stderr  # its flat [train] keys read as today's
     want, got = step_folder(straight, 12), step_folder(resumed, 12)
     same_ddp_run(want, got)
     for rank in (0, 1):  # and the Python and NumPy generators, which same_ddp_run leaves out
@@ -224,6 +228,13 @@ def test_a_run_saved_before_the_move_resumes_bitwise_after_it(train_cache: Path,
         assert mine["python"] == theirs["python"], f"rank {rank} Python RNG differs"
         assert torch.equal(mine["numpy"]["keys"], theirs["numpy"]["keys"]), rank
         assert mine["numpy"] == {**theirs["numpy"], "keys": mine["numpy"]["keys"]}, rank
+
+
+def _old_name(arg: str) -> str:
+    """An override in the flat ``[train]`` names of the commit before the move."""
+    key, sep, value = arg.partition("=")
+    old = {f"train.{g}.{n}": f"train.{o}" for o, (g, n) in RENAMED.items()}.get(key)
+    return f"{old}{sep}{value}" if old and sep else arg
 
 
 def _imported_train(tree: Path) -> str:

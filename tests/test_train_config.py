@@ -40,8 +40,8 @@ def test_overrides_are_typed_and_nested() -> None:
     [
         ("train.grad_accum=0", "train.grad_accum"),
         ("train.precision=fp8", "train.precision"),
-        ("train.keep_checkpoints=1", "train.keep_checkpoints"),
-        ("train.comm_hook=zip", "train.comm_hook"),
+        ("train.checkpoint.keep=1", "train.checkpoint.keep"),
+        ("train.parallel.comm_hook=zip", "train.parallel.comm_hook"),
         ("optim.decay_steps=5", "optim.decay_steps"),
         ("optim.lr=true", "optim.lr"),
         ("data.batch_frames=0", "data.batch_frames"),
@@ -92,14 +92,18 @@ def test_unknown_model_class_names_the_key() -> None:
 def test_powersgd_runs_in_every_precision_and_its_keys_are_checked() -> None:
     """fp16 is allowed: an overflow step rolls PowerSGD's memory back (test_train_powersgd)."""
     for precision in ("fp16", "bf16", "fp32", "auto"):
-        load_config(None, ["train.comm_hook=powersgd", f"train.precision={precision}"])
-    cfg = load_config(None, ["train.powersgd_start_iter=2", "train.bucket_cap_mb=0.5"]).train
+        load_config(None, ["train.parallel.comm_hook=powersgd", f"train.precision={precision}"])
+    cfg = load_config(
+        None, ["train.parallel.powersgd_start_iter=2", "train.parallel.bucket_cap_mb=0.5"]
+    ).train.parallel
     assert (cfg.powersgd_start_iter, cfg.bucket_cap_mb) == (2, 0.5)
-    for bad in ("train.powersgd_start_iter=-1", "train.bucket_cap_mb=0"):
+    for bad in ("train.parallel.powersgd_start_iter=-1", "train.parallel.bucket_cap_mb=0"):
         with pytest.raises(UserError, match=bad.split("=")[0].replace(".", r"\.")):
             load_config(None, [bad])
-    with pytest.raises(UserError, match=r"train\.comm_hook"):  # torch's broken variant: never
-        load_config(None, ["train.comm_hook=batched_powersgd"])
+    with pytest.raises(
+        UserError, match=r"train\.parallel\.comm_hook"
+    ):  # torch's broken variant: never
+        load_config(None, ["train.parallel.comm_hook=batched_powersgd"])
     assert not load_config(None).train.deterministic  # deterministic kernels: opt in
 
 

@@ -27,7 +27,7 @@ SMALL = [
     "model.args.prenet_dropout=0.0",
     "train.precision=fp32",
     "train.log_every=2",
-    "train.ckpt_every=100",
+    "train.checkpoint.every=100",
 ]
 
 
@@ -111,7 +111,13 @@ def test_unused_parameters_are_named_or_allowed(train_cache: Path, tmp_path: Pat
             t.fit(1)
     finally:
         t.close()
-    fit(train_cache, tmp_path / "b", 2, plugin("UnusedHead"), "train.find_unused_parameters=true")
+    fit(
+        train_cache,
+        tmp_path / "b",
+        2,
+        plugin("UnusedHead"),
+        "train.parallel.find_unused_parameters=true",
+    )
 
 
 def test_the_trainer_puts_the_model_in_training_mode(train_cache: Path, tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ def test_stop_and_resume_equals_uninterrupted(
     run_ok(train_cmd(train_cache, tmp_path, max_steps=5))
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000005"]
     # The second half writes its checkpoints from a background thread: same bits on disk.
-    done = run_ok(train_cmd(train_cache, tmp_path, "train.async_checkpoint=true"))
+    done = run_ok(train_cmd(train_cache, tmp_path, "train.checkpoint.async_write=true"))
     assert "resumed from" in done.stderr
     assert_bitwise_equal(checkpoint(straight, STEPS), checkpoint(tmp_path, STEPS))
     keys = ("step", "loss", "mel_loss", "stop_loss", "grad_norm", "lr")
@@ -123,7 +123,7 @@ def test_kill_9_during_checkpoint_write(straight: Path, train_cache: Path, tmp_p
     marker = tmp_path / "writing"
     # The same job, but the write of checkpoint 4 stalls halfway: kill -9 the ranks there.
     entry = (str(PROBE), "slow-ckpt", "4", str(marker), "--")
-    cmd = train_cmd(train_cache, tmp_path, "train.ckpt_every=2", entry=entry)
+    cmd = train_cmd(train_cache, tmp_path, "train.checkpoint.every=2", entry=entry)
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for(marker.exists, 180, "checkpoint 4 to be half written")
@@ -158,7 +158,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(
         tmp_path,
         f"data.num_workers={workers}",
         "train.log_every=1",
-        "train.ckpt_every=1000",
+        "train.checkpoint.every=1000",
         max_steps=1000,
     )
     job = subprocess.Popen(

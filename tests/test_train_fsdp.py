@@ -1,4 +1,4 @@
-"""``train.strategy = "fsdp2" | "hsdp"`` (train/parallel/fsdp.py, train/run/dcp.py) in real 2-rank gloo
+"""``train.parallel.strategy = "fsdp2" | "hsdp"`` (train/parallel/fsdp.py, train/run/dcp.py) in real 2-rank gloo
 jobs: the loss follows DDP's, checkpoints are DCP shards, and a resume is bitwise."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from train.config.tables import load_config
 from train.run import dcp
 
 STRATEGIES = {
-    "fsdp2": ("train.strategy=fsdp2",),
-    "hsdp": ("train.strategy=hsdp", "train.hsdp_shard_size=1"),
+    "fsdp2": ("train.parallel.strategy=fsdp2",),
+    "hsdp": ("train.parallel.strategy=hsdp", "train.parallel.hsdp_shard_size=1"),
 }
-TWELVE = ("train.ckpt_every=6", "train.log_every=3")
+TWELVE = ("train.checkpoint.every=6", "train.log_every=3")
 
 
 def weights(out: Path, step: int) -> dict:
@@ -50,7 +50,7 @@ def test_sharded_run_follows_ddp_and_resumes_bitwise(
     run_ok(train_cmd(train_cache, straight, *extra, max_steps=12))
     run_ok(train_cmd(train_cache, resumed, *extra, max_steps=6))
     done = run_ok(
-        train_cmd(train_cache, resumed, *extra, "train.async_checkpoint=true", max_steps=12)
+        train_cmd(train_cache, resumed, *extra, "train.checkpoint.async_write=true", max_steps=12)
     )
     assert "resumed from" in done.stderr
     # fp32 on CPU: the same updates as DDP up to the order of the reduction.
@@ -84,7 +84,7 @@ def assert_same_run(a_out: Path, b_out: Path, step: int) -> None:
     ]
 
 
-BF16 = ("train.strategy=fsdp2", "train.precision=bf16", *TWELVE)
+BF16 = ("train.parallel.strategy=fsdp2", "train.precision=bf16", *TWELVE)
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +136,10 @@ def test_dcp_metadata_is_read_without_running_pickled_code(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("override", "named"),
     [
-        ("train.comm_hook=powersgd", r"train\.comm_hook"),
+        ("train.parallel.comm_hook=powersgd", r"train\.parallel\.comm_hook"),
         ("train.precision=fp16", r"train\.precision"),
     ],
 )
 def test_what_fsdp2_cannot_do_is_refused_by_name(override: str, named: str) -> None:
     with pytest.raises(UserError, match=named + ".*fsdp2"):
-        load_config(None, ["train.strategy=fsdp2", override])
+        load_config(None, ["train.parallel.strategy=fsdp2", override])

@@ -24,7 +24,7 @@ SMALL = [
     "model.args.layers=2",
     "train.precision=fp32",
     "train.log_every=2",
-    "train.ckpt_every=100",
+    "train.checkpoint.every=100",
 ]
 METRIC_KEYS = {
     "step",

@@ -34,7 +34,7 @@ SMALL = [
     "model.args.layers=2",
     "train.precision=fp32",
     "train.log_every=4",
-    "train.ckpt_every=4",
+    "train.checkpoint.every=4",
 ]
 
 
@@ -251,7 +251,7 @@ def test_ddp_oom_in_the_synchronised_backward_stops_cleanly_and_restarts_with_th
 
 
 def test_lowered_budgets_grow_back_after_clean_steps(train_cache: Path, tmp_path: Path) -> None:
-    trainer = oom_trainer(train_cache, tmp_path, 600, "train.budget_regrow_steps=3")
+    trainer = oom_trainer(train_cache, tmp_path, 600, "train.memory.budget_regrow_steps=3")
     try:
         trainer.fit(max_steps=16)
     finally:

@@ -23,7 +23,7 @@ def test_a_forward_all_reduce_is_refused_naming_the_module(
     done = run(train_cmd(train_cache, tmp_path, "model.impl=tests._plugin_models:ForwardAllReduce"))
     assert done.returncode != 0
     assert "allreduce_ ×1 in module 'stats'" in done.stderr
-    assert "train.allow_forward_collectives = true" in done.stderr
+    assert "train.parallel.allow_forward_collectives = true" in done.stderr
     assert not (tmp_path / "checkpoints" / "step-00000001").exists()
 
 
@@ -36,7 +36,7 @@ def test_ddps_unused_parameter_error_names_the_parameters(
     assert done.returncode != 0
     line = next(x for x in done.stderr.splitlines() if "got no gradient" in x)
     assert "late_head.weight, late_head.bias" in line
-    assert "train.find_unused_parameters = true" in line
+    assert "train.parallel.find_unused_parameters = true" in line
 
 
 def test_allowed_collectives_turn_oom_recovery_off(train_cache: Path, tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_allowed_collectives_turn_oom_recovery_off(train_cache: Path, tmp_path: 
         "model.impl=tests._plugin_models:ForwardAllReduceOutOfMemory",
         "model.args.limit_frames=600",
         "model.args.rank=1",
-        "train.allow_forward_collectives=true",
+        "train.parallel.allow_forward_collectives=true",
         # Greedy batches of the whole-cache stream: some over the limit within 10 steps.
         "data.sync_buckets=false",
         max_steps=10,

@@ -14,11 +14,11 @@ pytestmark = pytest.mark.slow  # 2-process torchrun jobs: the full tier
 
 # Buckets of 50 kB: the tiny model's gradients fill several; compression from step 3.
 POWERSGD = (
-    "train.comm_hook=powersgd",
-    "train.powersgd_start_iter=2",
-    "train.powersgd_rank=2",
-    "train.bucket_cap_mb=0.05",
-    "train.ckpt_every=6",
+    "train.parallel.comm_hook=powersgd",
+    "train.parallel.powersgd_start_iter=2",
+    "train.parallel.powersgd_rank=2",
+    "train.parallel.bucket_cap_mb=0.05",
+    "train.checkpoint.every=6",
 )
 WATCHDOG_S = 180  # torch's own hook hangs here forever: run_ok's timeout fails the test
 

@@ -173,7 +173,7 @@ def test_tune_under_fsdp2_searches_with_every_rank_in_step(
     """2 gloo ranks: every rank tries the same batch at the same time and a memory error is
     raised on every rank at once (``MemoryCap(agree=...)``), so no rank hangs (run_ok's
     timeout is the watchdog); each row is the largest batch that fits on every rank."""
-    output, fsdp2 = tmp_path / "budgets.toml", [*OVERRIDES, "train.strategy=fsdp2"]
+    output, fsdp2 = tmp_path / "budgets.toml", [*OVERRIDES, "train.parallel.strategy=fsdp2"]
     command = ["-m", "train", "tune", "--shards", str(tune_cache), "--config", str(TINY)]
     command += ["--memory-limit-mib", str(LIMIT_MIB), "--output", str(output), *fsdp2]
     done = run_ok(torchrun(*command), timeout=180)
@@ -201,6 +201,6 @@ def test_tune_under_torchrun_with_ddp_is_refused_in_one_line(train_cache: Path, 
     assert done.returncode != 0 and not output.exists()  # each rank exits 2 (torchrun: 1)
     lines = [x for x in done.stderr.splitlines() if "train tune under torchrun" in x]
     assert len(lines) == 2 and all(
-        'searches train.strategy = "fsdp2" or "hsdp"' in x for x in lines
+        'searches train.parallel.strategy = "fsdp2" or "hsdp"' in x for x in lines
     )
     assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr

@@ -1,4 +1,4 @@
-"""Validation (``train/run/validation.py``): a fixed set of batches every ``train.val_every`` steps,
+"""Validation (``train/run/validation.py``): a fixed set of batches every ``train.validation.every`` steps,
 EMA weights, a deterministic loss that leaves the training RNG alone, ``val_loss`` in
 metrics.jsonl and in ``train plot``, a picture of predicted vs target mels; on 2 ranks too."""
 
@@ -16,7 +16,7 @@ from train.plot import plot_run
 
 
 def test_validation_is_fixed_logged_pictured_and_plotted(train_cache: Path, tmp_path: Path) -> None:
-    val = [f"data.val_shards={train_cache!s}", "train.val_every=3", "train.ema_decay=0.9"]
+    val = [f"data.val_shards={train_cache!s}", "train.validation.every=3", "train.ema_decay=0.9"]
     t = trainer(train_cache, tmp_path, *val)
     try:
         t.fit(6)
@@ -43,13 +43,13 @@ def test_validation_is_fixed_logged_pictured_and_plotted(train_cache: Path, tmp_
 
 def test_val_every_needs_val_shards(train_cache: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"data\.val_shards \(--val-shards\)"):
-        trainer(train_cache, tmp_path, "train.val_every=2")
+        trainer(train_cache, tmp_path, "train.validation.every=2")
 
 
 @pytest.mark.slow
 def test_validation_on_two_ranks(train_cache: Path, tmp_path: Path) -> None:
     run_ok(
-        train_cmd(train_cache, tmp_path, "--val-shards", str(train_cache), "train.val_every=4",
+        train_cmd(train_cache, tmp_path, "--val-shards", str(train_cache), "train.validation.every=4",
                   max_steps=8)
     )  # fmt: skip
     records = [r for r in metrics(tmp_path) if "val_loss" in r]

@@ -49,7 +49,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, metrics")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument(
-        "--val-shards", help="validation cache (data.val_shards), used every train.val_every steps"
+        "--val-shards",
+        help="validation cache (data.val_shards), used every train.validation.every steps",
     )
     p.add_argument("overrides", nargs="*", metavar="table.key=value", help="config overrides")
     return p
@@ -59,9 +60,9 @@ def _tune_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train tune",
         description="Find, per length bucket, the largest batch budget whose training step fits "
-        "train.memory_target of this device's memory (a GPU tool; see train/tune.py), print a "
+        "train.memory.target of this device's memory (a GPU tool; see train/tune.py), print a "
         "table and write a [data.batch_frames] table to pass as a second --config. Under torchrun "
-        "it searches train.strategy = fsdp2/hsdp with every rank in step.",
+        "it searches train.parallel.strategy = fsdp2/hsdp with every rank in step.",
     )
     p.add_argument("--shards", required=True, help="cache folder (or URL prefix) with index.json")
     p.add_argument("--config", type=Path, action="append", help="trainer TOML, as for training")

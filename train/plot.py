@@ -30,7 +30,7 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     if not records:
         raise UserError(f"{path} has no records yet")
     steps = [r["step"] for r in records]
-    noise = any("noise_scale" in r for r in records)  # train.noise_scale: a third panel
+    noise = any("noise_scale" in r for r in records)  # train.adapt.noise_scale: a third panel
     fig, axes = plt.subplots(3 if noise else 2, 1, figsize=(8, 9 if noise else 6), sharex=True)
     top, bottom = axes[0], axes[1]
     top.plot(steps, _values(records, "loss"), label="loss")

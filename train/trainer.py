@@ -10,7 +10,7 @@ ranks vote on the host (a stop signal; a share of the step lost to an out-of-mem
 which drops the step everywhere; a spike the device flagged the step before); unscale
 (fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt/controller.py``); step,
 schedule, EMA. Nothing in the step reads a device value on the host. The number of
-micro-batches a step takes follows ``train/adapt/batch_ramp.py``; after ``train.spike_rewind_after``
+micro-batches a step takes follows ``train/adapt/batch_ramp.py``; after ``train.adapt.spike_rewind_after``
 spike skips in a row the loop goes back to the last checkpoint (``train/run/resume.py``).
 """
 
@@ -100,9 +100,13 @@ class Trainer:
                         continue
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
                         self._log_window(metrics)
-                    if self.parts.validator is not None and self.step % t.val_every == 0:
+                    if self.parts.validator is not None and self.step % t.validation.every == 0:
                         metrics.log(self.step, self.parts.validator.run(*self._val_args()))
-                    if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
+                    if (
+                        verdict.stop
+                        or self.step % t.checkpoint.every == 0
+                        or self.step == max_steps
+                    ):
                         for record in self._flush_spike():
                             metrics.event(self.step, record)
                         if self.parts.measures.rewind_due:  # that flush ended the streak
@@ -165,7 +169,7 @@ class Trainer:
         if self.parts.ema is not None:
             self.parts.ema.update(None if skip is None else ~skip)
         self.meter.end_step()
-        records += self.parts.budgets.clean_step(self.cfg.train.budget_regrow_steps)
+        records += self.parts.budgets.clean_step(self.cfg.train.memory.budget_regrow_steps)
         return Verdict(stop=stop > 0, skipped=False, records=records)
 
     def _meter_step(
@@ -194,14 +198,14 @@ class Trainer:
             metrics.event(self.step, record)
 
     def _rewind(self, metrics: MetricsLog) -> None:
-        """``train.spike_rewind_after`` spikes in a row: back to the last checkpoint, while
+        """``train.adapt.spike_rewind_after`` spikes in a row: back to the last checkpoint, while
         the loader goes on, so the batches drawn since are skipped, not replayed (PaLM)."""
         start, drawn = self.step, self.parts.loader.state_dict()["batches"]
         self.step, drawn_then = rewind(self.parts)
         record = {
             "event": "rewind",
             "to_step": self.step,
-            "spikes": self.cfg.train.spike_rewind_after,
+            "spikes": self.cfg.train.adapt.spike_rewind_after,
             "batches_skipped": drawn - drawn_then,  # on each rank
         }
         metrics.event(start, record)

@@ -2,7 +2,7 @@
 
 A GPU tool, after NeMo's OOMptimizer: on the device it runs on, with the real model, precision,
 activation checkpointing, optimizer, EMA and loss scaler (a :class:`~train.trainer.Trainer` of
-the given config: in one process, or under torchrun for ``train.strategy = "fsdp2" | "hsdp"``,
+the given config: in one process, or under torchrun for ``train.parallel.strategy = "fsdp2" | "hsdp"``,
 every rank trying the same batch at the same time), each bucket, longest first, gets a
 bisection of real training steps (``Trainer.train_step``: forward, backward, optimizer step) on
 a batch of ``B`` utterances all as long as the bucket's longest, with text as long as the
@@ -12,7 +12,7 @@ over whole utterances). The budget is ``B × padded length``: shorter utterances
 pack more of them into it, and their attention costs less.
 
 "Fits" means the step raises no ``torch.OutOfMemoryError`` with memory capped at
-``train.memory_target`` (default 90 %) of the device: on CUDA, torch's caching allocator is
+``train.memory.target`` (default 90 %) of the device: on CUDA, torch's caching allocator is
 capped (``torch.cuda.set_per_process_memory_fraction``) and the peak is
 ``torch.cuda.max_memory_reserved``. On CPU, the same search runs against ``--memory-limit-mib``:
 :class:`~train.memory.probes.MemoryCap` counts the bytes of live tensors (every tensor an op creates, until it is
@@ -88,12 +88,12 @@ def tune(
     if env is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         env = Env(rank=0, world_size=1, local_rank=0, device=device)
-    if env.distributed and not sharded(cfg.train, env):
+    if env.distributed and not sharded(cfg.train.parallel, env):
         raise UserError(
-            'train tune under torchrun searches train.strategy = "fsdp2" or "hsdp"; with '
-            f'"{cfg.train.strategy}" every rank holds what one process does: run it with python'
+            'train tune under torchrun searches train.parallel.strategy = "fsdp2" or "hsdp"; with '
+            f'"{cfg.train.parallel.strategy}" every rank holds what one process does: run it with python'
         )
-    device, target = env.device, cfg.train.memory_target
+    device, target = env.device, cfg.train.memory.target
     if device.type == "cpu" and memory_limit_mib is None:
         raise UserError(
             "train tune sizes batches for a GPU; on CPU give --memory-limit-mib N to search "
@@ -122,7 +122,7 @@ def tune(
                 torch.cuda.set_per_process_memory_fraction(1.0, device)
     where += f", {trainer.parts.precision}, {cfg.model.impl}"
     if env.distributed:
-        where += f", {cfg.train.strategy} on {env.world_size} ranks"
+        where += f", {cfg.train.parallel.strategy} on {env.world_size} ranks"
     if cfg.train.activation_checkpointing:
         where += ", activation checkpointing"
     return rows, where

@@ -13,7 +13,7 @@ What the adapter bridges (``train/model/contract.py`` for the keys):
 - ``CFM`` returns the mean loss over a random 70–100 % span that it does not return; the span
   is where its ``cond`` output is zeroed, so the adapter returns that mean with the span's
   size as its weight, and the trainer logs the true mean over all ranks.
-- Validation pictures (``train.val_every``): :meth:`F5TTS.predict_mel` runs F5-TTS's own
+- Validation pictures (``train.validation.every``): :meth:`F5TTS.predict_mel` runs F5-TTS's own
   inference, ``CFM.sample``, with the first 30 % of each utterance as its audio prompt and a few
   ODE steps, so ``OUT/val/step-N.png`` shows what the model makes of the rest.
 """

@@ -7,11 +7,12 @@ and what it should be. The trainer reads it from its ``[data]`` table.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from melcache.reader import SHARD_CHECKS
-from melcache.sections import require
+from melcache.sections import bounded, check_numbers, require
 
 ON_ERROR = ("raise", "skip")
 
@@ -26,9 +27,9 @@ class DataConfig:
     # table {bucket: count} (``python -m train tune`` writes one), since attention memory grows
     # with the square of the length and a budget safe for the longest bucket starves the rest.
     batch_frames: int | Mapping[str, int] = 6_000
-    max_batch_size: int = 64
-    num_workers: int = 2
-    pad_multiple: int = 8
+    max_batch_size: int = bounded(64, 1, 1 << 20)
+    num_workers: int = bounded(2, 0, 1024)
+    pad_multiple: int = bounded(8, 1, 1 << 16)
     on_error: str = "raise"
     shard_check: str = "fast"  # "fast" (xxh3_128 every read), "sha256" or "off": docs/loader.md
     # Every rank's batches of a step from one length bucket (docs/loader.md, "One schedule");
@@ -37,19 +38,17 @@ class DataConfig:
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    mix_temperature: float = 1.0
+    mix_temperature: float = bounded(1.0, 0, 100)
     # Per-utterance fields each batch carries in batch.extras ([build] extras of the cache, or
     # "reference"): melcache/loader/batch.py; a plug-in's melcache_contract "extras" adds its own.
     extras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_numbers(self, "data")
         if isinstance(self.batch_frames, Mapping):
             object.__setattr__(self, "batch_frames", _budget_table(self.batch_frames))
         else:
             require(_is_count(self.batch_frames), "data.batch_frames", self.batch_frames, _BUDGET)
-        require(self.max_batch_size > 0, "data.max_batch_size", self.max_batch_size, "≥ 1")
-        require(self.num_workers >= 0, "data.num_workers", self.num_workers, "0 or more")
-        require(self.pad_multiple > 0, "data.pad_multiple", self.pad_multiple, "≥ 1")
         require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
         require(
             self.shard_check in SHARD_CHECKS,
@@ -66,21 +65,12 @@ class DataConfig:
         require(
             isinstance(self.mix, Mapping), "data.mix", self.mix, "a table of locations to weights"
         )
-        for where, weight in self.mix.items():
-            require(
-                isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
-                f"data.mix.{where}",
-                weight,
-                "a positive weight",
-            )
+        object.__setattr__(self, "mix", {w: _weight(w, v) for w, v in self.mix.items()})
         require(
             isinstance(self.extras, tuple) and all(isinstance(n, str) and n for n in self.extras),
             "data.extras",
             self.extras,
             "a list of field names",
-        )
-        require(
-            self.mix_temperature >= 0, "data.mix_temperature", self.mix_temperature, "0 or more"
         )
 
     def budget(self, bucket: int) -> int:
@@ -92,6 +82,18 @@ class DataConfig:
 
 
 _BUDGET = "a positive count, or a table of bucket numbers to counts such as {0 = 24000, 1 = 16000}"
+
+
+def _weight(where: str, value: Any) -> float:
+    """A mix weight as a float: a finite positive number (an int is converted, not raised to
+    the temperature as a Python big integer)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = float(value) if ok and abs(value) < 1e300 else math.nan
+    require(math.isfinite(number) and number > 0, f"data.mix.{where}", value, _WEIGHT)
+    return number
+
+
+_WEIGHT = "a finite positive weight (a share of frames, any scale)"
 
 
 def _is_count(value: Any) -> bool:

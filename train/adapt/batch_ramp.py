@@ -6,11 +6,11 @@ whatever the accumulation. Accumulation only ever rises, by integer factors (as 
 batch-size schedule), and each rise multiplies the learning rate by √(new/old), the rule for
 Adam (Malladi et al. 2022); ``optim.lr`` is the rate of the ``train.grad_accum`` batch.
 
-- ``train.batch_ramp_steps`` > 0: from 1 micro-batch a step to ``train.grad_accum`` over
+- ``train.adapt.batch_ramp_steps`` > 0: from 1 micro-batch a step to ``train.grad_accum`` over
   that many steps, linear in frames per step (Megatron's ``--rampup-batch-size``), each
   accumulation the largest of the chain 1, 2, 4, … (doubling while it divides the target)
   under the line.
-- ``train.batch_adaptive``: at logging steps, double accumulation (up to
+- ``train.adapt.batch_adaptive``: at logging steps, double accumulation (up to
   ``batch_max_accum``) when the gradient noise scale (``train/adapt/monitor.py``) predicts a gain
   above ``batch_gain``, then wait ``batch_cooldown`` steps. With B_noise the noise scale and
   B the batch, steps to a loss go as 1 + B_noise/B and frames as 1 + B/B_noise (McCandlish et
@@ -81,15 +81,15 @@ class BatchSchedule:
 
     def observe(self, step: int, values: dict[str, float]) -> list[dict[str, Any]]:
         """The closed loop, at a logging step (``values``: its summary); a record if it rose."""
-        if not self.cfg.batch_adaptive or step % self.cfg.log_every:
+        if not self.cfg.adapt.batch_adaptive or step % self.cfg.log_every:
             return []
         noise, batch = values.get("noise_scale"), values.get("noise_batch")
-        cooled = step - self.raised_at >= self.cfg.batch_cooldown
-        room = self.accum * FACTOR <= self.cfg.batch_max_accum
+        cooled = step - self.raised_at >= self.cfg.adapt.batch_cooldown
+        room = self.accum * FACTOR <= self.cfg.adapt.batch_max_accum
         if noise is None or not batch or not math.isfinite(noise) or not (cooled and room):
             return []
         predicted = gain(noise, batch)
-        if predicted <= self.cfg.batch_gain:
+        if predicted <= self.cfg.adapt.batch_gain:
             return []
         self.raised_at = step
         record = self._change(step, self.accum * FACTOR, "noise scale")
@@ -97,7 +97,7 @@ class BatchSchedule:
         return [record]
 
     def _ramp(self, step: int) -> int:
-        return ramp_accum(step, self.cfg.grad_accum, self.cfg.batch_ramp_steps)
+        return ramp_accum(step, self.cfg.grad_accum, self.cfg.adapt.batch_ramp_steps)
 
     def _change(self, step: int, accum: int, why: str) -> dict[str, Any]:
         before, self.accum = self.accum, accum

@@ -26,8 +26,8 @@ class StepMeasures:
         self.env = env
         self.clipper = GradClip(cfg.optim, env.device, sharded=sharded)
         t = cfg.train
-        self.spikes = SpikeSkipper(t, env) if t.skip_spikes else None
-        self.monitor = NoiseScale(env, t.noise_scale_ema) if t.noise_scale else None
+        self.spikes = SpikeSkipper(t, env) if t.adapt.skip_spikes else None
+        self.monitor = NoiseScale(env, t.adapt.noise_scale_ema) if t.adapt.noise_scale else None
 
     def register(self, model: nn.Module) -> None:
         """Hook the DDP model for the monitor's per-rank norms (a no-op without it or DDP)."""
@@ -43,7 +43,7 @@ class StepMeasures:
         grad_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After the backward (and unscaling): the unclipped global norm and this step's
-        spike flag (``None`` without ``train.skip_spikes``); the gradients are clipped and the
+        spike flag (``None`` without ``train.adapt.adapt.skip_spikes``); the gradients are clipped and the
         noise scale folded in. ``loss_share``: this rank's share of the global loss;
         ``frames``: its valid frames of the step, ``global_frames`` all ranks';
         ``grad_scale``: fp16's loss scale, which the monitor's per-rank norms still carry."""
@@ -72,7 +72,7 @@ class StepMeasures:
 
     @property
     def rewind_due(self) -> bool:
-        """Whether ``train.spike_rewind_after`` spikes in a row call for a rewind."""
+        """Whether ``train.adapt.spike_rewind_after`` spikes in a row call for a rewind."""
         return self.spikes is not None and self.spikes.rewind_due
 
     def dropped(self) -> None:
@@ -82,7 +82,7 @@ class StepMeasures:
 
     def summary(self) -> dict[str, float]:
         """The noise scale's logged values (host reads: logging steps only) and the rewinds
-        so far (with ``train.spike_rewind_after``)."""
+        so far (with ``train.adapt.spike_rewind_after``)."""
         values = {} if self.monitor is None else self.monitor.summary()
         if self.spikes is not None and self.spikes.rewind_after:
             values["rewinds"] = self.spikes.rewinds

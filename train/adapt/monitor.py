@@ -1,4 +1,4 @@
-"""The gradient noise scale (``train.noise_scale``): how large a batch, in valid mel frames, is
+"""The gradient noise scale (``train.adapt.noise_scale``): how large a batch, in valid mel frames, is
 still worth its cost (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training").
 
 B_simple = tr(Σ) / |G|², Σ the per-frame gradient covariance and G the true gradient. Data

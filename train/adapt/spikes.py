@@ -1,4 +1,4 @@
-"""Spike skips (``train.skip_spikes``): a step whose loss or gradient norm is far above its
+"""Spike skips (``train.adapt.skip_spikes``): a step whose loss or gradient norm is far above its
 recent past trains nothing, on every rank, without the host waiting for the device.
 
 As in OLMo-core: a step is a spike when its global loss or its (all-reduced, unclipped)
@@ -16,7 +16,7 @@ backward was launched, by when the device is long done with step N); :meth:`flus
 last flag before a checkpoint. There the skip is counted and logged like an out-of-memory
 skip, and a vote that is not unanimous (ranks that disagree: a bug) ends the run.
 
-With ``train.spike_rewind_after = N``, N spike skips in a row (steps that ran out of memory
+With ``train.adapt.spike_rewind_after = N``, N spike skips in a row (steps that ran out of memory
 in between do not break the streak) make :attr:`SpikeSkipper.rewind_due` true: the trainer
 then goes back to the last checkpoint (``train/run/resume.py``).
 """
@@ -42,15 +42,15 @@ class SpikeSkipper:
     """Windows of past losses and gradient norms on the device, and the spikes voted so far."""
 
     def __init__(self, cfg: TrainConfig, env: Env) -> None:
-        self.sigma, self.window = cfg.spike_sigma, cfg.spike_window
-        self.min_history = cfg.spike_min_history
+        self.sigma, self.window = cfg.adapt.spike_sigma, cfg.adapt.spike_window
+        self.min_history = cfg.adapt.spike_min_history
         self.fp16 = cfg.precision == "fp16"  # "auto" is never fp16
         self.env = env
         device = env.device
         self.values = torch.zeros(2, self.window, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.long, device=device)  # trained steps seen
         self.skipped = 0  # spikes voted (host)
-        self.rewind_after = cfg.spike_rewind_after
+        self.rewind_after = cfg.adapt.spike_rewind_after
         self.streak = 0  # spikes voted in a row
         self.rewinds = 0
         self._pending: _HostCopy | None = None  # the last step's _FIELDS, on the host
@@ -110,7 +110,7 @@ class SpikeSkipper:
 
     @property
     def rewind_due(self) -> bool:
-        """Whether the spikes voted in a row reached ``train.spike_rewind_after``."""
+        """Whether the spikes voted in a row reached ``train.adapt.spike_rewind_after``."""
         return 0 < self.rewind_after <= self.streak
 
     def rewound(self, skipped: int, rewinds: int) -> None:
@@ -133,7 +133,7 @@ class SpikeSkipper:
         values = state["values"]
         if tuple(values.shape) != tuple(self.values.shape):
             raise ValueError(
-                f"spike window of {values.shape[1]} steps, not train.spike_window = {self.window}"
+                f"spike window of {values.shape[1]} steps, not train.adapt.spike_window = {self.window}"
             )
         self.values.copy_(values)
         self.count.fill_(int(state["count"]))

@@ -5,7 +5,8 @@ separate from the build config (``[features]``/``[build]``) that made the cache.
 has a default, so an empty file is valid; ``key=value`` overrides on the command line use
 the dotted path (``train.max_steps=20``, ``model.args.dim=64``) and TOML value syntax.
 The resolved config is saved in every checkpoint and in ``OUT/config.json``. The ``[train]``
-table, the largest, has its own module (``train/config/train_table.py``).
+table, the largest, has its own module (``train/config/train_table.py``) with one sub-table per
+room of the trainer; its flat keys of earlier releases are moved by ``train/config/renamed.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from typing import Any
 
 from melcache.errors import UserError
 from melcache.loader.data_config import DataConfig
-from melcache.sections import check_tables, load_toml, make_section, require
+from melcache.sections import bounded, check_numbers, check_tables, load_toml, make_section, require
+from train.config.renamed import move_renamed_keys
 from train.config.train_table import TrainConfig
 
 CLIPS = ("norm", "zclip", "autoclip")
+_STEPS = 10**12  # an upper bound for step counts: more steps than any run will take
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,17 +36,15 @@ class ModelConfig:
     """
 
     impl: str = "train.model:TextToMel"
-    n_mels: int = 100
-    sample_rate: int = 24_000
-    hop_length: int = 256
+    n_mels: int = bounded(100, 1, 4096)
+    sample_rate: int = bounded(24_000, 1, 768_000)  # Hz
+    hop_length: int = bounded(256, 1, 1 << 16)  # samples
     args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_numbers(self, "model")
         module, _, name = self.impl.partition(":")
         require(bool(module and name), "model.impl", self.impl, '"package.module:Class"')
-        require(self.n_mels > 0, "model.n_mels", self.n_mels, "a positive number of bands")
-        require(self.sample_rate > 0, "model.sample_rate", self.sample_rate, "a rate in Hz")
-        require(self.hop_length > 0, "model.hop_length", self.hop_length, "a hop in samples")
         require(isinstance(self.args, Mapping), "model.args", self.args, "a table")
 
     def expected_features(self) -> dict[str, int]:
@@ -83,52 +84,45 @@ class OptimConfig:
     early and resumed with a larger ``--max-steps`` follows the same learning-rate curve.
     """
 
-    lr: float = 1e-3
-    min_lr: float = 1e-5
-    warmup_steps: int = 100
-    decay_steps: int = 10_000  # cosine reaches min_lr here and stays there
-    weight_decay: float = 0.01
+    lr: float = bounded(1e-3, 0, 100, open_low=True)
+    min_lr: float = bounded(1e-5, 0, 100)  # and at most lr
+    warmup_steps: int = bounded(100, 0, _STEPS)
+    decay_steps: int = bounded(10_000, 1, _STEPS)  # cosine reaches min_lr here and stays there
+    weight_decay: float = bounded(0.01, 0, 100)
     betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    eps: float = bounded(1e-8, 0, 1, open_low=True)
+    grad_clip: float = bounded(1.0, 0, 1e12)  # max global grad norm; 0 turns clipping off
     # "norm": at grad_clip; "zclip" / "autoclip": adaptive limits under it (train/optim/clipping.py).
     clip: str = "norm"
-    zclip_alpha: float = 0.97  # EMA factor of the norms' mean and variance
-    zclip_z: float = 2.5  # z-score above which a norm is scaled down
-    zclip_warmup: int = 25  # steps that only collect norms
-    autoclip_percentile: float = 10.0  # of past norms: the limit
-    autoclip_window: int = 1_000  # past norms kept
+    # EMA factor of the norms' mean and variance
+    zclip_alpha: float = bounded(0.97, 0, 1, open_low=True, open_high=True)
+    zclip_z: float = bounded(2.5, 0, 1_000, open_low=True)  # z-score above which norms shrink
+    zclip_warmup: int = bounded(25, 2, 1_000_000)  # steps that only collect norms
+    autoclip_percentile: float = bounded(10.0, 0, 100, open_low=True)  # of past norms: the limit
+    autoclip_window: int = bounded(1_000, 1, 1_000_000)  # past norms kept
 
     def __post_init__(self) -> None:
-        require(self.lr > 0, "optim.lr", self.lr, "a positive learning rate")
-        require(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"in [0, lr={self.lr}]")
-        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "0 or more")
+        check_numbers(self, "optim")
+        require(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"in [0, lr={self.lr}]")
         require(
             self.decay_steps > self.warmup_steps,
             "optim.decay_steps",
             self.decay_steps,
             f"more than warmup_steps ({self.warmup_steps})",
         )
-        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "0 or more")
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
         require(
-            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas),
             "optim.betas",
-            list(self.betas),
+            self.betas,
             "two numbers in [0, 1), e.g. [0.9, 0.98]",
         )
-        require(self.eps > 0, "optim.eps", self.eps, "a small positive number")
-        require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "0 (off) or a norm")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
         require(self.clip in CLIPS, "optim.clip", self.clip, " or ".join(CLIPS))
-        require(0 < self.zclip_alpha < 1, "optim.zclip_alpha", self.zclip_alpha, "in (0, 1)")
-        require(self.zclip_z > 0, "optim.zclip_z", self.zclip_z, "a positive z-score")
-        require(self.zclip_warmup >= 2, "optim.zclip_warmup", self.zclip_warmup, "2 or more")
-        require(
-            0 < self.autoclip_percentile <= 100,
-            "optim.autoclip_percentile",
-            self.autoclip_percentile,
-            "in (0, 100]",
-        )
-        require(self.autoclip_window >= 1, "optim.autoclip_window", self.autoclip_window, "≥ 1")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,8 +143,10 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> Config:
-        """Build and validate from nested tables; unknown tables or keys are errors."""
+        """Build and validate from nested tables; unknown tables or keys are errors, and the
+        flat ``[train]`` keys of earlier releases are moved to their sub-tables, with a warning."""
         check_tables(data, _SECTIONS, source)
+        data = move_renamed_keys(data, source)
         parts = {
             name: make_section(kind, data.get(name, {}), name, source)
             for name, kind in _SECTIONS.items()
@@ -216,10 +212,10 @@ def load_config(paths: Path | Sequence[Path] | None, overrides: Sequence[str] = 
     ``table.key=value`` overrides."""
     paths = [] if paths is None else [paths] if isinstance(paths, (str, Path)) else list(paths)
     data: dict[str, Any] = {}
-    for path in paths:
-        data = merge(data, load_toml(path, _SECTIONS))
+    for path in paths:  # old key names are moved per file, so a later file's new name wins
+        data = merge(data, move_renamed_keys(load_toml(path, _SECTIONS), str(path)))
     source = " + ".join(map(str, paths)) or "defaults"
     if overrides:
-        data = merge(data, parse_overrides(overrides))
+        data = merge(data, move_renamed_keys(parse_overrides(overrides), "override"))
         source += " with overrides"
     return Config.from_dict(data, source)

@@ -19,7 +19,7 @@ launched, so the rank it happens on knows at once, without waiting for the devic
    the bucket and length.
 
 The caps are part of the checkpoint and every failure is a record in ``metrics.jsonl``. With
-``train.budget_regrow_steps`` = N, every N steps in a row without an error (on any rank) each
+``train.memory.budget_regrow_steps`` = N, every N steps in a row without an error (on any rank) each
 lowered cap grows back by what one error took (÷ 0.9), a record each: a budget lowered by a rare
 long batch or a fragmented allocator may recover, and one that really was too large costs
 one skipped step per N to find out again.
@@ -307,13 +307,13 @@ def no_recovery(sharded: bool, forward_collectives: bool) -> str | None:
     a pass a rank would drop or cut that the other ranks' collectives wait for."""
     if sharded:
         return (
-            "train.strategy = fsdp2/hsdp cannot skip a pass (every pass all-gathers on every "
+            "train.parallel.strategy = fsdp2/hsdp cannot skip a pass (every pass all-gathers on every "
             "rank), so the run stops; lower data.batch_frames (`python -m train tune` finds "
-            'budgets that fit) or use train.strategy = "ddp", which recovers'
+            'budgets that fit) or use train.parallel.strategy = "ddp", which recovers'
         )
     if forward_collectives:
         return (
-            "recovery is off (train.allow_forward_collectives = true: cutting a batch or a "
+            "recovery is off (train.parallel.allow_forward_collectives = true: cutting a batch or a "
             "stand-in pass would change how many collectives a rank runs), so the run stops; "
             "train in a new --out with a lower data.batch_frames, or with "
             "train.activation_checkpointing = true"

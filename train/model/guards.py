@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 _FIX = (
     "compute such statistics outside the training forward (or in eval mode), or set "
-    "train.allow_forward_collectives = true (which turns out-of-memory recovery off)"
+    "train.parallel.allow_forward_collectives = true (which turns out-of-memory recovery off)"
 )
 
 
@@ -122,7 +122,7 @@ class FirstStep:
             raise UserError(
                 f"{self.impl}: parameters got no gradient from the loss: {_names(missing)}; make "
                 "the loss use them, freeze them (requires_grad = False), or set "
-                "train.find_unused_parameters = true"
+                "train.parallel.find_unused_parameters = true"
             )
 
 
@@ -137,7 +137,7 @@ def translate_ddp_error(exc: RuntimeError, model: nn.Module) -> Exception:
     return UserError(
         f"DDP: parameters got no gradient on rank {found.group(1)} in the last step: "
         f"{_names(names)}; make the loss use them every step, freeze them, or set "
-        "train.find_unused_parameters = true"
+        "train.parallel.find_unused_parameters = true"
     )
 
 

@@ -15,7 +15,7 @@ features it needs) is in ``train/model/contract.py``:
   optimizer step, so every frame weighs the same whatever the batching. Other ``"<name>_sum"``
   scalars, summed the same way, are logged as ``<name>``.
 - Every parameter gets a gradient from ``loss_sum`` on every batch (checked at the first
-  step; ``train.find_unused_parameters = true`` otherwise), valid frames never depend on padding.
+  step; ``train.parallel.find_unused_parameters = true`` otherwise), valid frames never depend on padding.
 - Buffers are broadcast from rank 0 once, when DDP wraps the model, not before every forward
   (no collective inside a forward: refused at the first step, ``train/model/guards.py``): buffers a model changes in training,
   such as BatchNorm's running statistics, stay per rank, and rank 0's are checkpointed.

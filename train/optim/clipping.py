@@ -36,7 +36,7 @@ class GradClip:
         self.mode, self.ceiling = cfg.clip, cfg.grad_clip or math.inf
         if sharded and self.mode != "norm":
             raise UserError(
-                f'optim.clip = "{self.mode}" is not available with train.strategy fsdp2/hsdp '
+                f'optim.clip = "{self.mode}" is not available with train.parallel.strategy fsdp2/hsdp '
                 '(sharded gradients): use optim.clip = "norm"'
             )
         self.cfg = cfg

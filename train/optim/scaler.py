@@ -1,4 +1,4 @@
-"""fp16 loss scaling with hysteresis and a floor (``train.amp_hysteresis``, ``train.amp_min_scale``).
+"""fp16 loss scaling with hysteresis and a floor (``train.amp.hysteresis``, ``train.amp.min_scale``).
 
 torch's GradScaler halves the scale at every overflow. Megatron-LM's and DeepSpeed's dynamic
 scalers back off only after ``hysteresis`` overflows (the count refills when the scale grows
@@ -40,13 +40,13 @@ class HysteresisScaler(torch.amp.GradScaler):
 
     @classmethod
     def for_run(cls, t: TrainConfig, device: torch.device, precision: str) -> HysteresisScaler:
-        """The run's scaler: on under fp16 only, with ``train.amp_hysteresis`` and
-        ``train.amp_min_scale``."""
+        """The run's scaler: on under fp16 only, with ``train.amp.hysteresis`` and
+        ``train.amp.min_scale``."""
         return cls(
             device.type,
             enabled=precision == "fp16",
-            hysteresis=t.amp_hysteresis,
-            min_scale=t.amp_min_scale,
+            hysteresis=t.amp.hysteresis,
+            min_scale=t.amp.min_scale,
         )
 
     def grad_scale(self) -> torch.Tensor | None:

@@ -37,9 +37,9 @@ def wrap_model(
         model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
-        find_unused_parameters=cfg.find_unused_parameters,
+        find_unused_parameters=cfg.parallel.find_unused_parameters,
         forward_sync_buffers=False,
-        bucket_cap_mb=cfg.bucket_cap_mb,
+        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
     )
     _register_comm_hook(ddp, cfg, powersgd)
     return ddp
@@ -50,9 +50,9 @@ def _register_comm_hook(ddp: DistributedDataParallel, cfg: TrainConfig, powersgd
     ``ddp_comm_hooks`` halve the bytes on the wire (bf16 needs NCCL ≥ 2.10); PowerSGD
     (``train/parallel/powersgd.py``, a ``train.parallel.powersgd.PowerSGD``) sends low-rank factors with error
     feedback after ``powersgd_start_iter`` plain steps."""
-    if cfg.comm_hook == "bf16":
+    if cfg.parallel.comm_hook == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif cfg.comm_hook == "fp16":
+    elif cfg.parallel.comm_hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif powersgd is not None:
         powersgd.register(ddp)

@@ -1,4 +1,4 @@
-"""Sharded data parallelism: ``train.strategy = "fsdp2" | "hsdp"`` through torch's FSDP2.
+"""Sharded data parallelism: ``train.parallel.strategy = "fsdp2" | "hsdp"`` through torch's FSDP2.
 
 ``fully_shard`` turns each parameter into a DTensor sharded over a device mesh: ``fsdp2``
 shards over every rank (ZeRO-3: each rank holds 1/N of parameters, gradients and AdamW
@@ -26,17 +26,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from melcache.errors import UserError
-from train.config.train_table import TrainConfig
+from train.config.train_table import ParallelConfig
 from train.optim.optimizer import EMA
 from train.parallel.env import Env
 
 
-def sharded(cfg: TrainConfig, env: Env) -> bool:
+def sharded(cfg: ParallelConfig, env: Env) -> bool:
     """Whether this run shards its parameters (FSDP2 or HSDP under torchrun)."""
     return cfg.strategy != "ddp" and env.distributed
 
 
-def shard(model: nn.Module, env: Env, cfg: TrainConfig, param_dtype: torch.dtype) -> nn.Module:
+def shard(model: nn.Module, env: Env, cfg: ParallelConfig, param_dtype: torch.dtype) -> nn.Module:
     """``fully_shard`` ``model`` in place for ``fsdp2`` / ``hsdp`` (before the optimizer is
     built, which must see the DTensor parameters), all-gathering parameters in
     ``param_dtype``; unchanged for ``ddp`` or one process."""
@@ -51,7 +51,7 @@ def shard(model: nn.Module, env: Env, cfg: TrainConfig, param_dtype: torch.dtype
     return model
 
 
-def device_mesh(env: Env, cfg: TrainConfig) -> DeviceMesh:
+def device_mesh(env: Env, cfg: ParallelConfig) -> DeviceMesh:
     """``(shard,)`` over all ranks for fsdp2; ``(replicate, shard)`` for hsdp, shard groups of
     ``hsdp_shard_size`` ranks (0: the ranks of one node, torchrun's LOCAL_WORLD_SIZE)."""
     kind = env.device.type
@@ -60,7 +60,7 @@ def device_mesh(env: Env, cfg: TrainConfig) -> DeviceMesh:
     size = cfg.hsdp_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     if env.world_size % size:
         raise UserError(
-            f"train.hsdp_shard_size = {size} does not divide the {env.world_size} ranks of "
+            f"train.parallel.hsdp_shard_size = {size} does not divide the {env.world_size} ranks of "
             "this job: pick a divisor (0 = the ranks of one node)"
         )
     shape = (env.world_size // size, size)

@@ -53,10 +53,15 @@ class PowerSGD:
     @classmethod
     def for_run(cls, model: nn.Module, env: Env, cfg: TrainConfig) -> "PowerSGD | None":
         """The state for ``comm_hook = "powersgd"`` under torchrun, else None."""
-        if cfg.comm_hook != "powersgd" or not env.distributed:
+        if cfg.parallel.comm_hook != "powersgd" or not env.distributed:
             return None
         seed = derive_seed(cfg.seed, "powersgd")
-        return cls(model, rank=cfg.powersgd_rank, start_iter=cfg.powersgd_start_iter, seed=seed)
+        return cls(
+            model,
+            rank=cfg.parallel.powersgd_rank,
+            start_iter=cfg.parallel.powersgd_start_iter,
+            seed=seed,
+        )
 
     def register(self, ddp: nn.Module) -> None:
         """Make this state and :func:`powersgd_hook` ``ddp``'s communication hook."""

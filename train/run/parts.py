@@ -51,7 +51,7 @@ class RunParts:
     spec: ModelSpec  # what the model class declares (train/model/contract.py)
     sharded: bool  # FSDP2 / HSDP: DTensor parameters
     loader: StreamLoader
-    validator: Validator | None  # None unless train.val_every
+    validator: Validator | None  # None unless train.validation.every
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     batch: BatchSchedule  # micro-batches per step
@@ -86,13 +86,17 @@ def build_run_parts(cfg: Config, shards: str | list[str], out: Path, env: Env) -
         tokenizer=tokenizer,
     )
     validator = build_validator(cfg, spec, env, out, expect_features=features, tokenizer=tokenizer)
-    is_sharded = sharded(t, env)
-    model = shard(model, env, t, AMP_DTYPES.get(precision, torch.float32))  # fp16 is refused
+    is_sharded = sharded(t.parallel, env)
+    model = shard(
+        model, env, t.parallel, AMP_DTYPES.get(precision, torch.float32)
+    )  # fp16 is refused
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
     # A skipped step (fp16 overflow, out of memory) is normal, not a misordered schedule.
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
-    recovery_off = no_recovery(is_sharded, t.allow_forward_collectives)  # its reason, or None
+    recovery_off = no_recovery(
+        is_sharded, t.parallel.allow_forward_collectives
+    )  # its reason, or None
     return RunParts(
         cfg=cfg,
         env=env,
@@ -110,7 +114,7 @@ def build_run_parts(cfg: Config, shards: str | list[str], out: Path, env: Env) -
         scaler=HysteresisScaler.for_run(t, device, precision),
         ema=EMA(model, t.ema_decay) if t.ema_decay > 0 else None,
         ckpt=Checkpointer(
-            out / "checkpoints", env, keep=t.keep_checkpoints, async_save=t.async_checkpoint
+            out / "checkpoints", env, keep=t.checkpoint.keep, async_save=t.checkpoint.async_write
         ),
         vote=HostVote(env),
         measures=StepMeasures(cfg, env, sharded=is_sharded),
@@ -141,8 +145,8 @@ def _first_step(cfg: Config, model: nn.Module, is_sharded: bool) -> FirstStep:
         model,
         cfg.model.impl,
         # FSDP2 all-gathers in every forward itself; it has no recovery for them to break.
-        allow_collectives=t.allow_forward_collectives or is_sharded,
-        unused=t.find_unused_parameters,
+        allow_collectives=t.parallel.allow_forward_collectives or is_sharded,
+        unused=t.parallel.find_unused_parameters,
         compiled=t.compile,
     )
 

@@ -14,6 +14,7 @@ import torch
 
 from melcache.errors import UserError
 from melcache.index import read_stats
+from train.config.renamed import move_renamed_keys
 from train.parallel.fsdp import load_weights, weights_state
 from train.parallel.rng import derive_seed, rng_state, seed_all, set_rng_state
 from train.run.parts import RunParts
@@ -24,11 +25,11 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {
     "train.max_steps",
     "train.log_every",
-    "train.ckpt_every",
-    "train.keep_checkpoints",
-    "train.async_checkpoint",
-    "train.val_every",
-    "train.val_batches",
+    "train.checkpoint.every",
+    "train.checkpoint.keep",
+    "train.checkpoint.async_write",
+    "train.validation.every",
+    "train.validation.batches",
     "data.val_shards",
 }
 
@@ -82,7 +83,7 @@ def resume_or_start(parts: RunParts) -> int:
         (p.out / "config.json").write_text(json.dumps(p.cfg.to_dict(), indent=1))
     # Dropout masks must differ between ranks: one stream per (seed, rank).
     seed_all(derive_seed(p.cfg.train.seed, "train", env.rank))
-    if p.cfg.train.spike_rewind_after:
+    if p.cfg.train.adapt.spike_rewind_after:
         save(p, 0)
     return 0
 
@@ -155,7 +156,9 @@ def mel_stats(
 
 
 def warn_config_changes(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
-    """Warn, naming the keys, when checkpoint ``where`` was saved under another config."""
+    """Warn, naming the keys, when checkpoint ``where`` was saved under another config (one
+    saved before the ``[train]`` sub-tables is read under today's key names)."""
+    saved = move_renamed_keys(saved, str(where), quiet=True)
     changed = sorted(set(_flatten(saved).items()) ^ set(_flatten(current).items()))
     keys = sorted({k for k, _ in changed} - RESUMABLE_CHANGES)
     if keys:

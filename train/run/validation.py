@@ -1,7 +1,7 @@
-"""Validation every ``train.val_every`` steps on a second cache (``[data] val_shards`` or
+"""Validation every ``train.validation.every`` steps on a second cache (``[data] val_shards`` or
 ``--val-shards``).
 
-The set is fixed: at start each rank takes its first ``train.val_batches`` batches of the
+The set is fixed: at start each rank takes its first ``train.validation.batches`` batches of the
 validation cache's stream (seed 0, epoch 0, split by rank like training) and keeps them in host
 memory, so every validation sees the same utterances. The model runs in eval mode under
 ``no_grad``, with the EMA weights when the EMA is on, and with the RNG forked to a fixed seed
@@ -48,7 +48,7 @@ class Validator:
             cfg.data.val_shards, data, rank=env.rank, world_size=env.world_size, seed=0, **loader
         )
         try:
-            self.batches = list(itertools.islice(iter(stream), cfg.train.val_batches))
+            self.batches = list(itertools.islice(iter(stream), cfg.train.validation.batches))
         finally:
             stream.close()
         self.seed = derive_seed(cfg.train.seed, "validation", env.rank)
@@ -124,9 +124,9 @@ def _eval_weights(model: torch.nn.Module, ema: EMA | None) -> Iterator[None]:
 def build_validator(
     cfg: Config, spec: ModelSpec, env: Env, out: Path, **loader: Any
 ) -> Validator | None:
-    """The run's validator, or ``None`` when ``train.val_every`` is 0."""
-    if not cfg.train.val_every:
+    """The run's validator, or ``None`` when ``train.validation.every`` is 0."""
+    if not cfg.train.validation.every:
         return None
     if not cfg.data.val_shards:
-        raise UserError("train.val_every is set but data.val_shards (--val-shards) is not")
+        raise UserError("train.validation.every is set but data.val_shards (--val-shards) is not")
     return Validator(cfg, spec, env, out, **loader)
