@@ -307,9 +307,13 @@ def make_loader(
     budget below the longest utterance, or,
     with ``sync_buckets = false``, fewer shards than ``world_size × max(1, num_workers)``.
     """
-    require(world_size >= 1, "loader world_size", world_size, "at least 1")
-    require(0 <= rank < world_size, "loader rank", rank, f"in 0..{world_size - 1}")
-    require(seed >= 0, "loader seed", seed, "a non-negative integer")
+    require(_is_int(world_size) and world_size >= 1, "loader world_size", world_size, "an int ≥ 1")
+    require(
+        _is_int(rank) and 0 <= rank < world_size, "loader rank", rank, f"in 0..{world_size - 1}"
+    )
+    require(_is_int(seed) and seed >= 0, "loader seed", seed, "a non-negative integer")
+    require(isinstance(data, DataConfig), "loader data", data, "a DataConfig")
+    require(tokenizer is None or callable(tokenizer), "loader tokenizer", tokenizer, "a callable")
     mix = open_mix(cache, data, expect_features)
     check_extras(mix, data.extras)
     num_slots = world_size * max(1, data.num_workers)
@@ -332,6 +336,10 @@ def make_loader(
     )
     check_shared_memory(spec)
     return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _resolve_pin_memory(requested: bool | None) -> bool:
