@@ -167,9 +167,7 @@ def test_mix_weights_never_overflow_or_divide_by_zero() -> None:
     assert mix_weights(hours, None, 1) == pytest.approx([0.75, 0.25])
 
 
-def test_mix_weights_from_python_are_refused_by_name(
-    sample_cache: Path, train_cache: Path
-) -> None:
+def test_mix_weights_from_python_are_refused_by_name(sample_cache: Path, train_cache: Path) -> None:
     a, b = str(sample_cache), str(train_cache)
     data = DataConfig(batch_frames=20_000, num_workers=0)
     for bad in ("x", None, [1.0], math.inf, math.nan, 10**400, True, -1.0, 0):

@@ -4,11 +4,13 @@ line naming the tokenizer, key or file and what to do."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
-from helpers import tiny_trainer
+from helpers import REPO, checkpoint, metrics, tiny_fit, tiny_trainer
 
 from melcache.errors import UserError
 from melcache.loader import DataConfig, make_loader
@@ -86,6 +88,54 @@ def _floats(text: str) -> list[float]:
 
 
 def test_the_model_factory_is_checked_for_what_it_makes(train_cache: Path, tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="made a dict, not a torch.nn.Module") as error:
+    with pytest.raises(UserError, match=r"made a dict, not a torch\.nn\.Module") as error:
         tiny_trainer(train_cache, tmp_path / "run", [*SMALL, 'model.impl="builtins:dict"'])
     one_line(error.value)
+
+
+def test_a_diverging_run_ends_in_one_line(train_cache: Path, tmp_path: Path) -> None:
+    from train.__main__ import main
+
+    diverges = ['model.impl="tests._spike_model:DivergesAt"', "model.args.at=3"]
+    with pytest.raises(UserError, match="the loss is nan at step 4: the run diverged") as error:
+        tiny_fit(train_cache, tmp_path / "run", 6, [*SMALL, *diverges])
+    assert "lower optim.lr" in one_line(error.value)
+    args = ["--shards", str(train_cache), "--config", str(REPO / "configs" / "tiny.toml")]
+    assert main([*args, "--out", str(tmp_path / "cli"), "--max-steps", "6", *SMALL, *diverges]) == 2
+
+
+def test_a_resume_with_other_workers_names_the_users_key(train_cache: Path, tmp_path: Path) -> None:
+    tiny_fit(train_cache, tmp_path, 2, SMALL)
+    with pytest.raises(UserError) as error:
+        tiny_trainer(train_cache, tmp_path, [*SMALL, "data.num_workers=2"])
+    line = one_line(error.value)
+    assert "data.num_workers (workers per rank) = 1 but this loader has" in line, line
+    assert "load_state_dict" not in line and "workers_per_rank" not in line
+    assert "train into a new --out" in line
+
+
+def test_a_stop_signal_does_not_wait_for_validation(train_cache: Path, tmp_path: Path) -> None:
+    """SIGTERM during a validation pass: it stops at the next batch, records it, checkpoints
+    that step and stops, instead of finishing the pass and training one more step."""
+    val = [f"data.val_shards={train_cache!s}", "train.val_every=2", "train.val_batches=4"]
+    t = tiny_trainer(train_cache, tmp_path, [*SMALL, *val])
+    try:
+        t.parts.validator.batches = _SignalAfterOne(t.parts.validator.batches)
+        assert t.fit(10) == "signal"
+    finally:
+        t.close()
+    records = metrics(tmp_path)
+    stopped = [r for r in records if r.get("event") == "validation_stopped"]
+    assert stopped == [{"step": 2, "event": "validation_stopped", "batches": 1, "of": 4}]
+    assert not any("val_loss" in r for r in records)
+    assert checkpoint(tmp_path, 2).exists() and max(r["step"] for r in records) == 2
+
+
+class _SignalAfterOne(list):
+    """Validation batches that send this process SIGTERM once the first is handed out."""
+
+    def __iter__(self):  # type: ignore[override]
+        for i, batch in enumerate(list.__iter__(self)):
+            yield batch
+            if i == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
