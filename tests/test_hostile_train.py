@@ -7,14 +7,17 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import REPO, checkpoint, metrics, tiny_fit, tiny_trainer
+import torch
+from helpers import REPO, checkpoint, metrics, run_ok, tiny_fit, tiny_trainer, train_cmd
 
 from melcache.errors import UserError
 from melcache.loader import DataConfig, make_loader
 from train.model.tokenizers import build_tokenizer
+from train.run import dcp
 
 SMALL = [
     "data.batch_frames=800",
@@ -139,3 +142,35 @@ class _SignalAfterOne(list):
             yield batch
             if i == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sharded_weights_of_another_shape_are_refused_by_name(tmp_path: Path) -> None:
+    """DCP's own "Size mismatch" is a CheckpointException traceback of every rank; the
+    shapes are compared first, from the metadata, in one line."""
+    dcp.save({"model": {"w": torch.zeros(4, 3)}, "step": 3}, tmp_path, None)
+    with pytest.raises(ValueError, match=re.escape("model.w was saved as [4, 3] but is [5, 3]")):
+        dcp.load({"model": {"w": torch.zeros(5, 3)}}, tmp_path, None)
+    same = {"model": {"w": torch.ones(4, 3)}}
+    dcp.load(same, tmp_path, None)
+    assert torch.equal(same["model"]["w"], torch.zeros(4, 3))
+
+
+@pytest.mark.slow
+def test_an_fsdp2_resume_with_another_model_shape_is_one_line(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    fsdp = ("train.strategy=fsdp2", "train.ckpt_every=2")
+    run_ok(train_cmd(train_cache, tmp_path, *fsdp, max_steps=2))
+    done = subprocess.run(
+        train_cmd(train_cache, tmp_path, *fsdp, "model.args.dim=32", max_steps=4),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if "was saved as" in line]
+    assert len(errors) == 2 and all("cannot be loaded as this model's sharded" in e for e in errors)
+    assert "Traceback" not in done.stderr and "Size mismatch" not in done.stderr, done.stderr[
+        -3000:
+    ]
