@@ -171,6 +171,5 @@ def test_an_fsdp2_resume_with_another_model_shape_is_one_line(
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if "was saved as" in line]
     assert len(errors) == 2 and all("cannot be loaded as this model's sharded" in e for e in errors)
-    assert "Traceback" not in done.stderr and "Size mismatch" not in done.stderr, done.stderr[
-        -3000:
-    ]
+    ranks = done.stderr.split("ChildFailedError")[0]  # before torchrun's own summary
+    assert "CheckpointException" not in ranks and "Size mismatch" not in ranks, ranks[-3000:]
