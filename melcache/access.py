@@ -106,11 +106,16 @@ class Cache:
         row = row_or_key(self.location, item)
         if isinstance(row, str):
             return self.get(row)
-        if not -len(self) <= row < len(self):
-            raise IndexError(f"{self.location}: row {row} of {len(self)}")
-        found = self._read(row % len(self), None)
+        found = self._read(self.row(row), None)
         assert found is not None  # internal invariant: no key to compare, so never a mismatch
         return found
+
+    def row(self, row: int) -> int:
+        """Row number ``row`` (negative counts from the end, as lists do) in ``0 .. len - 1``;
+        :class:`IndexError` naming the cache past either end."""
+        if not -len(self) <= row < len(self):
+            raise IndexError(f"{self.location}: row {row} of {len(self)}")
+        return row % len(self)
 
     def get(self, key: str) -> Utterance:
         """The utterance ``key``; :class:`UnknownKey` when the cache has none, :class:`BadKey`

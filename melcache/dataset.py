@@ -52,7 +52,8 @@ class CacheDataset(Dataset):
 
     def get_frame_len(self, index: int) -> int:
         """Frames of item ``index``: what F5-TTS's ``DynamicBatchSampler`` asks a dataset."""
-        return int(self.cache.lengths[row_or_key(self.cache.location, index, keys=False)])
+        row = row_or_key(self.cache.location, index, keys=False)
+        return int(self.cache.lengths[self.cache.row(row)])  # type: ignore[arg-type]
 
     def durations(self) -> np.ndarray:
         """Seconds of every item (frames × hop ÷ rate), for duration-based samplers."""

@@ -114,14 +114,20 @@ def same_cache(where: str) -> str:
 
 def _weight(name: str, value: object) -> float:
     """``value`` as a finite weight > 0, else a UserError naming it (``name``)."""
-    try:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        weight = float(value) if ok else math.nan  # type: ignore[arg-type]
-    except OverflowError:  # an int past float's range
-        weight = math.inf
+    weight = _as_float(value)
     if not (math.isfinite(weight) and weight > 0):
         raise UserError(f"{name} = {value!r} is invalid: expected a finite number > 0")
     return weight
+
+
+def _as_float(value: object) -> float:
+    """A real number (not a bool) as a float: NaN for anything else, inf past float's range."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        return math.inf
 
 
 def _configured_weights(locations: list[str], mix: Mapping[str, Any]) -> list[float]:
@@ -142,8 +148,8 @@ def _configured_weights(locations: list[str], mix: Mapping[str, Any]) -> list[fl
 
 
 def _check_temperature(value: object) -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and value >= 0):  # type: ignore[arg-type]
+    alpha = _as_float(value)
+    if not (math.isfinite(alpha) and alpha >= 0):
         raise UserError(
             f"data.mix_temperature = {value!r} is invalid: expected a finite number, 0 or more"
         )
