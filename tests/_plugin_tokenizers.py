@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class ZeroBased:
     """Letters from 0, as many packages count: breaks the id 0 padding rule."""
@@ -31,19 +33,19 @@ class GivesNone(_Gives):
 
 
 class GivesNested(_Gives):
-    output = [[1, 2], [3]]
+    output: ClassVar[object] = [[1, 2], [3]]
 
 
 class GivesHuge(_Gives):
-    output = [1, 2**70]
+    output: ClassVar[object] = [1, 2**70]
 
 
 class GivesPastVocab(_Gives):
-    output = [1, 100]
+    output: ClassVar[object] = [1, 100]
 
 
 class GivesFloats(_Gives):
-    output = [1.9, 2.0]
+    output: ClassVar[object] = [1.9, 2.0]
 
 
 class LaterBad:
