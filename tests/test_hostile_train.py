@@ -144,6 +144,7 @@ class _SignalAfterOne(list):
                 os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_sharded_weights_of_another_shape_are_refused_by_name(tmp_path: Path) -> None:
     """DCP's own "Size mismatch" is a CheckpointException traceback of every rank; the
     shapes are compared first, from the metadata, in one line."""
