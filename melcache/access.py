@@ -61,33 +61,66 @@ class UnknownKey(KeyError, UserError):
         return str(self.args[0])  # KeyError would print the message quoted
 
 
+class BadKey(TypeError, UserError):
+    """A lookup by something that is neither a key (``str``) nor a row (an integer)."""
+
+
+def _key(where: object, key: object) -> str:
+    if not isinstance(key, str):
+        raise BadKey(f"{where}: a key is a str, not {type(key).__name__} {key!r}")
+    return key
+
+
+def row_or_key(where: object, item: object, keys: bool = True) -> int | str:
+    """``item`` checked as a lookup of cache ``where``: a key (a ``str``, when ``keys``) or a
+    row (an ``int`` or NumPy integer, never a float or a bool), else :class:`BadKey`."""
+    if keys and isinstance(item, str):
+        return item
+    if not isinstance(item, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(item)  # type: ignore[arg-type]
+    wanted = "a key (str) or a row (int)" if keys else "a row (int)"
+    raise BadKey(f"{where}: look up {wanted}, not {type(item).__name__} {item!r}")
+
+
 class Cache:
     """A finished cache opened for random access (see :func:`open_cache`)."""
 
     def __init__(self, cache: str | Path) -> None:
+        if not isinstance(cache, (str, Path)) or not str(cache):
+            raise BadKey(f"cache {cache!r}: expected a folder or URL prefix (a str or Path)")
         self.location = cache if is_url(cache) else Path(cache)
         self.index = read_index(cache)
         self.table = Table(cache, self.index)
         self._n_mels = int(self.index["features"]["n_mels"])
         self._shards = _Shards(cache, self.index["shards"])
-        self._frames = self.table.column("frames")
+        # A copy, not a view of the mapped table: samplers keep ``lengths`` for a whole run,
+        # and a view would be SIGBUS once the file is cut (the table checks only its reads).
+        self._frames = np.array(self.table.column("frames"))
+        self._frames.flags.writeable = False
 
     def __len__(self) -> int:
         return len(self.table)
 
     def __getitem__(self, item: int | str) -> Utterance:
-        if isinstance(item, str):
-            return self.get(item)
-        row = operator.index(item)  # a TypeError for floats, as lists give
-        if not -len(self) <= row < len(self):
-            raise IndexError(f"{self.location}: row {row} of {len(self)}")
-        found = self._read(row % len(self), None)
+        row = row_or_key(self.location, item)
+        if isinstance(row, str):
+            return self.get(row)
+        found = self._read(self.row(row), None)
         assert found is not None  # internal invariant: no key to compare, so never a mismatch
         return found
 
+    def row(self, row: int) -> int:
+        """Row number ``row`` (negative counts from the end, as lists do) in ``0 .. len - 1``;
+        :class:`IndexError` naming the cache past either end."""
+        if not -len(self) <= row < len(self):
+            raise IndexError(f"{self.location}: row {row} of {len(self)}")
+        return row % len(self)
+
     def get(self, key: str) -> Utterance:
-        """The utterance ``key``; :class:`UnknownKey` when the cache has none."""
-        for row in self.table.rows_of(key):
+        """The utterance ``key``; :class:`UnknownKey` when the cache has none, :class:`BadKey`
+        (a ``TypeError``) when ``key`` is not a ``str``."""
+        for row in self.table.rows_of(_key(self.location, key)):
             found = self._read(row, key)
             if found is not None:
                 return found
@@ -96,8 +129,14 @@ class Cache:
         )
 
     def get_many(self, keys: Iterable[str]) -> list[Utterance]:
-        """The utterances ``keys``, in that order, read in shard and offset order."""
-        keys = list(keys)
+        """The utterances ``keys`` (an iterable of ``str``), in that order, read in shard and
+        offset order."""
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            raise BadKey(  # a bare str would be looked up character by character
+                f"{self.location}: get_many takes a list of keys, not {type(keys).__name__} "
+                f"{keys!r} (one key: get)"
+            )
+        keys = [_key(self.location, key) for key in keys]
         first = {key: (self.table.rows_of(key) or [-1])[0] for key in keys}
         found = {key: self.get(key) for key in sorted(set(keys), key=first.__getitem__)}
         return [found[key] for key in keys]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from melcache.access import Cache, open_cache
+from melcache.access import Cache, open_cache, row_or_key
 
 
 class CacheDataset(Dataset):
@@ -31,8 +31,10 @@ class CacheDataset(Dataset):
     def __len__(self) -> int:
         return len(self.cache)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        utterance = self.cache[int(index)]
+    def __getitem__(self, index: int | str) -> dict[str, Any]:
+        """Item ``index``: a row (an integer), or a key (a ``str``), as ``cache[...]`` takes;
+        a float or anything else is a ``TypeError`` (``int()`` would truncate 2.9 to row 2)."""
+        utterance = self.cache[row_or_key(self.cache.location, index)]
         mel = utterance.mel  # a view of the read-only bytes read, for fp16 storage: copy it
         return {
             "key": utterance.key,
@@ -50,7 +52,8 @@ class CacheDataset(Dataset):
 
     def get_frame_len(self, index: int) -> int:
         """Frames of item ``index``: what F5-TTS's ``DynamicBatchSampler`` asks a dataset."""
-        return int(self.cache.lengths[index])
+        row = row_or_key(self.cache.location, index, keys=False)
+        return int(self.cache.lengths[self.cache.row(row)])  # type: ignore[arg-type]
 
     def durations(self) -> np.ndarray:
         """Seconds of every item (frames × hop ÷ rate), for duration-based samplers."""

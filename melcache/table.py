@@ -29,18 +29,19 @@ import dataclasses
 import hashlib
 import json
 import mmap
+import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import xxhash
 from numcodecs import Zstd
 
-from melcache.bounded import loads_json
+from melcache.bounded import loads_json, open_regular
 from melcache.errors import UserError
 from melcache.format import write_atomic
-from melcache.location import member_location, read_bytes
+from melcache.location import is_url, member_location, read_bytes
 
 TABLE_NAME = "utterances.table"
 TABLE_VERSION = 1
@@ -148,13 +149,18 @@ def table_entry(data: bytes | mmap.mmap) -> dict[str, Any]:
     }
 
 
+class TableChanged(UserError):
+    """A table file changed on disk while a cache had it open (it is not a shard's fault)."""
+
+
 class Table:
     """A cache's ``utterances.table``, read and checked against its ``index.json``.
 
     Raises :class:`UserError` naming the file when the cache has no table (built before
     tables existed: ``python -m preprocess index-table CACHE`` writes one), or when the table
     is damaged or stale (its size or xxh3_128 is not the index's, it describes other shards,
-    or a column is malformed). ``sha256=True`` checks the sha256 too (``verify``).
+    or a column is malformed). ``sha256=True`` checks the sha256 too (``verify``). Every
+    read first checks that the file is still the one read (:meth:`check`).
     """
 
     def __init__(self, cache: str | Path, index: dict[str, Any], sha256: bool = False) -> None:
@@ -166,9 +172,10 @@ class Table:
                 f"`python -m preprocess index-table {cache}` writes it"
             )
         try:
-            self._data = read_bytes(self.location)
+            self._data, self._file = _mapped(self.location)
         except OSError as exc:
             raise UserError(f"{self.location}: cannot read the table ({exc})") from None
+        self._cache, self._stamp = cache, self._file_stamp()
         fix = f"damaged or stale; `python -m preprocess index-table {cache}` rewrites it"
         if len(self._data) != entry.get("bytes"):
             raise UserError(
@@ -181,9 +188,34 @@ class Table:
         for field, value in actual.items():
             if value != entry.get(field):
                 raise UserError(f"{self.location}: {field} differs from index.json ({fix})")
+        self._digest = actual["xxh3_128"]
         self.header, self._columns = self._parse(fix)
         self._check(index, fix)
         self._strings: dict[str, list[Any]] = {}
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        if self._file is None:  # a URL's bytes are a copy: nothing can change under them
+            return None
+        stat = os.fstat(self._file.fileno())
+        return stat.st_size, stat.st_mtime_ns
+
+    def check(self) -> None:
+        """Raise :class:`TableChanged` naming the file when it changed since it was read:
+        the columns are views of its mapped pages, so a page cut off would be SIGBUS and a
+        page rewritten a wrong row. One ``fstat`` (size and mtime) per read; only a changed
+        mtime with the same size hashes the file, to let a ``touch`` pass."""
+        stamp = self._file_stamp()
+        if stamp == self._stamp:
+            return
+        assert stamp is not None  # internal invariant: only a local file has a stamp
+        if stamp[0] == len(self._data) and xxhash.xxh3_128_hexdigest(self._data) == self._digest:
+            self._stamp = stamp
+            return
+        raise TableChanged(
+            f"{self.location}: changed on disk while the cache was open ({len(self._data)} "
+            f"bytes then, {stamp[0]} now): open the cache again once it is rebuilt, or "
+            f"`python -m preprocess index-table {self._cache}` rewrites a damaged table"
+        )
 
     def _parse(self, fix: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         data, where = self._data, self.location
@@ -232,7 +264,9 @@ class Table:
         return int(self.header["rows"])
 
     def column(self, name: str) -> np.ndarray:
-        """Column ``name`` (read-only, memory-mapped where local)."""
+        """Column ``name`` (read-only, memory-mapped where local: read it at once, as the file
+        is checked only here)."""
+        self.check()
         return self._columns[name]
 
     def has(self, name: str) -> bool:
@@ -241,6 +275,7 @@ class Table:
 
     def rows_of(self, key: str) -> list[int]:
         """The rows whose key hashes as ``key`` does: usually one, or none."""
+        self.check()
         target = np.uint64(xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass")))
         hashes = self._columns["key_hash"]
         low, high = (
@@ -251,6 +286,7 @@ class Table:
 
     def shard_of(self, row: int) -> int:
         """The index's shard number of row ``row``."""
+        self.check()
         return int(np.searchsorted(self._columns["shard_rows"], row, "right")) - 1
 
     def span(self, row: int) -> tuple[int, int]:
@@ -261,6 +297,7 @@ class Table:
     def spans(self, start: int, stop: int) -> tuple[list[int], list[int]]:
         """:meth:`span` of rows ``start`` to ``stop - 1``: a batch's run of a few dozen rows,
         where Python lists beat numpy's per-call cost."""
+        self.check()
         lengths = [0] * (stop - start)
         for member in MEMBERS:
             if f"{member}_at" in self._columns:
@@ -274,6 +311,7 @@ class Table:
     def strings(self, name: str) -> list[Any]:
         """``keys``, ``sources`` (per row) or ``speakers`` (by number, from 1), decoded once."""
         if name not in self._strings:
+            self.check()
             try:
                 raw = Zstd().decode(self._columns[name].tobytes())
                 values = loads_json(bytes(raw).decode("utf-8", "surrogatepass"))
@@ -287,8 +325,24 @@ class Table:
 
     def speaker(self, row: int) -> str | None:
         """Row ``row``'s speaker, or ``None``."""
+        self.check()
         number = int(self._columns["speaker"][row])
         return self.strings("speakers")[number - 1] if number else None
+
+
+def _mapped(location: str) -> tuple[bytes | mmap.mmap, IO[bytes] | None]:
+    """A local table mapped, with its file kept open to check it before each read; a URL's
+    bytes, with no file."""
+    if is_url(location):
+        return read_bytes(location), None
+    file = open_regular(location)
+    try:
+        if os.fstat(file.fileno()).st_size == 0:
+            return b"", file  # mmap refuses empty files; the size check refuses it
+        return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), file
+    except BaseException:
+        file.close()
+        raise
 
 
 def _fits(at: Any, size: Any, itemsize: int, room: int) -> bool:

@@ -84,3 +84,21 @@ class NoisyGradient(TextToMel):
                 out["loss_sum"] + self.noise * (xi * weights).sum() * mel_lengths.sum()
             )
         return out
+
+
+class DivergesAt(TextToMel):
+    """TextToMel whose weights turn NaN at training forward ``at``, as an optimizer step with
+    a far too large learning rate leaves them: a run that diverges."""
+
+    def __init__(self, *, n_mels: int, at: int, **args):
+        super().__init__(n_mels=n_mels, **args)
+        self.at, self.seen = at, 0
+
+    def forward(self, mel, mel_lengths, text, text_lengths):
+        if self.training:
+            self.seen += 1
+            if self.seen == self.at:
+                with torch.no_grad():
+                    for parameter in self.parameters():
+                        parameter.fill_(float("nan"))
+        return super().forward(mel, mel_lengths, text, text_lengths)

@@ -342,7 +342,7 @@ def test_restore_refuses_a_different_layout(sample_cache: Path) -> None:
     source.close()
     for changed, key in [
         ({"world_size": 1}, "world_size"),
-        ({"num_workers": 1}, "workers_per_rank"),
+        ({"num_workers": 1}, r"data\.num_workers \(workers per rank\) = 2"),
         ({"seed": 2}, "seed"),
         ({"batch_frames": 4000}, "batch_frames"),
     ]:

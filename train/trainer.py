@@ -101,7 +101,7 @@ class Trainer:
                     if verdict.stop or self.step % t.log_every == 0 or self.step == max_steps:
                         self._log_window(metrics)
                     if self.parts.validator is not None and self.step % t.validation.every == 0:
-                        metrics.log(self.step, self.parts.validator.run(*self._val_args()))
+                        verdict = self._validate(metrics, verdict)
                     if (
                         verdict.stop
                         or self.step % t.checkpoint.every == 0
@@ -268,6 +268,22 @@ class Trainer:
     def _val_args(self) -> tuple[Any, ...]:
         return self.parts.raw_model, self.parts.ema, self.step, self._autocast
 
+    def _validate(self, metrics: MetricsLog, verdict: Verdict) -> Verdict:
+        """Validate, stopping between its batches once any rank got a stop signal (a long pass
+        must not hold up a job being preempted): the stop is recorded, then this step is
+        checkpointed as for a stop during training."""
+        assert self.parts.validator is not None  # internal invariant: the caller checked it
+
+        def stop_now() -> bool:  # every rank votes at the same batch
+            return self.parts.vote.sum([self.stop.local])[0] > 0
+
+        values = self.parts.validator.run(*self._val_args(), stop=stop_now)
+        if "val_loss" in values:
+            metrics.log(self.step, values)
+            return verdict
+        metrics.event(self.step, values)
+        return dataclasses.replace(verdict, stop=True)
+
     def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         try:
             with self._autocast(), self.parts.first.forward():  # collectives refused at the first
@@ -330,7 +346,11 @@ class Trainer:
             )  # fmt: skip
         # A window whose every step was skipped (out of memory) has no loss.
         if not math.isfinite(values.get("loss", 0.0)) and self.parts.precision != "fp16":
-            raise FloatingPointError(f"loss is {values['loss']} at step {self.step}")
+            raise UserError(  # a diverged run: one line, as for any bad setting
+                f"the loss is {values['loss']} at step {self.step}: the run diverged; lower "
+                "optim.lr (or check optim.weight_decay and the data), then resume from the last "
+                "checkpoint or train into a new --out"
+            )
         return values
 
     def _autocast(self) -> contextlib.AbstractContextManager:

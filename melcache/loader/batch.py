@@ -20,7 +20,7 @@ Conventions the model relies on:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ import torch
 
 from melcache.batching import round_up
 from melcache.codec import decode_mel_into
-from melcache.errors import ShardError
+from melcache.errors import ShardError, UserError
 from melcache.extras import REFERENCE
 from melcache.format import finite_mel
 from melcache.reader import RawSample
@@ -37,6 +37,56 @@ PAD_ID = 0
 BYTE_VOCAB_SIZE = 257
 
 Tokenizer = Callable[[str], Sequence[int]]
+
+
+def token_ids(
+    tokenizer: Tokenizer, text: str, name: str | None = None, vocab_size: int | None = None
+) -> np.ndarray:
+    """``tokenizer(text)`` as int64 ids in ``1 .. vocab_size - 1`` (``vocab_size``: the given
+    one, else the tokenizer's attribute, else no upper bound), else a :class:`UserError` naming
+    the tokenizer, what it returned and the text: a str, ``None``, nested lists, floats (1.9
+    would silently become id 1) or ids past 64 bits must not reach the embedding."""
+    out = tokenizer(text)
+    if getattr(tokenizer, "gives_checked_ids", False):  # train's Checked: checked already
+        return out
+    if vocab_size is None:
+        vocab_size = getattr(tokenizer, "vocab_size", None)
+    ids = _as_ids(out)
+    who = name or getattr(tokenizer, "__qualname__", None) or type(tokenizer).__qualname__
+    if ids is None:
+        shown = repr(out) if len(repr(out)) < 60 else f"{repr(out)[:57]}..."
+        raise UserError(
+            f"tokenizer {who} returned {type(out).__name__} {shown} for {text[:40]!r}: a "
+            "tokenizer returns a flat list or 1-D array of int ids"
+        )
+    bounded = isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+    if ids.size and (ids.min() <= PAD_ID or (bounded and ids.max() >= vocab_size)):
+        top = f"{vocab_size - 1} (vocab_size {vocab_size})" if bounded else "..."
+        raise UserError(
+            f"tokenizer {who} gave ids {ids.min()}..{ids.max()} for {text[:40]!r}: ids must be "
+            f"in 1..{top}; 0 is padding"
+        )
+    return ids
+
+
+def _as_ids(out: object) -> np.ndarray | None:
+    """``out`` as a 1-D int64 array, or ``None`` when it is not a flat sequence of integers
+    that fit 64 bits."""
+    if out is None or isinstance(out, (str, bytes, bytearray, Mapping)):
+        return None
+    try:
+        ids = np.asarray(out)
+    except (ValueError, TypeError, OverflowError):  # ragged lists, odd objects
+        return None
+    if ids.ndim != 1:
+        return None
+    if ids.size == 0:
+        return np.zeros(0, np.int64)
+    if ids.dtype.kind not in "iu":  # floats, bools, objects (ints past 64 bits)
+        return None
+    if ids.dtype.kind == "u" and ids.max() > np.iinfo(np.int64).max:
+        return None
+    return ids.astype(np.int64, copy=False)
 
 
 def utf8_tokens(text: str) -> np.ndarray:
@@ -140,7 +190,7 @@ def collate(
     if not finite_mel(out):  # the build never writes one: a forged or hand-made shard
         row = next(row for row in range(len(samples)) if not finite_mel(out[row]))
         raise ShardError(f"{where}:{samples[row].key}: the mel holds NaN or infinite values")
-    tokens = [np.asarray(tokenizer(s.text), dtype=np.int64) for s in samples]
+    tokens = [token_ids(tokenizer, s.text) for s in samples]
     # Text padded like the mel: text + mel then stays a multiple of pad_multiple, so SDPA's
     # efficient kernels take the [B, 1, S, S] mask as it is instead of padding a copy per layer.
     width = round_up(max(1, *(len(t) for t in tokens)), pad_multiple)

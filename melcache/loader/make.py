@@ -189,11 +189,9 @@ class StreamLoader:
         identity = self._identity()
         if version in (WHOLE_CACHE_VERSION, NO_FRAMES_VERSION):
             if len(self.spec.subs) != 1 or self.spec.subs[0].bucket >= 0:
-                raise UserError(
+                raise LoaderStateError(
                     f"loader state was saved by an earlier loader (version {version}), whose "
-                    "stream continues here only as one cache with data.sync_buckets = false; "
-                    "resume with that setting (or start the data stream afresh without "
-                    "load_state_dict)"
+                    "stream continues here only as one cache with data.sync_buckets = false"
                 )
             if version == WHOLE_CACHE_VERSION:  # one position per worker, no sync_buckets/mix
                 identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
@@ -203,13 +201,13 @@ class StreamLoader:
         elif version == STATE_VERSION:
             positions = state["positions"]
         else:
-            raise UserError(f"loader state version {version!r}, expected {STATE_VERSION}")
+            raise LoaderStateError(f"loader state version {version!r}, expected {STATE_VERSION}")
         for key, value in identity.items():
             if state.get(key) != value:
-                raise UserError(
-                    f"loader state was saved with {key} = {state.get(key)!r} but this loader "
-                    f"has {key} = {value!r}; resume with the same value (or start the data "
-                    "stream afresh without load_state_dict)"
+                name = _STATE_KEYS.get(key, key)
+                raise LoaderStateError(
+                    f"loader state was saved with {name} = {state.get(key)!r} but this loader "
+                    f"has {name} = {value!r}"
                 )
         shape = [[len(self.spec.start(sub)) for sub in self.spec.subs]] * len(self._positions)
         restored = [[tuple(map(int, p)) for p in worker] for worker in positions]
@@ -217,7 +215,7 @@ class StreamLoader:
         if [[len(p) for p in worker] for worker in restored] != shape or (
             next_worker != batches % len(self._positions)
         ):
-            raise UserError(
+            raise LoaderStateError(
                 f"loader state has positions of shape {[[len(p) for p in w] for w in restored]} "
                 f"and next_worker = {next_worker} after {batches} batches; expected {shape}"
             )
@@ -241,6 +239,32 @@ class StreamLoader:
             "sync_buckets": data.sync_buckets,
             "mix": [round(w, 9) for w in self.weights],
         }
+
+
+# The user's names of the state's identity keys: a trainer user sets data.num_workers, not the
+# workers per rank it gives (at least 1).
+_STATE_KEYS = {
+    "workers_per_rank": "data.num_workers (workers per rank)",
+    "batch_frames": "data.batch_frames",
+    "max_batch_size": "data.max_batch_size",
+    "pad_multiple": "data.pad_multiple",
+    "sync_buckets": "data.sync_buckets",
+    "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
+    "cache_digest": "cache content digest",
+}
+
+
+class LoaderStateError(UserError):
+    """A saved loader state that does not fit this loader. ``problem`` says what differs;
+    the message adds the fix for a caller of :meth:`StreamLoader.load_state_dict` (a
+    trainer says its own)."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        super().__init__(
+            f"{problem}; resume with the same setting, or start the data stream afresh without "
+            "load_state_dict"
+        )
 
 
 class LoaderClosed(RuntimeError):
@@ -307,9 +331,13 @@ def make_loader(
     budget below the longest utterance, or,
     with ``sync_buckets = false``, fewer shards than ``world_size × max(1, num_workers)``.
     """
-    require(world_size >= 1, "loader world_size", world_size, "at least 1")
-    require(0 <= rank < world_size, "loader rank", rank, f"in 0..{world_size - 1}")
-    require(seed >= 0, "loader seed", seed, "a non-negative integer")
+    require(_is_int(world_size) and world_size >= 1, "loader world_size", world_size, "an int ≥ 1")
+    require(
+        _is_int(rank) and 0 <= rank < world_size, "loader rank", rank, f"in 0..{world_size - 1}"
+    )
+    require(_is_int(seed) and seed >= 0, "loader seed", seed, "a non-negative integer")
+    require(isinstance(data, DataConfig), "loader data", data, "a DataConfig")
+    require(tokenizer is None or callable(tokenizer), "loader tokenizer", tokenizer, "a callable")
     mix = open_mix(cache, data, expect_features)
     check_extras(mix, data.extras)
     num_slots = world_size * max(1, data.num_workers)
@@ -332,6 +360,10 @@ def make_loader(
     )
     check_shared_memory(spec)
     return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _resolve_pin_memory(requested: bool | None) -> bool:

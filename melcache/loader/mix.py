@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,24 +45,10 @@ def open_mix(
 ) -> OpenedMix:
     """Read every cache's index, check their features against ``expect_features`` and each
     other, and resolve the weights: given, else ``data.mix``, else hours; then ``^α``."""
-    if isinstance(cache, (str, Path)):
-        locations, given = [str(cache)], None
-    elif isinstance(cache, Mapping):
-        locations, given = [str(k) for k in cache], [float(v) for v in cache.values()]
-    else:
-        locations, given = [str(c) for c in cache], None
-    if not locations or len(set(locations)) != len(locations):
-        raise UserError(f"loader caches {locations}: give at least one, each once")
-    if given is None and data.mix and len(locations) > 1:
-        unknown = sorted(set(data.mix) ^ set(locations))
-        if unknown:
-            raise UserError(
-                f"data.mix names {sorted(data.mix)} but the caches are {locations}: give one "
-                f"weight per cache, keyed by its location as given (differs: {unknown})"
-            )
-        given = [float(data.mix[where]) for where in locations]
-    if given is not None and not all(w > 0 for w in given):
-        raise UserError(f"loader mix weights {given}: each must be positive")
+    locations, given = _locations(cache)
+    if given is None and data.mix:
+        given = _configured_weights(locations, data.mix)
+    _check_temperature(data.mix_temperature)
     indexes = tuple(read_index(where) for where in locations)
     features = features_from_dict(indexes[0]["features"], source=f"{locations[0]} index")
     check_features(features, expect_features, locations[0])
@@ -80,6 +68,91 @@ def open_mix(
     )
     weights = tuple(mix_weights(hours, given, data.mix_temperature))
     return OpenedMix(sources, indexes, features, weights)
+
+
+def _locations(cache: CacheArg) -> tuple[list[str], list[float] | None]:
+    """The caches ``make_loader`` was given, each once, and their weights when given."""
+    if isinstance(cache, (str, Path)):
+        locations, given = [_location(cache)], None
+    elif isinstance(cache, Mapping):
+        locations = [_location(k) for k in cache]
+        given = [
+            _weight(f"loader mix weight of cache {w}", v)
+            for w, v in zip(locations, cache.values(), strict=True)
+        ]
+    elif isinstance(cache, Sequence) and cache:
+        locations, given = [_location(c) for c in cache], None
+    else:
+        raise UserError(
+            f"loader cache {cache!r}: expected a location (str or Path), a list of them or a "
+            "mapping of locations to weights"
+        )
+    seen: dict[str, str] = {}
+    for where in locations:
+        if same_cache(where) in seen:
+            raise UserError(
+                f"loader caches {locations}: {seen[same_cache(where)]} and {where} are one "
+                "cache; give each once"
+            )
+        seen[same_cache(where)] = where
+    return locations, given
+
+
+def _location(where: object) -> str:
+    if not isinstance(where, (str, Path)) or not str(where):
+        raise UserError(f"loader cache {where!r}: expected a location, a str or Path")
+    return str(where)
+
+
+def same_cache(where: str) -> str:
+    """What two locations of one cache share: the resolved folder (symlinks, ``./``, a final
+    slash), or an http(s) URL without its final slashes."""
+    if is_url(where):
+        return where.rstrip("/") if where.startswith(("http://", "https://")) else where
+    return str(Path(where).resolve())
+
+
+def _weight(name: str, value: object) -> float:
+    """``value`` as a finite weight > 0, else a UserError naming it (``name``)."""
+    weight = _as_float(value)
+    if not (math.isfinite(weight) and weight > 0):
+        raise UserError(f"{name} = {value!r} is invalid: expected a finite number > 0")
+    return weight
+
+
+def _as_float(value: object) -> float:
+    """A real number (not a bool) as a float: NaN for anything else, inf past float's range."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        return math.inf
+
+
+def _configured_weights(locations: list[str], mix: Mapping[str, Any]) -> list[float]:
+    """``data.mix``'s weight of each cache, matched by :func:`same_cache`: it must name exactly
+    the caches the run reads (a weight of a cache not read would be ignored without a word)."""
+    named = {same_cache(str(where)): where for where in mix}
+    mine = [same_cache(where) for where in locations]
+    differs = sorted(
+        [str(named[n]) for n in named if n not in mine]
+        + [w for w, n in zip(locations, mine, strict=True) if n not in named]
+    )
+    if differs or len(named) != len(mix):
+        raise UserError(
+            f"data.mix names {sorted(map(str, mix))} but the caches are {locations}: give one "
+            f"weight per cache, keyed by its location (differs: {differs or 'a cache named twice'})"
+        )
+    return [_weight(f"data.mix.{named[n]}", mix[named[n]]) for n in mine]
+
+
+def _check_temperature(value: object) -> None:
+    alpha = _as_float(value)
+    if not (math.isfinite(alpha) and alpha >= 0):
+        raise UserError(
+            f"data.mix_temperature = {value!r} is invalid: expected a finite number, 0 or more"
+        )
 
 
 def check_extras(mix: OpenedMix, asked: Sequence[str]) -> None:

@@ -108,8 +108,14 @@ def mix_weights(
 ) -> list[float]:
     """Frame shares of the caches: ``weights`` (default: each cache's hours) to the power
     ``temperature``, normalised (NeMo's temperature sampling: α < 1 lifts small caches)."""
-    base = list(hours if weights is None else weights)
-    powered = [w**temperature for w in base]
+    base, alpha = list(hours if weights is None else weights), float(temperature)
+    if alpha == 0 or not any(w > 0 for w in base):  # w**0 is 1 for every w, 0 included
+        return [1 / len(base)] * len(base)
+    # In log space, scaled by the largest: w**α overflows at α = 300.5 and underflows to a
+    # zero total for weights of 1e-200 at α = 2; exp(x - top) is in (0, 1] and sums to ≥ 1.
+    logs = [alpha * math.log(w) if w > 0 else -math.inf for w in base]  # exact for big ints
+    top = max(logs)
+    powered = [math.exp(x - top) for x in logs]
     total = sum(powered)
     return [w / total for w in powered]
 

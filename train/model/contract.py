@@ -131,9 +131,14 @@ def construct(cls: type, impl: str, args: dict[str, Any], vocab_size: int) -> to
             f"{vocab_size}) for {impl}: remove it"
         )
     try:
-        return cls(**args, **({"vocab_size": vocab_size} if takes_vocab else {}))
+        model = cls(**args, **({"vocab_size": vocab_size} if takes_vocab else {}))
     except TypeError as exc:
         raise UserError(f"config table [model.args] does not fit {impl}: {exc}") from None
+    if not isinstance(model, torch.nn.Module):  # checked once, here, before .to(device)
+        raise UserError(
+            f"config key model.impl = {impl!r} made a {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
 
 
 def cast_mel(batch: Batch, spec: ModelSpec) -> Batch:

@@ -14,12 +14,15 @@ pads with -1 and counts tokens from 0) shifts in its adapter: ``text - 1``.
   loader's workers get a copy).
 
 Every tokenizer is wrapped by :class:`Checked`, which refuses an id outside the vocabulary (id 0
-included) with the text it came from, instead of an index error deep inside an embedding.
+included), and any output that is not a flat sequence of ints, with the text it came from,
+instead of an index error deep inside an embedding; :func:`build_tokenizer` calls it once on
+:data:`PROBE` at start, so a tokenizer that returns the wrong thing is refused before step 1.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,9 +30,11 @@ import numpy as np
 
 from melcache.bounded import read_limited
 from melcache.errors import UserError
-from melcache.loader.batch import BYTE_VOCAB_SIZE, PAD_ID, utf8_tokens
+from melcache.loader.batch import BYTE_VOCAB_SIZE, token_ids, utf8_tokens
 
 VOCAB_MAX_BYTES = 16 << 20
+VOCAB_SIZE_MAX = 1 << 24  # the largest tokenizers have ~256k ids; more is an embedding's OOM
+PROBE = "Hello, world. 1, 2, 3."  # what every tokenizer is called on once at start
 
 
 class Bytes:
@@ -52,6 +57,8 @@ class Chars:
         if lines and lines[-1] == "":
             lines.pop()  # the final newline
         chars = [line.removesuffix("\r") for line in lines]
+        if not chars:  # every character would be <unk>: text that carries nothing
+            raise UserError(f"data.vocab = {path!r} is empty: give one character per line")
         bad = next((c for c in chars if len(c) != 1), None)
         if bad is not None or len(set(chars)) != len(chars):
             why = f"line {bad!r} is not one character" if bad is not None else "repeats a line"
@@ -67,17 +74,13 @@ class Chars:
 class Checked:
     """A tokenizer whose ids are checked against ``1 .. vocab_size - 1``."""
 
+    gives_checked_ids = True  # the loader's collation need not check its ids again
+
     def __init__(self, inner: Callable[[str], Sequence[int]], vocab_size: int, name: str) -> None:
         self.inner, self.vocab_size, self.name = inner, vocab_size, name
 
     def __call__(self, text: str) -> np.ndarray:
-        ids = np.asarray(self.inner(text), dtype=np.int64)
-        if ids.size and (ids.min() <= PAD_ID or ids.max() >= self.vocab_size):
-            raise UserError(
-                f"tokenizer {self.name} gave ids {ids.min()}..{ids.max()} for {text[:40]!r}: ids "
-                f"must be in 1..{self.vocab_size - 1} (0 is padding; vocab_size {self.vocab_size})"
-            )
-        return ids
+        return token_ids(self.inner, text, self.name, self.vocab_size)
 
 
 def build_tokenizer(spec: str, vocab: str = "") -> Checked:
@@ -91,12 +94,21 @@ def build_tokenizer(spec: str, vocab: str = "") -> Checked:
     else:
         inner = _import(spec)
     size = getattr(inner, "vocab_size", None)
-    if not (isinstance(size, int) and size > 1) or not callable(inner):
+    if not (type(size) is int and 1 < size <= VOCAB_SIZE_MAX) or not callable(inner):
         raise UserError(
             f"data.tokenizer = {spec!r} gave {type(inner).__name__}, which is not a callable "
-            "with an int vocab_size > 1"
+            f"with an int vocab_size in 2..{VOCAB_SIZE_MAX} (it has {size!r})"
         )
-    return Checked(inner, size, spec)
+    checked = Checked(inner, size, spec)
+    try:
+        checked(PROBE)
+    except UserError:
+        raise
+    except Exception as exc:  # a plugin's own bug: say where, in one line
+        raise UserError(
+            f"data.tokenizer = {spec!r} failed on {PROBE!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    return checked
 
 
 def _import(spec: str) -> Any:
@@ -105,5 +117,36 @@ def _import(spec: str) -> Any:
         found = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError) as exc:
         raise UserError(f"data.tokenizer = {spec!r} cannot be imported: {exc}") from None
-    factory = isinstance(found, type) or not hasattr(found, "vocab_size")
-    return found() if factory else found
+    if isinstance(found, type) or not hasattr(found, "vocab_size"):
+        _check_factory(spec, found)
+        try:
+            return found()
+        except Exception as exc:
+            raise UserError(
+                f"data.tokenizer = {spec!r}: calling it to make the tokenizer failed "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
+    return found
+
+
+def _check_factory(spec: str, found: Any) -> None:
+    """Refuse, without calling it, what cannot be a zero-argument tokenizer factory: a
+    non-callable, a built-in function (``os:system``) or one that needs arguments."""
+    if not callable(found) or inspect.isbuiltin(found):
+        raise UserError(
+            f"data.tokenizer = {spec!r} names {type(found).__name__} {found!r}, not a tokenizer "
+            "(a callable with an int vocab_size) or a class or zero-argument factory making one"
+        )
+    try:
+        needed = [
+            p.name
+            for p in inspect.signature(found).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # no signature to read: calling it will tell
+        return
+    if needed:
+        raise UserError(
+            f"data.tokenizer = {spec!r} needs arguments {needed}: name a tokenizer, or a class "
+            "or zero-argument factory making one"
+        )

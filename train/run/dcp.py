@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from melcache.bounded import open_regular, read_limited
@@ -121,8 +123,37 @@ def save(state: dict[str, Any], folder: Path, group: dist.ProcessGroup | None) -
 
 
 def load(template: dict[str, Any], folder: Path, group: dist.ProcessGroup | None) -> None:
-    """Fill ``template`` (this job's own state, its DTensors sharded as now) in place."""
-    dcp.load(template, storage_reader=SafeReader(str(folder)), process_group=group)
+    """Fill ``template`` (this job's own state, its DTensors sharded as now) in place; a
+    ``ValueError`` naming the tensor when a shape differs (see :func:`check_shapes`)."""
+    check_shapes(template, folder)
+    try:
+        dcp.load(template, storage_reader=SafeReader(str(folder)), process_group=group)
+    except CheckpointException as exc:  # a BaseException, holding every rank's traceback
+        raise ValueError(_first_failure(exc)) from None
+
+
+def check_shapes(template: dict[str, Any], folder: Path) -> None:
+    """Raise ``ValueError`` naming the first tensor of ``template`` whose shape in checkpoint
+    ``folder`` differs (a run of another model shape): every rank reads the same metadata and
+    has the same global shapes, so all refuse alike before DCP's collectives, where DCP would
+    raise its "Size mismatch" traceback on every rank."""
+    saved = SafeReader(str(folder)).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(template)
+    for key, value in flat.items():
+        size = getattr(saved.get(key), "size", None)
+        if isinstance(value, torch.Tensor) and size is not None and tuple(size) != value.shape:
+            raise ValueError(
+                f"{key} was saved as {list(size)} but is {list(value.shape)} in this model "
+                "(another model.args, or weights of another run?); resume with the model the "
+                "run was saved with, or train into a new --out"
+            )
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    """The first failing rank's own error, in one line."""
+    for rank, (error, _) in sorted(exc.failures.items()):
+        return f"rank {rank}: {type(error).__name__}: {' '.join(str(error).split())}"
+    return "DCP failed on no named rank"
 
 
 def read_full(folder: Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import torch
 
 from melcache.errors import UserError
 from melcache.index import read_stats
+from melcache.loader.make import LoaderStateError
 from train.config.renamed import move_renamed_keys
 from train.parallel.fsdp import load_weights, weights_state
 from train.parallel.rng import derive_seed, rng_state, seed_all, set_rng_state
@@ -105,6 +106,17 @@ def rewind(parts: RunParts) -> tuple[int, int]:
     return step, int(restored[2]["loader"]["batches"])
 
 
+def _restore_loader(p: RunParts, latest: Path, state: dict[str, Any]) -> None:
+    """The loader's position, or one line in the trainer's words when it does not fit."""
+    try:
+        p.loader.load_state_dict(state)
+    except LoaderStateError as exc:
+        raise UserError(
+            f"{latest}: {exc.problem}; rerun with the config the run was saved with, or train "
+            "into a new --out"
+        ) from None
+
+
 def _restore(
     p: RunParts, latest: Path, shared: dict[str, Any], local: dict[str, Any], *, rewinding: bool
 ) -> int:
@@ -126,7 +138,7 @@ def _restore(
             p.batch.load_state_dict(shared["batch"])
         p.measures.load_state_dict(shared)
         if not rewinding:
-            p.loader.load_state_dict(local["loader"])
+            _restore_loader(p, latest, local["loader"])
         if p.powersgd is not None and "powersgd" in local:
             p.powersgd.load_state_dict(local["powersgd"])
         set_rng_state(local["rng"], p.env.device)

@@ -43,7 +43,8 @@ class Validator:
 
     def __init__(self, cfg: Config, spec: ModelSpec, env: Env, out: Path, **loader: Any) -> None:
         self.env, self.spec, self.out = env, spec, Path(out)
-        data = dataclasses.replace(loader_data(cfg.data, spec), num_workers=0)
+        # data.mix weighs the training caches, not this one
+        data = dataclasses.replace(loader_data(cfg.data, spec), num_workers=0, mix={})
         stream = make_loader(
             cfg.data.val_shards, data, rank=env.rank, world_size=env.world_size, seed=0, **loader
         )
@@ -60,13 +61,20 @@ class Validator:
         ema: EMA | None,
         step: int,
         autocast: Callable[[], contextlib.AbstractContextManager],
-    ) -> dict[str, float]:
-        """``{"val_loss": ...}`` of ``model`` (every rank calls this at the same step)."""
+        stop: Callable[[], bool] = lambda: False,
+    ) -> dict[str, Any]:
+        """``{"val_loss": ...}`` of ``model`` (every rank calls this at the same step), or,
+        when ``stop()`` (asked before each batch, on every rank alike) says so, the record
+        of a validation stopped part way."""
         saved = rng_state(self.env.device)
         seed_all(self.seed)
         sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         with _eval_weights(model, ema):
             for i, host in enumerate(self.batches):
+                if stop():
+                    set_rng_state(saved, self.env.device)
+                    log.info("validation stopped by a signal after %d of its batches", i)
+                    return {"event": "validation_stopped", "batches": i, "of": len(self.batches)}
                 batch = cast_mel(host.to(self.env.device), self.spec)
                 with autocast():
                     out = normalise(model(*model_inputs(batch, self.spec)))
