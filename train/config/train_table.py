@@ -10,6 +10,7 @@ from melcache.sections import require
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 STRATEGIES = ("ddp", "fsdp2", "hsdp")
+TRACKERS = ("tensorboard", "wandb")  # train/run/trackers.py opens each by this name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,9 @@ class TrainConfig:
     # smoothed by an EMA of this decay (k-diffusion: 0.9998 for long runs).
     noise_scale: bool = False
     noise_scale_ema: float = 0.99
+    # Where rank 0 also sends metrics.jsonl's records (train/run/trackers.py): "tensorboard"
+    # (OUT/tensorboard/), "wandb" (W&B's own WANDB_* variables; its run id is checkpointed).
+    trackers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 0, "train.max_steps", self.max_steps, "0 or more")
@@ -111,6 +115,7 @@ class TrainConfig:
             "0 or more",
         )
         self._check_strategy()
+        self._check_trackers()
         self._check_spikes()
         self._check_noise_scale()
         self._check_batch()
@@ -123,6 +128,18 @@ class TrainConfig:
         require(self.amp_hysteresis >= 1, "train.amp_hysteresis", self.amp_hysteresis, "≥ 1")
         require(self.amp_min_scale > 0, "train.amp_min_scale", self.amp_min_scale, "> 0")
         require(self.bucket_cap_mb > 0, "train.bucket_cap_mb", self.bucket_cap_mb, "a size in MB")
+
+    def _check_trackers(self) -> None:
+        """Known names, each once: a typo must not silently leave a run untracked."""
+        names = self.trackers
+        listed = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
+        require(listed, "train.trackers", names, f"a list of names from {list(TRACKERS)}")
+        for name in names:
+            require(name in TRACKERS, "train.trackers", name, " or ".join(TRACKERS))
+        twice = sorted({n for n in names if names.count(n) > 1})
+        require(
+            not twice, "train.trackers", list(names), f"each name once ({', '.join(twice)} twice)"
+        )
 
     def _check_spikes(self) -> None:
         require(isinstance(self.skip_spikes, bool), "train.skip_spikes", self.skip_spikes, "bool")
