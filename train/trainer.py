@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from melcache.cpus import allotment
 from melcache.errors import UserError
 from melcache.loader import Batch
 from train.config.tables import Config
@@ -57,13 +58,18 @@ class Trainer:
         self.meter = Meter(env)
         self.stop = StopFlag()
         self._lr = self.parts.optimizer.param_groups[0]["lr"]
+        cpus = allotment()
         log.info(
-            "model %s on %s × %d, %s, step %d",
+            "model %s on %s × %d, %s, step %d; %d loader workers per rank (this process may "
+            "use %d CPUs: %s)",
             describe(self.parts.raw_model),
             env.device,
             env.world_size,
             self.parts.precision,
             self.step,
+            cfg.data.num_workers,
+            cpus.cpus,
+            cpus.describe(),
         )
 
     def fit(self, max_steps: int | None = None) -> str:
