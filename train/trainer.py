@@ -42,6 +42,8 @@ from train.run.folder import owned_run_folder
 from train.run.metrics import Meter, MetricsLog
 from train.run.parts import RunParts, build_run_parts, wrap_for_training
 from train.run.resume import resume_or_start, rewind, save
+from train.run.tracker_backends import Opening
+from train.run.trackers import Trackers, open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,9 @@ class Trainer:
         """Train until ``max_steps`` (default: the config's) or a stop signal; say which."""
         t = self.cfg.train
         max_steps = t.max_steps if max_steps is None else max_steps
-        metrics = MetricsLog(self.out, self.env, start_step=self.step, max_steps=max_steps)
+        metrics = MetricsLog(
+            self.out, self.env, start_step=self.step, max_steps=max_steps, trackers=self._trackers()
+        )
         for record in self._pending_records:
             metrics.event(self.step, record)
         self._pending_records = []
@@ -108,6 +112,7 @@ class Trainer:
                         self._log_window(metrics)
                     if self.parts.validator is not None and self.step % t.val_every == 0:
                         metrics.log(self.step, self.parts.validator.run(*self._val_args()))
+                        metrics.picture(self.step, "val/mel", self.parts.validator.picture)
                     if verdict.stop or self.step % t.ckpt_every == 0 or self.step == max_steps:
                         for record in self._flush_spike():
                             metrics.event(self.step, record)
@@ -266,6 +271,11 @@ class Trainer:
                 out, loss_scale = self._forward(stand_in), torch.zeros_like(loss_scale)
             self._backward(out, loss_scale)  # DDP's gradient all-reduce runs in here
         return sums
+
+    def _trackers(self) -> Trackers:
+        """``train.trackers`` on rank 0, opening on their own threads from this step."""
+        opening = Opening(self.out, self.step, self.parts.trackers.wandb_run_id, self.cfg.to_dict())
+        return open_trackers(self.cfg.train.trackers, self.env, opening)
 
     def _val_args(self) -> tuple[Any, ...]:
         return self.parts.raw_model, self.parts.ema, self.step, self._autocast

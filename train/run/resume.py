@@ -29,6 +29,7 @@ RESUMABLE_CHANGES = {
     "train.async_checkpoint",
     "train.val_every",
     "train.val_batches",
+    "train.trackers",
     "data.val_shards",
 }
 
@@ -48,6 +49,7 @@ def save(parts: RunParts, step: int) -> None:
             "scaler": p.scaler.state_dict(),
             "budgets": p.budgets.state_dict(),
             "batch": p.batch.state_dict(),
+            "trackers": p.trackers.state_dict(),
             **p.measures.state_dict(),
             **({} if p.sharded else weights),
         }
@@ -123,6 +125,8 @@ def _restore(
             p.budgets.load_state_dict(shared["budgets"])
         if "batch" in shared:  # checkpoints from before the batch schedule have none
             p.batch.load_state_dict(shared["batch"])
+        if "trackers" in shared and not rewinding:  # none before train.trackers
+            p.trackers.load_state_dict(shared["trackers"])
         p.measures.load_state_dict(shared)
         if not rewinding:
             p.loader.load_state_dict(local["loader"])
