@@ -69,12 +69,14 @@ class Tracked:
         name: str,
         opener: Callable[[], Backend],
         *,
-        capacity: int = QUEUE_RECORDS,
-        close_seconds: float = CLOSE_SECONDS,
+        capacity: int | None = None,
+        close_seconds: float | None = None,
     ) -> None:
-        self.name, self.capacity, self.close_seconds = name, capacity, close_seconds
-        self.dropped = 0  # records that never reached the tracker
-        self._queue: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue(capacity)
+        self.name = name
+        self.capacity = QUEUE_RECORDS if capacity is None else capacity
+        self.close_seconds = CLOSE_SECONDS if close_seconds is None else close_seconds
+        self._dropped = self._lost = 0  # records refused at the queue; left in it at a failure
+        self._queue: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue(self.capacity)
         self._failed = threading.Event()
         self._warned = threading.Lock()  # held for good once the one warning is out
         # A daemon: a tracker hung in a network call must not keep the process alive.
@@ -83,15 +85,20 @@ class Tracked:
         )
         self._thread.start()
 
+    @property
+    def dropped(self) -> int:
+        """Records that never reached the tracker (so far)."""
+        return self._dropped + self._lost
+
     def put(self, kind: str, *args: Any) -> None:
         """Queue one call (``"scalars"`` or ``"picture"``) without ever blocking the loop."""
         if self._failed.is_set():
-            self.dropped += 1
+            self._dropped += 1
             return
         try:
             self._queue.put_nowait((kind, args))
         except queue.Full:
-            self.dropped += 1
+            self._dropped += 1
             self._warn(
                 f"tracker {self.name} is not keeping up ({self.capacity} records queued): "
                 "its records are dropped and counted from here on; the run goes on"
@@ -123,7 +130,7 @@ class Tracked:
             backend.close()
         except Exception as exc:  # the tracker's failure, never the run's
             self._failed.set()
-            self.dropped += self._queue.qsize()
+            self._lost = self._queue.qsize() + 1  # and the call that failed
             self._warn(
                 f"tracker {self.name} failed ({type(exc).__name__}: {exc}); it is off for "
                 "the rest of the run, which goes on"
