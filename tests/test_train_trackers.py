@@ -12,6 +12,7 @@ import pytest
 from _wandb_log import offline_runs
 from helpers import SMALL, checkpoint, load, metrics, tiny_fit
 
+from benchmarks.tracker_bench import Hanging  # the double the benchmark times
 from melcache.errors import UserError
 from train.parallel.env import Env
 from train.run import tracker_backends, trackers
@@ -19,22 +20,6 @@ from train.run.tracker_backends import Opening
 from train.run.trackers import Tracked, TrackerState, open_trackers, scalars
 
 RUN = [*SMALL, "train.log_every=1", "train.ckpt_every=3", "data.num_workers=0"]
-
-
-class Hanging:
-    """A tracker double whose every call, opening included, sleeps 60 s."""
-
-    def __init__(self, opening: Opening | None = None) -> None:
-        time.sleep(60)
-
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        time.sleep(60)
-
-    def picture(self, step: int, tag: str, path: Path) -> None:
-        time.sleep(60)
-
-    def close(self) -> None:
-        time.sleep(60)
 
 
 class Failing:
