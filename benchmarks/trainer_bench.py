@@ -54,6 +54,10 @@ class InMemory:
     def state_dict(self) -> dict:
         return {}
 
+    def epochs(self) -> dict:
+        """Epochs per cache, which the trainer logs: none for batches held in memory."""
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -72,6 +72,7 @@ class BuildOptions:
     rescan: bool = False
     where: str | None = None
     columns: str | None = None
+    said: str = ""  # where the part and the worker count came from, for the first line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,9 @@ def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -
             f"build.extras = {list(config.extras)}: {options.src} is a {corpus.kind} corpus, "
             "which has no per-utterance fields to carry; list them in a JSONL manifest"
         )
+    k, n = options.part
+    whole = "the whole corpus" if n == 1 else f"part {k}/{n} (0-based)"
+    log.info("building %s of %s into %s: %s", whole, options.src, options.out, options.said)
     state = options.out / RECEIPTS
     state.mkdir(parents=True, exist_ok=True)
     meeting = Meeting(*options.part)
@@ -108,7 +112,6 @@ def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -
                 return Outcome(plan=plan, scan=scan)
             made_by = recipe(corpus, features, config, options.keep_audio)
             receipts = valid_receipts(options.out, plan, made_by)
-            k, n = options.part
             todo = [i for i in range(len(plan)) if i % n == k and plan.name(i) not in receipts]
             _write_shards(run, todo, plan, scan, corpus, options, features, config, receipts)
         meeting.barrier()  # under torchrun: every rank's shards are written

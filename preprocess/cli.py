@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
+from melcache.cpus import allotment
 from melcache.errors import UserError
 from melcache.storage import STORAGES
 from preprocess.config import load_config
@@ -42,17 +42,19 @@ def _build(args: argparse.Namespace) -> int:
     features, config = load_config(args.config)
     if args.storage is not None:
         config = dataclasses.replace(config, storage=args.storage)
-    part = choose_part(args.part)
+    part, part_from = choose_part(args.part)
+    workers, workers_from = _resolve_workers(args.workers)
     options = BuildOptions(
         args.src,
         args.out,
-        args.workers,
+        workers,
         part,
         args.keep_audio,
         args.dry_run,
         args.rescan,
         args.where,
         args.columns,
+        said=f"{part_from}; workers {workers} ({workers_from})",
     )
     started = time.perf_counter()
     outcome = build(options, features, config)
@@ -82,7 +84,7 @@ def _build(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from preprocess.check.verify import verify
 
-    problems = verify(args.cache, workers=args.workers)
+    problems = verify(args.cache, workers=_resolve_workers(args.workers)[0])
     for problem in problems:
         print(problem)
     if problems:
@@ -117,7 +119,7 @@ def _inspect_key(args: argparse.Namespace) -> int:
 def _index_table(args: argparse.Namespace) -> int:
     from preprocess.write.index_table import index_table
 
-    index = index_table(args.cache, workers=args.workers)
+    index = index_table(args.cache, workers=_resolve_workers(args.workers)[0])
     table = index["table"]
     rows = index["totals"]["utterances"]
     print(
@@ -147,8 +149,13 @@ def _workers(text: str) -> int:
     return workers
 
 
-def _default_workers() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def _resolve_workers(asked: int | None) -> tuple[int, str]:
+    """``--workers``, or the CPUs this process may use (its affinity mask and cgroup quota:
+    a Slurm or container job gets fewer than the machine has); and which it was."""
+    if asked is not None:
+        return asked, "--workers"
+    cpus = allotment()
+    return cpus.cpus, f"the CPUs this process may use: {cpus.describe()}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,8 +170,8 @@ def _parser() -> argparse.ArgumentParser:
     pool.add_argument(
         "--workers",
         type=_workers,
-        default=_default_workers(),
-        help="processes (default: all cores)",
+        default=None,
+        help=f"processes (default: the CPUs this process may use, here {_resolve_workers(None)[0]})",
     )
 
     _add_build(commands, pool)

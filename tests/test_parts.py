@@ -248,3 +248,44 @@ def test_where_builds_the_selection_and_counts_the_rest(tmp_path: Path) -> None:
         *build_args(manifest, tmp_path / "bad", "--where", "open('x')"), check=False
     )
     assert bad.returncode == 2 and "--where" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _builds_at_once(out: Path, runs: list[tuple[list[str], dict[str, str]]]) -> list[str]:
+    """Start one build of the sample corpus into ``out`` per (arguments, environment) at once
+    (parts wait for each other); their stderr, each having exited 0."""
+    procs = [
+        subprocess.Popen(
+            build_command(SAMPLE_CORPUS, out, *args),
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, env in runs
+    ]
+    logs = []
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr
+        logs.append(stderr)
+    return logs
+
+
+def test_slurm_array_tasks_numbered_from_1_equal_the_parts_they_stand_for(
+    tmp_path: Path, sample_cache: Path, small_shards_config: Path
+) -> None:
+    """``--array=1-2``: task 2 builds part 1/2 (0-based) and says so in its first line; the
+    two tasks end with the cache ``--part 0/2`` + ``--part 1/2`` give, byte for byte."""
+    args = ["--config", str(small_shards_config), "--workers", "1"]
+    task = {"SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "2"}
+    out = tmp_path / "array"
+    logs = _builds_at_once(out, [(args, {**task, "SLURM_ARRAY_TASK_ID": str(i)}) for i in (1, 2)])
+    assert logs[1].splitlines()[0] == (
+        f"building part 1/2 (0-based) of {SAMPLE_CORPUS} into {out}: SLURM_ARRAY_TASK_ID=2 "
+        "SLURM_ARRAY_TASK_MIN=1 SLURM_ARRAY_TASK_COUNT=2; workers 1 (--workers)"
+    )
+    assert logs[0].splitlines()[0].startswith("building part 0/2 (0-based)")
+    parted = tmp_path / "parted"
+    _builds_at_once(parted, [([*args, "--part", f"{k}/2"], {}) for k in (0, 1)])
+    assert cache_digests(out) == cache_digests(parted) == cache_digests(sample_cache)

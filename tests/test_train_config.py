@@ -158,3 +158,24 @@ def test_a_config_that_is_no_small_toml_file_is_refused(tmp_path: Path, kind: st
     with pytest.raises(UserError, match=f"config file {path} cannot be read") as failure:
         load_config([REPO / "configs" / "tiny.toml", path])
     assert "\n" not in str(failure.value)
+
+
+@pytest.mark.parametrize(
+    ("trackers", "why"),
+    [
+        ('["tensorbord"]', "expected tensorboard or wandb"),
+        ('["wandb", "wandb"]', "wandb twice"),
+        ('"wandb"', "a list of names"),
+    ],
+)
+def test_trackers_refuse_unknown_and_repeated_names(trackers: str, why: str) -> None:
+    """A typo in a tracker's name must stop the run, not leave it silently untracked."""
+    with pytest.raises(UserError, match=rf"train\.trackers = .*{why}"):
+        load_config(None, [f"train.trackers={trackers}"])
+
+
+def test_trackers_default_to_none_and_round_trip() -> None:
+    assert load_config(None).train.trackers == ()
+    cfg = load_config(None, ['train.trackers=["wandb", "tensorboard"]'])
+    assert cfg.train.trackers == ("wandb", "tensorboard")
+    assert Config.from_dict(cfg.to_dict()) == cfg

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from melcache.cpus import allotment
 from melcache.errors import UserError
 from melcache.loader import Batch
 from train.config.tables import Config
@@ -41,6 +42,8 @@ from train.run.folder import owned_run_folder
 from train.run.metrics import Meter, MetricsLog
 from train.run.parts import RunParts, build_run_parts, wrap_for_training
 from train.run.resume import resume_or_start, rewind, save
+from train.run.tracker_backends import Opening
+from train.run.trackers import Trackers, open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +60,27 @@ class Trainer:
         self.meter = Meter(env)
         self.stop = StopFlag()
         self._lr = self.parts.optimizer.param_groups[0]["lr"]
+        cpus = allotment()
         log.info(
-            "model %s on %s × %d, %s, step %d",
+            "model %s on %s × %d, %s, step %d; %d loader workers per rank (this process may "
+            "use %d CPUs: %s)",
             describe(self.parts.raw_model),
             env.device,
             env.world_size,
             self.parts.precision,
             self.step,
+            cfg.data.num_workers,
+            cpus.cpus,
+            cpus.describe(),
         )
 
     def fit(self, max_steps: int | None = None) -> str:
         """Train until ``max_steps`` (default: the config's) or a stop signal; say which."""
         t = self.cfg.train
         max_steps = t.max_steps if max_steps is None else max_steps
-        metrics = MetricsLog(self.out, self.env, start_step=self.step, max_steps=max_steps)
+        metrics = MetricsLog(
+            self.out, self.env, start_step=self.step, max_steps=max_steps, trackers=self._trackers()
+        )
         for record in self._pending_records:
             metrics.event(self.step, record)
         self._pending_records = []
@@ -265,6 +275,11 @@ class Trainer:
             self._backward(out, loss_scale)  # DDP's gradient all-reduce runs in here
         return sums
 
+    def _trackers(self) -> Trackers:
+        """``train.trackers`` on rank 0, opening on their own threads from this step."""
+        opening = Opening(self.out, self.step, self.parts.trackers.wandb_run_id, self.cfg.to_dict())
+        return open_trackers(self.cfg.train.trackers, self.env, opening)
+
     def _val_args(self) -> tuple[Any, ...]:
         return self.parts.raw_model, self.parts.ema, self.step, self._autocast
 
@@ -280,6 +295,7 @@ class Trainer:
         values = self.parts.validator.run(*self._val_args(), stop=stop_now)
         if "val_loss" in values:
             metrics.log(self.step, values)
+            metrics.picture(self.step, "val/mel", self.parts.validator.picture)
             return verdict
         metrics.event(self.step, values)
         return dataclasses.replace(verdict, stop=True)

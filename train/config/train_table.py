@@ -19,6 +19,7 @@ from melcache.sections import bounded, check_numbers, require
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 STRATEGIES = ("ddp", "fsdp2", "hsdp")
+TRACKERS = ("tensorboard", "wandb")  # train/run/trackers.py opens each by this name
 
 _STEPS = 10**12  # an upper bound for step counts: more steps than any run will take
 _MAX_ACCUM = 1 << 16
@@ -188,6 +189,9 @@ class TrainConfig:
     # CUDA kernels such as embedding backward are nondeterministic by default; true turns on
     # torch.use_deterministic_algorithms (slower) so a resume is bitwise on GPUs as on CPU.
     deterministic: bool = False
+    # Where rank 0 also sends metrics.jsonl's records (train/run/trackers.py): "tensorboard"
+    # (OUT/tensorboard/), "wandb" (W&B's own WANDB_* variables; its run id is checkpointed).
+    trackers: tuple[str, ...] = ()
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
@@ -200,7 +204,20 @@ class TrainConfig:
         require(
             self.precision in PRECISIONS, "train.precision", self.precision, " or ".join(PRECISIONS)
         )
+        self._check_trackers()
         self._check_across_tables()
+
+    def _check_trackers(self) -> None:
+        """Known names, each once: a typo must not silently leave a run untracked."""
+        names = self.trackers
+        listed = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
+        require(listed, "train.trackers", names, f"a list of names from {list(TRACKERS)}")
+        for name in names:
+            require(name in TRACKERS, "train.trackers", name, " or ".join(TRACKERS))
+        twice = sorted({n for n in names if names.count(n) > 1})
+        require(
+            not twice, "train.trackers", list(names), f"each name once ({', '.join(twice)} twice)"
+        )
 
     def _check_across_tables(self) -> None:
         """Combinations refused by name: FSDP2 has no DDP comm hooks and no sharded GradScaler

@@ -3,7 +3,8 @@
 Batch sizes, frame and token counts come from the batches while they are still in host
 memory, so counting them costs nothing. Losses and grad norms stay on the device as running
 sums; every ``log_every`` steps :meth:`Meter.summary` all-reduces everything in one tensor
-and reads it once. Rank 0 appends a JSON line to ``OUT/metrics.jsonl`` and updates a tqdm bar.
+and reads it once. Rank 0 appends a JSON line to ``OUT/metrics.jsonl``, hands the same record
+to the run's trackers (``train/run/trackers.py``: TensorBoard, W&B) and updates a tqdm bar.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from melcache.batching import padding_fraction
 from melcache.bounded import loads_json, read_limited
 from melcache.errors import UserError
 from train.parallel.env import Env, all_reduce_sum
+from train.run.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +137,20 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 
 class MetricsLog:
-    """Rank 0's ``metrics.jsonl`` and progress bar; a no-op object on other ranks."""
+    """Rank 0's ``metrics.jsonl``, trackers and progress bar; a no-op object on other ranks."""
 
-    def __init__(self, out: Path, env: Env, *, start_step: int, max_steps: int) -> None:
+    def __init__(
+        self,
+        out: Path,
+        env: Env,
+        *,
+        start_step: int,
+        max_steps: int,
+        trackers: Trackers | None = None,
+    ) -> None:
         self.enabled = env.is_main
         self.path = Path(out) / METRICS_NAME
+        self.trackers = trackers or Trackers()
         self.bar: tqdm | None = None
         if not self.enabled:
             return
@@ -173,17 +184,26 @@ class MetricsLog:
             )
         log.debug("step %d %s", step, record)
 
+    def picture(self, step: int, tag: str, path: Path | None) -> None:
+        """Hand a picture the run drew (``None``: none this time) to the trackers."""
+        if self.enabled and path is not None:
+            self.trackers.picture(step, tag, path)
+
     def _append(self, record: dict[str, Any]) -> None:
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as exc:  # a full disk, most likely: the checkpoints are what matter
             raise UserError(f"cannot append to {self.path}: {exc.strerror or exc}") from None
+        self.trackers.record(record)  # what metrics.jsonl holds, nothing else
 
     def close(self) -> None:
-        """Close the progress bar."""
-        if self.bar is not None:
-            self.bar.close()
+        """Close the progress bar and the trackers (each waits a bounded time)."""
+        try:
+            if self.bar is not None:
+                self.bar.close()
+        finally:
+            self.trackers.close()
 
 
 def _round(value: Any) -> Any:

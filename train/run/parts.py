@@ -35,6 +35,7 @@ from train.parallel.powersgd import PowerSGD
 from train.parallel.rng import derive_seed, seed_all, use_deterministic_algorithms
 from train.parallel.votes import HostVote
 from train.run.checkpoint import Checkpointer
+from train.run.trackers import TrackerState
 from train.run.validation import Validator, build_validator
 
 
@@ -64,6 +65,7 @@ class RunParts:
     first: FirstStep  # the checks of the first step
     copies: DeviceCopies
     powersgd: PowerSGD | None
+    trackers: TrackerState  # the W&B run id, kept in checkpoints
 
 
 def build_run_parts(cfg: Config, shards: str | list[str], out: Path, env: Env) -> RunParts:
@@ -122,6 +124,7 @@ def build_run_parts(cfg: Config, shards: str | list[str], out: Path, env: Env) -
         first=_first_step(cfg, model, is_sharded),
         copies=DeviceCopies(device),
         powersgd=PowerSGD.for_run(model, env, t),
+        trackers=TrackerState(t.trackers),
     )
 
 

@@ -31,6 +31,7 @@ RESUMABLE_CHANGES = {
     "train.checkpoint.async_write",
     "train.validation.every",
     "train.validation.batches",
+    "train.trackers",
     "data.val_shards",
 }
 
@@ -50,6 +51,7 @@ def save(parts: RunParts, step: int) -> None:
             "scaler": p.scaler.state_dict(),
             "budgets": p.budgets.state_dict(),
             "batch": p.batch.state_dict(),
+            "trackers": p.trackers.state_dict(),
             **p.measures.state_dict(),
             **({} if p.sharded else weights),
         }
@@ -136,6 +138,8 @@ def _restore(
             p.budgets.load_state_dict(shared["budgets"])
         if "batch" in shared:  # checkpoints from before the batch schedule have none
             p.batch.load_state_dict(shared["batch"])
+        if "trackers" in shared and not rewinding:  # none before train.trackers
+            p.trackers.load_state_dict(shared["trackers"])
         p.measures.load_state_dict(shared)
         if not rewinding:
             _restore_loader(p, latest, local["loader"])

@@ -53,6 +53,7 @@ class Validator:
         finally:
             stream.close()
         self.seed = derive_seed(cfg.train.seed, "validation", env.rank)
+        self.picture: Path | None = None  # the last run's picture, for the trackers
 
     @torch.no_grad()
     def run(
@@ -68,6 +69,7 @@ class Validator:
         of a validation stopped part way."""
         saved = rng_state(self.env.device)
         seed_all(self.seed)
+        self.picture = None
         sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         with _eval_weights(model, ema):
             for i, host in enumerate(self.batches):
@@ -112,6 +114,7 @@ class Validator:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=80)
         plt.close(fig)
+        self.picture = path
 
 
 @contextlib.contextmanager
