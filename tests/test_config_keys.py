@@ -124,7 +124,8 @@ def test_a_saved_config_round_trips_in_the_new_shape() -> None:
 def test_every_numeric_key_states_its_range(key: str, kind: type, field: Any) -> None:
     bounds = field.metadata.get("bounds")
     assert bounds is not None, f"{key} has no range beside it: declare it with bounded(...)"
-    assert bounds.holds(field.default), f"{key}'s default is outside its own range"
+    default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    assert bounds.holds(default), f"{key}'s default is outside its own range"
 
 
 # The eleven reproductions of issue #37 that were config keys: each refused by name, or working.
