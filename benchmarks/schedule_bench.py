@@ -46,9 +46,9 @@ import torch
 import melcache.access as access_module
 import melcache.loader.stream as stream_module
 from benchmarks.speech import make_corpus
-from melcache.batching import round_up
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.batch import BYTE_VOCAB_SIZE, utf8_tokens
+from melcache.loader.batching import round_up
 from melcache.loader.schedule import make_schedule
 from melcache.loader.stream import planned_stream
 from melcache.reader import RawSample

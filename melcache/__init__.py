@@ -8,7 +8,6 @@ trainer (``train``), which import this package and never each other.
 - :mod:`melcache.location`: where a cache's files live (a folder or a URL prefix);
 - :mod:`melcache.index`: ``index.json`` (strictly checked) and ``stats.zarr``;
 - :mod:`melcache.reader`: one shard read and checked against its index entry;
-- :mod:`melcache.batching`: the pure shard dealing and batch planning of the loader;
 - :mod:`melcache.table`: the per-utterance table, ``utterances.table``;
 - :mod:`melcache.access`: ``melcache.open(cache)``, lookups by key or row in one read;
 - :mod:`melcache.dataset`: a map-style ``torch.utils.data.Dataset`` over a cache.

@@ -27,7 +27,6 @@ from helpers import REPO, group_gone, recorded
 import melcache.loader.batch
 import melcache.loader.stream
 from melcache.access import Cache
-from melcache.batching import make_rng, plan_batches, round_up, worker_shards
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
 from melcache.format import (
@@ -42,6 +41,7 @@ from melcache.format import (
     tar_members,
 )
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
+from melcache.loader.batching import make_rng, plan_batches, round_up, worker_shards
 from melcache.loader.schedule import global_batch
 from melcache.loader.transport import BatchRing
 

@@ -20,7 +20,10 @@ import pytest
 import torch
 from helpers import REPO, metrics, run_ok, train_cmd
 
-from melcache.batching import (
+from melcache.errors import UserError
+from melcache.format import INDEX_NAME
+from melcache.loader import DataConfig, StreamLoader, make_loader
+from melcache.loader.batching import (
     even_batch_count,
     even_units,
     make_rng,
@@ -28,9 +31,6 @@ from melcache.batching import (
     plan_even_batches,
     round_up,
 )
-from melcache.errors import UserError
-from melcache.format import INDEX_NAME
-from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.schedule import global_batch, locate
 from melcache.loader.stream import planned_stream
 

@@ -21,9 +21,9 @@ import melcache.access
 import melcache.loader.stream
 import melcache.loader.units
 from melcache.access import Cache
-from melcache.batching import _GreedyRuns
 from melcache.errors import ShardError, UserError
 from melcache.loader import DataConfig, StreamLoader, make_loader
+from melcache.loader.batching import _GreedyRuns
 from melcache.loader.stream import planned_stream
 from melcache.table import TABLE_NAME
 

@@ -6,6 +6,7 @@
 
 Modules, in the order a batch is made: ``data_config`` (the keys), ``mix`` (open the caches,
 weigh them, check their layout), ``schedule`` (the sub-streams and their order),
+``batching`` (the pure shard dealing and batch plans, which ``inspect`` shares),
 ``units`` (shards grouped into the units slots share), ``stream`` (one slot's batches from
 its cursor), ``workers`` (worker processes and their shared memory), ``transport`` (the
 fixed-size slots batches cross processes in), ``batch`` (collation into :class:`Batch`),

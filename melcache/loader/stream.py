@@ -29,7 +29,9 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 from melcache.access import Cache
-from melcache.batching import (
+from melcache.errors import ShardError
+from melcache.loader.batch import PackedBatch, Tokenizer, collate
+from melcache.loader.batching import (
     BATCH_PLAN,
     EVEN_PLAN,
     make_rng,
@@ -37,8 +39,6 @@ from melcache.batching import (
     plan_even_batches,
     worker_shards,
 )
-from melcache.errors import ShardError
-from melcache.loader.batch import PackedBatch, Tokenizer, collate
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import Schedule, SubStream, global_batch, locate
 from melcache.loader.transport import BatchRing

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from melcache.batching import make_rng, padding_fraction, plan_batches, round_up
 from melcache.codec import decode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.index import index_storage, read_index
+from melcache.loader.batching import make_rng, padding_fraction, plan_batches, round_up
 from melcache.reader import ShardCheck, read_shard
 from preprocess.config import BuildConfig
 from preprocess.plan.scan import Scan
