@@ -282,6 +282,19 @@ def unprivileged_prefix() -> list[str]:
 
 # ---- 2-process torchrun jobs (gloo on CPU) ----------------------------------------------
 PROBE = Path(__file__).with_name("_train_probe.py")
+# Overrides of the tiny config for one-process CPU trainers (tiny_trainer, tiny_fit): the
+# smallest model, no workers, no dropout, so each test run is fast and deterministic.
+IN_PROCESS = [
+    "data.batch_frames=800",
+    "data.num_workers=0",
+    "model.args.dim=32",
+    "model.args.layers=1",
+    "model.args.dropout=0.0",
+    "model.args.prenet_dropout=0.0",
+    "train.precision=fp32",
+    "train.log_every=2",
+    "train.checkpoint.every=100",
+]
 STEPS = 20
 # Small and fp32 (bitwise comparisons); one loader worker process per rank, as in real runs.
 SMALL = [

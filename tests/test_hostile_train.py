@@ -12,24 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, checkpoint, metrics, run_ok, tiny_fit, tiny_trainer, train_cmd
+from helpers import IN_PROCESS, REPO, checkpoint, metrics, run_ok, tiny_fit, tiny_trainer, train_cmd
 
 from melcache.errors import UserError
 from melcache.loader import DataConfig, make_loader
 from train.model.tokenizers import build_tokenizer
 from train.run import dcp
-
-SMALL = [
-    "data.batch_frames=800",
-    "data.num_workers=0",
-    "model.args.dim=32",
-    "model.args.layers=1",
-    "model.args.dropout=0.0",
-    "model.args.prenet_dropout=0.0",
-    "train.precision=fp32",
-    "train.log_every=2",
-    "train.checkpoint.every=100",
-]
 
 
 def one_line(error: BaseException) -> str:
@@ -92,7 +80,7 @@ def _floats(text: str) -> list[float]:
 
 def test_the_model_factory_is_checked_for_what_it_makes(train_cache: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"made a dict, not a torch\.nn\.Module") as error:
-        tiny_trainer(train_cache, tmp_path / "run", [*SMALL, 'model.impl="builtins:dict"'])
+        tiny_trainer(train_cache, tmp_path / "run", [*IN_PROCESS, 'model.impl="builtins:dict"'])
     one_line(error.value)
 
 
@@ -101,16 +89,19 @@ def test_a_diverging_run_ends_in_one_line(train_cache: Path, tmp_path: Path) -> 
 
     diverges = ['model.impl="tests._spike_model:DivergesAt"', "model.args.at=3"]
     with pytest.raises(UserError, match="the loss is nan at step 4: the run diverged") as error:
-        tiny_fit(train_cache, tmp_path / "run", 6, [*SMALL, *diverges])
+        tiny_fit(train_cache, tmp_path / "run", 6, [*IN_PROCESS, *diverges])
     assert "lower optim.lr" in one_line(error.value)
     args = ["--shards", str(train_cache), "--config", str(REPO / "configs" / "tiny.toml")]
-    assert main([*args, "--out", str(tmp_path / "cli"), "--max-steps", "6", *SMALL, *diverges]) == 2
+    assert (
+        main([*args, "--out", str(tmp_path / "cli"), "--max-steps", "6", *IN_PROCESS, *diverges])
+        == 2
+    )
 
 
 def test_a_resume_with_other_workers_names_the_users_key(train_cache: Path, tmp_path: Path) -> None:
-    tiny_fit(train_cache, tmp_path, 2, SMALL)
+    tiny_fit(train_cache, tmp_path, 2, IN_PROCESS)
     with pytest.raises(UserError) as error:
-        tiny_trainer(train_cache, tmp_path, [*SMALL, "data.num_workers=2"])
+        tiny_trainer(train_cache, tmp_path, [*IN_PROCESS, "data.num_workers=2"])
     line = one_line(error.value)
     assert "data.num_workers (workers per rank) = 1 but this loader has" in line, line
     assert "load_state_dict" not in line and "workers_per_rank" not in line
@@ -125,7 +116,7 @@ def test_a_stop_signal_does_not_wait_for_validation(train_cache: Path, tmp_path:
         "train.validation.every=2",
         "train.validation.batches=4",
     ]
-    t = tiny_trainer(train_cache, tmp_path, [*SMALL, *val])
+    t = tiny_trainer(train_cache, tmp_path, [*IN_PROCESS, *val])
     try:
         t.parts.validator.batches = _SignalAfterOne(t.parts.validator.batches)
         assert t.fit(10) == "signal"

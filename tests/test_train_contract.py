@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import metrics, tiny_fit, tiny_trainer
+from helpers import IN_PROCESS, metrics, tiny_fit, tiny_trainer
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, feature_presets
@@ -18,25 +18,14 @@ from train.parallel.env import Env
 from train.trainer import Trainer
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-SMALL = [
-    "data.batch_frames=800",
-    "data.num_workers=0",
-    "model.args.dim=32",
-    "model.args.layers=1",
-    "model.args.dropout=0.0",
-    "model.args.prenet_dropout=0.0",
-    "train.precision=fp32",
-    "train.log_every=2",
-    "train.checkpoint.every=100",
-]
 
 
 def trainer(cache: Path, out: Path, *extra: str) -> Trainer:
-    return tiny_trainer(cache, out, [*SMALL, *extra])
+    return tiny_trainer(cache, out, [*IN_PROCESS, *extra])
 
 
 def fit(cache: Path, out: Path, steps: int, *extra: str) -> Trainer:
-    return tiny_fit(cache, out, steps, [*SMALL, *extra])
+    return tiny_fit(cache, out, steps, [*IN_PROCESS, *extra])
 
 
 def plugin(name: str) -> str:
