@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import tomllib
 from collections.abc import Mapping
 from importlib import resources
@@ -62,6 +63,17 @@ def bounded(
     )
 
 
+def as_float(value: object) -> float:
+    """A real number (not a bool) as a float: NaN for anything else, inf for an int past
+    float's range, so one ``math.isfinite`` refuses every value that is not a usable number."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def check_numbers(config: Any, section: str) -> None:
     """Check every ``int`` and ``float`` field of the config dataclass ``config``, named
     ``section.key`` in errors: its type (a bool is not a number; an int given for a float key is
@@ -77,10 +89,7 @@ def check_numbers(config: Any, section: str) -> None:
         allowed = int if kind == "int" else (int, float)
         require(isinstance(value, allowed) and not isinstance(value, bool), key, value, expected)
         if kind == "float":
-            try:
-                value = float(value)
-            except OverflowError:  # an int beyond any float
-                value = math.inf
+            value = as_float(value)
             object.__setattr__(config, field.name, value)  # frozen: set once, at creation
             require(math.isfinite(value), key, value, expected)
         require(bounds is None or bounds.holds(value), key, value, expected)

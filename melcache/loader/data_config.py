@@ -7,14 +7,13 @@ and what it should be. The trainer reads it from its ``[data]`` table.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from melcache.cpus import usable_cpus
 from melcache.reader import SHARD_CHECKS
-from melcache.sections import Bounds, bounded, check_numbers, require
+from melcache.sections import Bounds, as_float, bounded, check_numbers, require
 
 ON_ERROR = ("raise", "skip")
 # Reading and decoding a shard is cheap: two workers stream ~9,700 samples/s (docs/results.md).
@@ -102,9 +101,8 @@ _BUDGET = "a positive count, or a table of bucket numbers to counts such as {0 =
 def _weight(where: str, value: Any) -> float:
     """A mix weight as a float: a finite positive number (an int is converted, not raised to
     the temperature as a Python big integer)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    number = float(value) if ok and abs(value) < 1e300 else math.nan
-    require(math.isfinite(number) and number > 0, f"data.mix.{where}", value, _WEIGHT)
+    number = as_float(value)
+    require(0 < number < 1e300, f"data.mix.{where}", value, _WEIGHT)  # NaN fails too
     return number
 
 

@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
 from melcache.loader.stream import Source
 from melcache.location import is_url
+from melcache.sections import as_float
 from melcache.table import TABLE_NAME, Table
 
 CacheArg = str | Path | Sequence[str | Path] | Mapping[str, float]
@@ -114,20 +114,10 @@ def same_cache(where: str) -> str:
 
 def _weight(name: str, value: object) -> float:
     """``value`` as a finite weight > 0, else a UserError naming it (``name``)."""
-    weight = _as_float(value)
+    weight = as_float(value)
     if not (math.isfinite(weight) and weight > 0):
         raise UserError(f"{name} = {value!r} is invalid: expected a finite number > 0")
     return weight
-
-
-def _as_float(value: object) -> float:
-    """A real number (not a bool) as a float: NaN for anything else, inf past float's range."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return math.nan
-    try:
-        return float(value)
-    except OverflowError:  # an int past float's range
-        return math.inf
 
 
 def _configured_weights(locations: list[str], mix: Mapping[str, Any]) -> list[float]:
@@ -148,7 +138,7 @@ def _configured_weights(locations: list[str], mix: Mapping[str, Any]) -> list[fl
 
 
 def _check_temperature(value: object) -> None:
-    alpha = _as_float(value)
+    alpha = as_float(value)
     if not (math.isfinite(alpha) and alpha >= 0):
         raise UserError(
             f"data.mix_temperature = {value!r} is invalid: expected a finite number, 0 or more"
