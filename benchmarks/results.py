@@ -1,6 +1,6 @@
 """Run the benchmarks and write their results tables into docs/results.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|storage|budgets|gpu]
+    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|storage|budgets|trackers|gpu]
         [--data DIR]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
@@ -14,6 +14,8 @@ the same way, ``benchmarks.scale_bench`` (planning time and memory per utterance
 ``<!-- tars:begin -->``, ``benchmarks.storage_bench`` (fp16 against the compact storage, and
 Lhotse's lilcom when installed) ``<!-- storage:begin -->``, ``benchmarks.budget_bench`` (one
 global batch budget against ``train tune``'s per-bucket table) ``<!-- budgets:begin -->``,
+``benchmarks.tracker_bench`` (step time with no tracker, a hanging one and TensorBoard)
+``<!-- trackers:begin -->``,
 and the rows ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
 ``--data DIR`` keeps every benchmark's corpora and caches under ``DIR`` (a sub-folder each).
@@ -280,6 +282,32 @@ def budget_table(quick: bool, data: Path | None = None) -> str:
     )
 
 
+def tracker_table(quick: bool, data: Path | None = None) -> str:
+    """Run the tracker benchmark and render the step time without a tracker, with a hanging
+    one and with TensorBoard, side by side."""
+    command = [sys.executable, "-m", "benchmarks.tracker_bench", "--rounds", "3" if quick else "9"]
+    (row,) = run_json(command, data and data / "trackers")
+    lines = [
+        f"Measured {datetime.date.today()} on {machine()}, by `{_cmd(command)}` (tiny model, "
+        f"one process, {row['steps_per_round']} steps per setting in each of {row['rounds']} "
+        "rotating rounds, a record to the trackers every step). Slowdown: the median of the "
+        "rounds' ratios to no tracker. The hand-off of one record to the hanging tracker: "
+        f"{max(row['hand_off'].values())} µs, {row['hand_off_pct_of_step']} % of a step.",
+        "",
+        "| trackers | ms per step (wall) | slowdown | main thread's CPU ms per step | slowdown |",
+        "|---|---|---|---|---|",
+    ]
+    for name, label in (("none", "none"), ("hanging", "one whose every call sleeps 60 s"),
+                        ("tensorboard", "TensorBoard")):  # fmt: skip
+        wall, cpu = row[f"{name}_ms_per_step"], row[f"{name}_cpu_ms_per_step"]
+        if name == "none":
+            lines.append(f"| {label} | {wall} | | {cpu} | |")
+            continue
+        slow, cpu_slow = row[f"{name}_slowdown_pct"], row[f"{name}_cpu_slowdown_pct"]
+        lines.append(f"| {label} | {wall} | {slow:+.2f} % | {cpu} | {cpu_slow:+.2f} % |")
+    return "\n".join(lines)
+
+
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.jsonl"
 
 
@@ -306,6 +334,7 @@ SECTIONS = {
     "tars": tar_table,
     "storage": storage_table,
     "budgets": budget_table,
+    "trackers": tracker_table,
     "gpu": gpu_table,
 }
 

@@ -9,13 +9,15 @@ own run folder and trainer; a step's time is the trainer's own ``step_time_s`` f
 metrics.jsonl (the window's wall time, which holds the hand-off of the record before it, not
 the bounded wait for the tracker at the end of each ``fit``). The slowdown is the median of the
 per-round ratios of median step times. On shared cores that ratio moves by more than the
-1 % it is checked against, so the hand-off itself (``Trackers.record`` of a metrics record to
+1 % it is checked against, so the loop's own CPU time is given too: the main thread's
+``time.thread_time`` over each ``fit``, per step, which other processes on the machine do not
+inflate (a tracker thread's work is not in it; a hanging one does none). The hand-off itself (``Trackers.record`` of a metrics record to
 the hanging tracker, queued and, once its queue is full, dropped) is also timed alone over
 many records and given as a share of the step without a tracker: what the loop pays for it.
 
 Usage::
 
-    python -m benchmarks.tracker_bench [--shards DIR] [--steps 40] [--rounds 5]
+    python -m benchmarks.tracker_bench [--shards DIR | --data DIR] [--steps 40] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -74,14 +76,18 @@ def make_trainer(shards: str, out: Path, names: list[str], batches: list | None)
     return trainer
 
 
-def run_steps(trainer: Trainer, setting: str, steps: int) -> list[float]:
-    """Train ``steps`` more steps; their ``step_time_s`` (ms), the first left out."""
+def run_steps(trainer: Trainer, setting: str, steps: int) -> tuple[float, float]:
+    """Train ``steps`` more steps: the median ``step_time_s`` (ms, the first step left out)
+    and the main thread's CPU ms per step."""
     start = trainer.step
     opener = Hanging if setting == "hanging" else tracker_backends.TensorBoard
     tracker_backends.OPENERS["tensorboard"] = opener
+    cpu_start = time.thread_time()
     trainer.fit(max_steps=start + steps)
+    cpu_ms = 1000 * (time.thread_time() - cpu_start) / steps
     records = [r for r in read_metrics(trainer.out / "metrics.jsonl") if "step_time_s" in r]
-    return [1000 * r["step_time_s"] for r in records if r["step"] > start + 1]
+    wall_ms = [1000 * r["step_time_s"] for r in records if r["step"] > start + 1]
+    return statistics.median(wall_ms), cpu_ms
 
 
 def hand_off_us() -> dict[str, float]:
@@ -111,21 +117,23 @@ def measure(shards: str, steps: int, rounds: int) -> dict:
         runs = {"none": first}
         for name in ("hanging", "tensorboard"):
             runs[name] = make_trainer(shards, Path(tmp) / name, SETTINGS[name], batches)
+        for name in SETTINGS:  # warm up each trainer (allocator, kernels), untimed
+            run_steps(runs[name], name, 3)
         per_round = []
         for r in range(rounds):
             order = list(SETTINGS)[r % 3 :] + list(SETTINGS)[: r % 3]
-            per_round.append(
-                {name: statistics.median(run_steps(runs[name], name, steps)) for name in order}
-            )
+            per_round.append({name: run_steps(runs[name], name, steps) for name in order})
         for trainer in runs.values():
             trainer.close()
     out: dict = {"steps_per_round": steps, "rounds": rounds, "log_every": 1}
-    for name in SETTINGS:
-        out[f"{name}_ms_per_step"] = round(statistics.median(r[name] for r in per_round), 3)
+    for kind, at in (("ms_per_step", 0), ("cpu_ms_per_step", 1)):
+        for name in SETTINGS:
+            out[f"{name}_{kind}"] = round(statistics.median(r[name][at] for r in per_round), 3)
     for name in ("hanging", "tensorboard"):
-        ratios = [r[name] / r["none"] for r in per_round]
-        out[f"{name}_slowdown_pct"] = round(100 * (statistics.median(ratios) - 1), 2)
-    out["rounds_ms"] = [{k: round(v, 3) for k, v in r.items()} for r in per_round]
+        for kind, at in (("slowdown_pct", 0), ("cpu_slowdown_pct", 1)):
+            ratios = [r[name][at] / r["none"][at] for r in per_round]
+            out[f"{name}_{kind}"] = round(100 * (statistics.median(ratios) - 1), 2)
+    out["rounds_ms"] = [{k: [round(v, 3) for v in r[k]] for k in r} for r in per_round]
     out["hand_off"] = hand_off_us()
     worst = max(out["hand_off"].values())
     out["hand_off_pct_of_step"] = round(100 * worst / (1000 * out["none_ms_per_step"]), 5)
@@ -135,21 +143,28 @@ def measure(shards: str, steps: int, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", help="cache folder (default: build the sample corpus)")
+    parser.add_argument("--data", type=Path, help="build the sample cache here and keep it")
     parser.add_argument("--steps", type=int, default=40, help="steps per setting per round")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        shards = args.shards or build_sample_cache(Path(tmp) / "cache")
+        shards = args.shards
+        if shards is None:
+            cache = (args.data or Path(tmp)) / "cache"
+            shards = str(cache) if (cache / "index.json").exists() else build_sample_cache(cache)
         result = measure(shards, args.steps, args.rounds)
     print(
-        f"ms per step: no tracker {result['none_ms_per_step']}, hanging tracker "
-        f"{result['hanging_ms_per_step']} ({result['hanging_slowdown_pct']:+.2f} %), "
-        f"TensorBoard {result['tensorboard_ms_per_step']} "
-        f"({result['tensorboard_slowdown_pct']:+.2f} %); hand-off to the hanging tracker "
-        f"{result['hand_off']} µs per record = {result['hand_off_pct_of_step']} % of a step",
+        f"ms per step (wall; main thread's CPU): no tracker {result['none_ms_per_step']}; "
+        f"{result['none_cpu_ms_per_step']}, hanging tracker {result['hanging_ms_per_step']} "
+        f"({result['hanging_slowdown_pct']:+.2f} %); {result['hanging_cpu_ms_per_step']} "
+        f"({result['hanging_cpu_slowdown_pct']:+.2f} %), TensorBoard "
+        f"{result['tensorboard_ms_per_step']} ({result['tensorboard_slowdown_pct']:+.2f} %); "
+        f"{result['tensorboard_cpu_ms_per_step']} ({result['tensorboard_cpu_slowdown_pct']:+.2f}"
+        f" %); hand-off to the hanging tracker {result['hand_off']} µs per record = "
+        f"{result['hand_off_pct_of_step']} % of a step",
         file=sys.stderr,
     )
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -219,3 +219,15 @@ def test_loader_ab_streams_an_earlier_commit_and_this_checkout_side_by_side(
     assert rows[0]["ratio_to_first_median"] == 1.0
     listed = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True)
     assert "melcache-ab-" not in listed.stdout  # its worktree removed
+
+
+@pytest.mark.slow
+def test_tracker_bench_prints_each_setting_and_the_hand_off(tmp_path: Path) -> None:
+    (row,) = bench_rows("tracker_bench", tmp_path / "data", "--steps", "3", "--rounds", "1")
+    for name in ("none", "hanging", "tensorboard"):
+        assert row[f"{name}_ms_per_step"] > 0 and row[f"{name}_cpu_ms_per_step"] > 0, name
+    assert {"hanging_slowdown_pct", "hanging_cpu_slowdown_pct"} <= set(row)
+    assert [sorted(r) for r in row["rounds_ms"]] == [["hanging", "none", "tensorboard"]]
+    # the hand-off is a put on a queue: microseconds, far under a step's milliseconds
+    assert 0 < row["hand_off"]["queued_us"] < 1000 and 0 < row["hand_off_pct_of_step"] < 1
+    assert (tmp_path / "data" / "cache" / "index.json").exists()  # --data keeps the cache

@@ -161,11 +161,13 @@ def test_wandb_offline_holds_the_history_and_a_resume_continues_its_run(
     train_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two processes' worth of one run (6 steps, then resumed from step 6 to 9): two offline
-    run folders with the checkpoint's run id, whose histories together are metrics.jsonl's."""
+    run folders with the checkpoint's run id, whose histories together are metrics.jsonl's,
+    with each validation's picture as an image W&B stored in the run."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     for name in ("WANDB_RUN_ID", "WANDB_DIR", "WANDB_NAME"):
         monkeypatch.delenv(name, raising=False)
-    run = [*RUN, 'train.trackers=["wandb"]']
+    val = [f"data.val_shards={train_cache}", "train.validation.every=3"]
+    run = [*RUN, *val, 'train.trackers=["wandb"]']
     tiny_fit(train_cache, tmp_path, 6, run)
     run_id = load(checkpoint(tmp_path, 6))["trackers"]["wandb_run_id"]
     tiny_fit(train_cache, tmp_path, 9, run)  # a new Trainer: resumes from step 6
@@ -177,3 +179,9 @@ def test_wandb_offline_holds_the_history_and_a_resume_continues_its_run(
     assert [step for step, _ in histories[1]] == [7, 8, 9]
     logged = [(r["step"], r["loss"]) for r in metrics(tmp_path) if "loss" in r]
     assert histories[0] + histories[1] == logged
+    # W&B's own record of an image (its keys flattened under the tag) and the PNG it copied in
+    pictures = [row for _, rows in runs for row in rows if "val/mel/_type" in row]
+    assert [row["step"] for row in pictures] == [3, 6, 9]
+    for row in pictures:
+        assert row["val/mel/_type"] == "image-file" and row["val/mel/format"] == "png"
+        assert list(tmp_path.glob(f"wandb/offline-run-*/files/{row['val/mel/path']}"))

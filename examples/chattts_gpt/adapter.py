@@ -1,0 +1,119 @@
+"""ChatTTS's GPT (``chattts`` 0.2.5: its ``GPT`` and ``Embed`` classes, a Llama decoder from
+``transformers``) trained on text and the DVAE's codes cached beside the mels (``preprocess
+derive --field codes``): ``[model] impl = "examples.chattts_gpt.adapter:GPT"``
+(``pip install 'melcache[chattts]'``).
+
+The sequence is ChatTTS's: the text's tokens, then one position per code frame whose input is
+the sum of the ``num_vq`` codebooks' embeddings (``Embed.emb_code``); the hidden state before
+each frame predicts its ``num_vq`` codes through ``Embed.head_code``, and the one after the
+last frame predicts ChatTTS's end of audio (every codebook's ``num_audio_tokens - 1``, the
+``eos_token`` its ``generate`` stops at). Teacher forcing: the loss is the cross entropy summed
+over codebooks and valid frames (the end included), averaged per frame.
+
+What the adapter bridges (``train/model/contract.py`` for the keys):
+
+- ChatTTS builds the Llama only in ``load_pretrained`` (from released weights) and runs
+  ``Embed.forward`` under ``torch.inference_mode``: the adapter makes the ``LlamaModel`` from
+  ChatTTS's own config at random init and calls the embeddings and heads itself, with
+  gradients.
+- The model reads fields only (``"mel": False``): the loader reads no mel bytes, and buckets
+  and budgets count code frames.
+- ``vocab_size`` (ChatTTS's ``num_text_tokens``, 21178 with its tokenizer) comes from
+  ``[data] tokenizer``: ``examples.chattts_gpt.tokenizer:ChatTTSTokenizer`` where ChatTTS's
+  ``asset/tokenizer`` files are, bytes (257) otherwise.
+- A row without text has nothing before its first frame to predict it from: its loss starts
+  at the second frame.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from ChatTTS.model.embed import Embed
+from ChatTTS.model.gpt import GPT as ChatTTSGPT
+from torch import nn
+from transformers import LlamaModel
+
+FIELD = "codes"  # the field ``preprocess derive --field codes`` stores (the DVAE's encoder)
+
+
+class GPT(nn.Module):
+    """ChatTTS's GPT at ChatTTS's sizes (``ChatTTS/config/config.py``: hidden 768, 20 layers,
+    12 heads, intermediate 3072, 626 audio tokens, 4 codebooks) unless args say less."""
+
+    melcache_contract: ClassVar[dict] = {"inputs": "batch", "fields": (FIELD,), "mel": False}
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        hidden: int = 768,
+        layers: int = 20,
+        heads: int = 12,
+        intermediate: int = 3072,
+        num_audio_tokens: int = 626,
+        num_vq: int = 4,
+        max_positions: int = 4096,
+    ) -> None:
+        super().__init__()
+        self.embed = Embed(hidden, num_audio_tokens, vocab_size, num_vq)
+        config = {
+            "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_attention_heads": heads, "num_hidden_layers": layers, "use_cache": False,
+            "max_position_embeddings": max_positions, "num_audio_tokens": num_audio_tokens,
+            "num_text_tokens": vocab_size, "num_vq": num_vq,
+        }  # fmt: skip
+        self.chattts = ChatTTSGPT(config, self.embed)
+        # What ChatTTS's load_pretrained does with its released folder, from random init.
+        self.chattts.gpt = LlamaModel(self.chattts.llama_config)
+        del self.chattts.gpt.embed_tokens  # ChatTTS embeds with Embed, not Llama's table
+        self.num_vq, self.end_of_audio = num_vq, num_audio_tokens - 1
+
+    def forward(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Cross entropy of every code of every valid frame (and the end), summed; counted
+        per frame."""
+        codes, n_codes = batch.fields[FIELD], batch.field_lengths[FIELD]
+        if codes.shape[-1] != self.num_vq:
+            raise ValueError(f"field {FIELD!r} has {codes.shape[-1]} codebooks, GPT {self.num_vq}")
+        hidden = self._decode(batch.text, batch.text_lengths, codes, n_codes)
+        targets, valid, before = self._targets(codes, n_codes, batch.text_lengths, hidden.shape[1])
+        predicting = hidden.gather(1, before[..., None].expand(-1, -1, hidden.shape[-1]))
+        loss = torch.zeros((), device=hidden.device)
+        for book, head in enumerate(self.embed.head_code):
+            logits = head(predicting).float()  # [B, frames + 1, num_audio_tokens]
+            per_code = F.cross_entropy(logits.transpose(1, 2), targets[..., book], reduction="none")
+            loss = loss + torch.where(valid, per_code, 0.0).sum()
+        return {"loss_sum": loss, "loss_count": valid.sum()}
+
+    def _decode(
+        self, text: torch.Tensor, n_text: torch.Tensor, codes: torch.Tensor, n_codes: torch.Tensor
+    ) -> torch.Tensor:
+        """The Llama's last hidden states ``[B, S, hidden]`` over text then code frames, right
+        padded (``S`` the longest row's text + frames)."""
+        S = max(int((n_text + n_codes).max()), 1)
+        position = torch.arange(S, device=text.device)[None]
+        is_text = position < n_text[:, None]
+        token = text.gather(1, position.clamp(max=max(text.shape[1] - 1, 0)).expand(len(text), -1))
+        frame = (position - n_text[:, None]).clamp(0, max(codes.shape[1] - 1, 0))
+        frame_codes = codes.gather(1, frame[..., None].expand(-1, -1, codes.shape[2]))
+        text_in = self.embed.emb_text(token)
+        codes_in = sum(emb(frame_codes[..., i]) for i, emb in enumerate(self.embed.emb_code))
+        inputs = torch.where(is_text[..., None], text_in, codes_in)
+        mask = (position < (n_text + n_codes)[:, None]).long()
+        return self.chattts.gpt(inputs_embeds=inputs, attention_mask=mask).last_hidden_state
+
+    def _targets(
+        self, codes: torch.Tensor, n_codes: torch.Tensor, n_text: torch.Tensor, S: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For frames ``0 .. T`` (``T`` = the longest row's, the last one the end of audio):
+        the codes to predict ``[B, T + 1, num_vq]``, which are valid ``[B, T + 1]``, and the
+        position (of ``S``) whose hidden state predicts each ``[B, T + 1]``."""
+        T = codes.shape[1]
+        frame = torch.arange(T + 1, device=codes.device)[None]
+        padded = F.pad(codes, (0, 0, 0, 1), value=self.end_of_audio)
+        targets = torch.where((frame < n_codes[:, None])[..., None], padded, self.end_of_audio)
+        valid = (frame <= n_codes[:, None]) & ((frame > 0) | (n_text[:, None] > 0))
+        before = (n_text[:, None] - 1 + frame).clamp(0, S - 1)  # past a row's end: not valid
+        return targets, valid, before

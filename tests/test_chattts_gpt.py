@@ -1,0 +1,105 @@
+"""ChatTTS's GPT (``examples/chattts_gpt``, issue #38) with the real chattts and transformers
+packages, from random init: the sequence it trains on is ChatTTS's (text, then code frames,
+then the end of audio), each frame predicted from what comes before it only, and its text goes
+through ChatTTS's own tokenizer class where its files are."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("ChatTTS")
+pytest.importorskip("transformers")
+
+from examples.chattts_gpt.adapter import GPT
+from examples.chattts_gpt.tokenizer import ChatTTSTokenizer
+from melcache.errors import UserError
+
+TINY = {"hidden": 32, "layers": 2, "heads": 2, "intermediate": 64}
+
+
+def batch(codes: torch.Tensor, n_codes: list[int], text: torch.Tensor, n_text: list[int]):
+    """What the loader hands a fields-only model: text, and the codes with their lengths."""
+    return types.SimpleNamespace(
+        fields={"codes": codes}, field_lengths={"codes": torch.tensor(n_codes)},
+        text=text, text_lengths=torch.tensor(n_text),
+    )  # fmt: skip
+
+
+def predictions(model: GPT, b: types.SimpleNamespace) -> torch.Tensor:
+    """Each row's logits for frames 0 .. T (the end of audio last) ``[B, T + 1, num_vq,
+    num_audio_tokens]``, NaN where a frame is not counted, from the adapter's own predicting
+    positions."""
+    codes, n_codes = b.fields["codes"], b.field_lengths["codes"]
+    hidden = model._decode(b.text, b.text_lengths, codes, n_codes)
+    _, valid, before = model._targets(codes, n_codes, b.text_lengths, hidden.shape[1])
+    h = hidden.gather(1, before[..., None].expand(-1, -1, hidden.shape[-1]))
+    logits = torch.stack([head(h) for head in model.embed.head_code], 2)
+    return torch.where(valid[..., None, None], logits, float("nan"))
+
+
+def test_each_frame_is_predicted_from_the_text_and_the_frames_before_it_only() -> None:
+    torch.manual_seed(0)
+    model = GPT(vocab_size=257, **TINY).eval()
+    codes = torch.randint(0, 625, (2, 12, 4))
+    text = torch.randint(1, 257, (2, 6))
+    with torch.no_grad():
+        base = predictions(model, batch(codes, [12, 7], text, [6, 3]))
+        assert base[1, 8:].isnan().all() and not base[1, :8].isnan().any()  # 7 frames + end
+        changed = codes.clone()
+        changed[:, 5:] = (changed[:, 5:] + 1) % 625  # frames 5 on, of both rows
+        after = predictions(model, batch(changed, [12, 7], text, [6, 3]))
+        torch.testing.assert_close(after[:, :6], base[:, :6])  # frame 5 from frames 0..4
+        assert not torch.allclose(after[0, 6:], base[0, 6:])
+        other = text.clone()
+        other[1, 2] = other[1, 2] % 256 + 1
+        assert not torch.allclose(
+            predictions(model, batch(codes, [12, 7], other, [6, 3]))[1, 0], base[1, 0]
+        )
+        # padding past a row's text changes nothing
+        longer = torch.cat([text, torch.zeros(2, 4, dtype=text.dtype)], 1)
+        again = predictions(model, batch(codes, [12, 7], longer, [6, 3]))
+        torch.testing.assert_close(again, base, equal_nan=True)
+
+
+def test_the_loss_counts_every_frame_and_the_end_and_falls_from_chattts_s_level() -> None:
+    torch.manual_seed(0)
+    model = GPT(vocab_size=257, **TINY)
+    codes = torch.randint(0, 625, (3, 20, 4))
+    b = batch(codes, [20, 9, 4], torch.randint(1, 257, (3, 8)), [8, 2, 0])
+    out = model(b)
+    # (20 + 1) + (9 + 1) + 4: a row without text has nothing to predict its first frame from
+    assert int(out["loss_count"]) == 35
+    first = (out["loss_sum"] / out["loss_count"]).item()
+    assert abs(first - 4 * torch.log(torch.tensor(626.0))) < 2  # 4 codebooks, near uniform
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(25):
+        out = model(b)
+        optimizer.zero_grad()
+        (out["loss_sum"] / out["loss_count"]).backward()
+        optimizer.step()
+    assert (out["loss_sum"] / out["loss_count"]).item() < 0.7 * first
+
+
+def test_chattts_s_tokenizer_class_frames_the_text_as_chattts_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real BertTokenizerFast folder with ChatTTS's special tokens (its released vocabulary
+    cannot be downloaded here)."""
+    from transformers import BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]
+    bert = BertTokenizerFast(vocab={word: i for i, word in enumerate(words)})
+    bert.add_special_tokens({"additional_special_tokens": ["[Stts]", "[empty_spk]", "[Ptts]"]})
+    folder = tmp_path / "asset" / "tokenizer"
+    bert.save_pretrained(str(folder))
+    monkeypatch.setenv("CHATTTS_TOKENIZER", str(folder))
+    tokenizer = ChatTTSTokenizer()
+    assert tokenizer.vocab_size == 10
+    assert tokenizer("hello world") == [7, 8, 5, 6, 9]  # [Stts] [empty_spk] hello world [Ptts]
+    monkeypatch.setenv("CHATTTS_TOKENIZER", str(tmp_path / "missing"))
+    with pytest.raises(UserError, match=r"missing/tokenizer\.json not found .*CHATTTS_TOKENIZER"):
+        ChatTTSTokenizer()
