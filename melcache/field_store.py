@@ -1,0 +1,112 @@
+"""Reading a cache's derived fields (:mod:`melcache.fields`): a whole field shard for the
+loader and ``verify``, one utterance for random access. Every read is checked first: a field
+shard against its index entry (size, xxh3_128 or sha256) and its binding to the mel shard, an
+utterance's bytes against ``rows.npy``'s digest, so a replaced or foreign field shard is one
+line naming it, never wrong values."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from melcache.errors import ShardError, UserError
+from melcache.fields import (
+    ROWS_NAME,
+    binding_problem,
+    cache_fields,
+    decode_field,
+    field_samples,
+    missing_field,
+    provenance_problem,
+    read_bound,
+)
+from melcache.location import member_location, read_bytes
+from melcache.reader import ShardCheck, load_shard
+from melcache.table import sample_digest
+
+
+class FieldStore:
+    """The fields ``names`` of one cache (folder or URL prefix), checked at creation: each
+    present, and, where ``wanted`` gives provenance keys, equal to them."""
+
+    def __init__(
+        self,
+        cache: str | Path,
+        index: Mapping[str, Any],
+        names: Sequence[str],
+        wanted: Mapping[str, Mapping[str, Any]] | None = None,
+        by: str = "data.fields",
+    ) -> None:
+        self.cache, self.index, self.names = str(cache), index, tuple(names)
+        fields = cache_fields(index, member_location(cache, "index.json"))
+        for name in self.names:
+            if name not in fields:
+                raise missing_field(self.cache, fields, name, by)
+            problem = provenance_problem(
+                self.cache, name, fields[name], (wanted or {}).get(name, {}), by
+            )
+            if problem:
+                raise UserError(problem)
+        self.entries = {name: fields[name] for name in self.names}
+        self._rows: dict[str, np.ndarray] = {}
+        self._check = ShardCheck("fast")
+
+    def location(self, name: str, shard: str) -> str:
+        """Where field ``name``'s shard aligned with mel shard ``shard`` lives."""
+        return member_location(self.cache, f"{self.entries[name]['folder']}/{shard}")
+
+    def shard(self, number: int) -> dict[str, dict[str, np.ndarray]]:
+        """Every field of mel shard ``number`` (in the index): ``{key: {name: values}}``."""
+        mel_entry = self.index["shards"][number]
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for name in self.names:
+            entry = self.entries[name]
+            location = self.location(name, mel_entry["name"])
+            data = load_shard(location)
+            problems = self._check.problems(data, entry["shards"][number], location)
+            bound = binding_problem(read_bound(data, location), mel_entry, location)
+            if bound or problems:
+                raise ShardError(bound or problems[0])
+            for key, values in field_samples(data, name, entry, location):
+                out.setdefault(key, {})[name] = values
+        return out
+
+    def rows(self, name: str) -> np.ndarray:
+        """``rows.npy`` of field ``name`` (uint64 ``[rows, 4]``), checked by its sha256."""
+        if name not in self._rows:
+            entry = self.entries[name]
+            location = member_location(self.cache, f"{entry['folder']}/{ROWS_NAME}")
+            try:
+                data = bytes(read_bytes(location))
+            except OSError as exc:
+                raise ShardError(f"{location}: cannot read ({exc})") from None
+            if hashlib.sha256(data).hexdigest() != entry["rows"]["sha256"]:
+                raise ShardError(f"{location}: sha256 differs from the index (corrupt or replaced)")
+            self._rows[name] = np.load(io.BytesIO(data), allow_pickle=False)
+        return self._rows[name]
+
+    def row(self, row: int, shard: str, read: Any) -> dict[str, np.ndarray]:
+        """Every field of cache row ``row`` (in mel shard ``shard``), one ranged read each:
+        ``read(location, offset, length)`` gives the bytes."""
+        out = {}
+        for name in self.names:
+            offset, size, frames, digest = (int(v) for v in self.rows(name)[row])
+            location = self.location(name, shard)
+            data = read(location, offset, size)
+            if sample_digest(data) != digest:
+                raise ShardError(
+                    f"{location}: the {size} bytes at {offset} are not the field {ROWS_NAME} "
+                    "records (field shard replaced or damaged)"
+                )
+            values = decode_field(data, self.entries[name], f"{location}:row {row}")
+            if len(values) != frames:
+                raise ShardError(
+                    f"{location}:row {row}: {len(values)} frames, {ROWS_NAME} says {frames}"
+                )
+            out[name] = values
+        return out
