@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,14 +90,16 @@ class FieldStore:
             self._rows[name] = np.load(io.BytesIO(data), allow_pickle=False)
         return self._rows[name]
 
-    def row(self, row: int, shard: str, read: Any) -> dict[str, np.ndarray]:
+    def row(
+        self, row: int, shard: str, read: Callable[[str, str, int, int], Any]
+    ) -> dict[str, np.ndarray]:
         """Every field of cache row ``row`` (in mel shard ``shard``), one ranged read each:
-        ``read(location, offset, length)`` gives the bytes."""
+        ``read(field, shard, offset, length)`` gives the bytes."""
         out = {}
         for name in self.names:
             offset, size, frames, digest = (int(v) for v in self.rows(name)[row])
             location = self.location(name, shard)
-            data = read(location, offset, size)
+            data = read(name, shard, offset, size)
             if sample_digest(data) != digest:
                 raise ShardError(
                     f"{location}: the {size} bytes at {offset} are not the field {ROWS_NAME} "

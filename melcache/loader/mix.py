@@ -18,6 +18,7 @@ from typing import Any
 from melcache.errors import UserError
 from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
+from melcache.field_store import FieldStore
 from melcache.index import read_index
 from melcache.loader.batching import round_up
 from melcache.loader.data_config import DataConfig
@@ -157,6 +158,19 @@ def check_extras(mix: OpenedMix, asked: Sequence[str]) -> None:
                 f"{', '.join(carried) or 'none'}): rebuild it from a manifest with "
                 f'[build] extras = ["{missing}"]'
             )
+
+
+def with_fields(mix: OpenedMix, data: DataConfig, by: str = "data.fields") -> OpenedMix:
+    """The mix with each cache's entries of the fields ``data.fields`` (in its sources, for
+    the workers); one line naming both for a field a cache lacks or whose provenance is not
+    ``data.field_provenance``'s."""
+    if not data.fields:
+        return mix
+    sources = []
+    for source, index in zip(mix.sources, mix.indexes, strict=True):
+        store = FieldStore(source.location, index, data.fields, data.field_provenance, by)
+        sources.append(dataclasses.replace(source, fields=store.entries))
+    return dataclasses.replace(mix, sources=tuple(sources))
 
 
 def _reads_by_table(where: str, index: dict[str, Any], data: DataConfig) -> bool:

@@ -25,12 +25,13 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 from melcache.access import Cache
 from melcache.errors import ShardError
 from melcache.loader.batch import PackedBatch, Tokenizer, collate
+from melcache.loader.batch_fields import BatchFields
 from melcache.loader.batching import (
     BATCH_PLAN,
     EVEN_PLAN,
@@ -83,6 +84,7 @@ class Source:
     location: str
     shards: tuple[dict[str, Any], ...]
     ranged: bool = False
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # entries asked for
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -327,6 +329,7 @@ def worker_stream(
     skips = SkipLog(spec.data.on_error, sum(len(s.shards) for s in spec.sources))
     check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
     slot = spec.rank * spec.workers_per_rank + worker
+    fields = BatchFields(spec.sources, spec.data.fields)
     with contextlib.ExitStack() as stack:
         readers = open_readers(spec, slot, positions, check, skips, stack)
         consumed = [position[-1] for position in positions]
@@ -335,7 +338,9 @@ def worker_stream(
         while True:
             rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
             stream = spec.schedule.pick(rank_step, slot, consumed)
-            packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
+            packed, after = _collate_next(
+                spec, readers[stream], failed, stream, skips, ring, seq, fields
+            )
             consumed[stream] += int(packed.mel_lengths.sum())
             ring.publish(seq)
             seq += 1
@@ -351,6 +356,7 @@ def _collate_next(
     skips: SkipLog,
     ring: BatchRing,
     seq: int,
+    fields: BatchFields,
 ) -> tuple[PackedBatch, tuple[int, ...]]:
     """Decode and pad the reader's next batch into ring slot ``seq``; a batch with a bad mel
     goes to the ``on_error`` policy and its shard visit loses its remaining batches."""
@@ -373,6 +379,7 @@ def _collate_next(
                 source=location,
                 extras=spec.data.extras,
             )
+            packed.fields, packed.field_lengths = fields.batch(source, packed.keys, entries)
         except ShardError as exc:
             failed[stream] = visit
             skips.record((source, name), name, exc)
