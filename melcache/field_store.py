@@ -16,6 +16,7 @@ import numpy as np
 
 from melcache.errors import ShardError, UserError
 from melcache.fields import (
+    HEAD_BYTES,
     ROWS_NAME,
     binding_problem,
     cache_fields,
@@ -55,6 +56,8 @@ class FieldStore:
         self.entries = {name: fields[name] for name in self.names}
         self._rows: dict[str, np.ndarray] = {}
         self._check = ShardCheck("fast")
+        self._bound: set[tuple[str, str]] = set()
+        self._numbers = {entry["name"]: i for i, entry in enumerate(index["shards"])}
 
     def location(self, name: str, shard: str) -> str:
         """Where field ``name``'s shard aligned with mel shard ``shard`` lives."""
@@ -99,6 +102,17 @@ class FieldStore:
         for name in self.names:
             offset, size, frames, digest = (int(v) for v in self.rows(name)[row])
             location = self.location(name, shard)
+            if (name, shard) not in self._bound:  # once per field shard: is it this cache's?
+                number = self._numbers[shard]
+                head = read(
+                    name, shard, 0, min(HEAD_BYTES, self.entries[name]["shards"][number]["bytes"])
+                )
+                problem = binding_problem(
+                    read_bound(head, location), self.index["shards"][number], location
+                )
+                if problem:
+                    raise ShardError(problem)
+                self._bound.add((name, shard))
             data = read(name, shard, offset, size)
             if sample_digest(data) != digest:
                 raise ShardError(
