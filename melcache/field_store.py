@@ -6,6 +6,7 @@ line naming it, never wrong values."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 from collections.abc import Callable, Mapping, Sequence
@@ -26,8 +27,9 @@ from melcache.fields import (
     provenance_problem,
     read_bound,
 )
+from melcache.format import MEL_MEMBER
 from melcache.location import member_location, read_bytes
-from melcache.reader import ShardCheck, load_shard
+from melcache.reader import RawSample, ShardCheck, load_shard, raw_sample, shard_samples
 from melcache.table import sample_digest
 
 
@@ -126,3 +128,37 @@ class FieldStore:
                 )
             out[name] = values
         return out
+
+
+NO_MEL = "none"  # a RawSample's storage when it was read from a field shard: no mel at all
+
+
+def read_field_shard(
+    location: str, entry: Mapping[str, Any], check: ShardCheck, name: str, field: Mapping[str, Any]
+) -> list[RawSample]:
+    """Every sample of field ``name``'s shard at ``location`` (index entry ``entry``, which
+    names its mel shard's sha256) as the loader reads a mel shard, but with no mel: text and
+    metadata from the copy of the mel sample's json, ``frames`` the field's, and the values
+    in ``fields``. Checked like a mel shard: size, digest, binding, frames, count."""
+    data = load_shard(location)
+    problems = check.problems(data, entry, location)
+    mel = {"name": f"the mel shard of {entry['name']}", "sha256": entry.get("mel_sha256")}
+    bound = binding_problem(read_bound(data, location), mel, location)
+    if bound or problems:
+        raise ShardError(bound or problems[0])
+    values = dict(field_samples(data, name, field, location))
+    samples = []
+    for sample in shard_samples(data, location):
+        key = sample["__key__"]
+        if key not in values:
+            raise ShardError(f"{location}:{key}: no {name}.npy member")
+        raw = raw_sample({**sample, MEL_MEMBER: b""}, location)  # its checks, on the metadata
+        samples.append(
+            dataclasses.replace(
+                raw, mel=b"", storage=NO_MEL, frames=len(values[key]), fields={name: values[key]}
+            )
+        )
+    low, high = entry["min_frames"], entry["max_frames"]
+    if len(samples) != entry["samples"] or not all(low <= s.frames <= high for s in samples):
+        raise ShardError(f"{location}: samples or frames differ from the index's entry")
+    return samples

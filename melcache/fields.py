@@ -10,7 +10,8 @@ provenance, so a ``--replace`` never overwrites the field readers are using)::
 A field shard is a plain tar (mtime 0, as mel shards): first ``.mel.json`` (key ``""``, which
 no utterance has) binding it to its mel shard (name and sha256) and to the field, then one
 ``<key>.NAME.npy`` per utterance in the mel shard's order: ``[frames, *shape]`` of the field's
-dtype, ``np.save`` format (no pickle). ``rows.npy`` has one row per utterance in the cache
+dtype, ``np.save`` format (no pickle), beside ``<key>.json``, the mel sample's metadata
+verbatim (so a model that reads fields alone reads no mel shard). ``rows.npy`` has one row per utterance in the cache
 table's row order: where that member's data starts in its field shard and its length, its
 frames, and the low 32 bits of the data's xxh3_64 (checked before a random read is parsed).
 ``index.json`` lists each field under ``fields`` with its provenance and every shard's bytes,
@@ -36,7 +37,7 @@ import numpy as np
 
 from melcache.bounded import loads_json
 from melcache.errors import ShardError, UserError
-from melcache.format import SHARD_PATTERN, plain_tar_entries
+from melcache.format import META_MEMBER, SHARD_PATTERN, plain_tar_entries
 
 FIELDS_KEY = "fields"  # in index.json
 FIELDS_DIR = "fields"
@@ -229,6 +230,8 @@ def field_samples(
         raise ShardError(f"{location}: not a plain tar as derive writes them")
     suffix, out = f".{name}.npy", []
     for member, start, size in entries[1:]:
+        if member.endswith(f".{META_MEMBER}") and "/" not in member:
+            continue  # the mel sample's metadata, for readers of fields alone
         if not member.endswith(suffix) or "/" in member:
             raise ShardError(f"{location}: unexpected member {member!r}")
         key = member[: -len(suffix)]

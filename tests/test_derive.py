@@ -131,6 +131,34 @@ def test_codes_are_the_encoders_own_on_each_mel_and_every_reader_agrees(
     assert seen >= 8
 
 
+FIELDS_ONLY_PROBE = """
+import json, sys
+opened = []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" else None)
+from melcache.loader import DataConfig, make_loader
+data = DataConfig(batch_frames=1000, num_workers=0, fields=("codes",), read_mel=False)
+loader = make_loader(sys.argv[1], data)
+batches = [next(iter(loader)) for _ in range(1)] + [b for b, _ in zip(loader, range(30))]
+loader.close()
+shapes = sorted({tuple(b.mel.shape[2:]) for b in batches})
+same = all(b.mel_lengths.tolist() == b.field_lengths["codes"].tolist() for b in batches)
+print(json.dumps({"opened": opened, "mel": shapes, "same": same, "rows": sum(map(len, batches))}))
+"""
+
+
+def test_a_model_of_fields_alone_reads_no_mel_shard(derived: Path) -> None:
+    """``read_mel = False`` (a melcache_contract with ``"mel": False``): the files opened
+    (an audit hook sees every open) hold no mel shard, and every frame count is the field's."""
+    done = run_ok([sys.executable, "-c", FIELDS_ONLY_PROBE, str(derived)])
+    seen = json.loads(done.stdout.splitlines()[-1])
+    tars = {Path(p) for p in seen["opened"] if p.endswith(".tar")}
+    mel_read = sum(p.stat().st_size for p in tars if p.parent == derived)
+    field_read = sum(p.stat().st_size for p in tars if p.parent != derived)
+    print(f"mel shard bytes opened {mel_read}, field shard bytes opened {field_read}")
+    assert mel_read == 0 and field_read > 0
+    assert seen["mel"] == [[0]] and seen["same"] and seen["rows"] > 30
+
+
 def test_verify_names_a_flipped_byte_in_a_field_shard(derived: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     shutil.copytree(derived, cache)

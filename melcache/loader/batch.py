@@ -195,6 +195,8 @@ def collate(
     out = mel_out(shape)
     for row, sample in enumerate(samples):
         name = f"{where}:{sample.key}"
+        if not n_mels:  # a model that reads fields alone: no mel was read (data.read_mel)
+            continue
         frames = decode_mel_into(sample.mel, sample.storage, n_mels, name, out[row])
         if frames != sample.frames:
             raise ShardError(f"{name}: the mel has {frames} frames, metadata says {sample.frames}")

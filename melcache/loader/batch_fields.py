@@ -13,6 +13,7 @@ import numpy as np
 from melcache.errors import ShardError
 from melcache.field_store import FieldStore
 from melcache.fields import pad_fields
+from melcache.reader import RawSample
 
 # Field shards a worker keeps parsed: a unit spans two shards, and a worker alternates
 # between a few sub-streams; field shards are small (codes: ~7 MB per audio hour).
@@ -36,21 +37,26 @@ class BatchFields:
         )
 
     def batch(
-        self, source: int, keys: Sequence[str], entries: Sequence[Mapping[str, Any]]
+        self, source: int, samples: Sequence[RawSample], entries: Sequence[Mapping[str, Any]]
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """The fields of rows ``keys`` (from the mel shards ``entries``), padded, and lengths."""
+        """The fields of ``samples`` (from the shards ``entries``), padded, and lengths: those
+        read with the samples as they are, the rest from the field shards."""
         if not self.names:
             return {}, {}
         found: dict[str, dict[str, np.ndarray]] = {}
-        for entry in entries:
-            found.update(self._shard(source, entry["name"]))
-        missing = next((k for k in keys if k not in found), None)
-        if missing is not None:
-            raise ShardError(f"{entries[0]['name']}: no field values for {missing!r}")
+        if any(name not in s.fields for s in samples for name in self.names):
+            for entry in entries:
+                found.update(self._shard(source, entry["name"]))
         fields, lengths = {}, {}
         for name in self.names:
+            values = []
+            for s in samples:
+                value = s.fields.get(name, found.get(s.key, {}).get(name))
+                if value is None:
+                    raise ShardError(f"{entries[0]['name']}: no field {name!r} for {s.key!r}")
+                values.append(value)
             dtype = self._stores[source].entries[name]["dtype"]  # type: ignore[union-attr]
-            fields[name], lengths[name] = pad_fields([found[k][name] for k in keys], dtype)
+            fields[name], lengths[name] = pad_fields(values, dtype)
         return fields, lengths
 
     def _shard(self, source: int, name: str) -> dict[str, dict[str, np.ndarray]]:

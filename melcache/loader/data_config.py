@@ -62,6 +62,9 @@ class DataConfig:
     # = "..."}}); a plug-in's melcache_contract "fields" adds its own: docs/fields.md.
     fields: tuple[str, ...] = ()
     field_provenance: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    # False (a model's melcache_contract "mel": False): read the field shards alone, no mel
+    # byte; batch.mel is [B, T, 0] and every frame count is the first field's.
+    read_mel: bool = True
 
     def __post_init__(self) -> None:
         check_numbers(self, "data")
@@ -97,6 +100,12 @@ class DataConfig:
             "data.fields",
             self.fields,
             'a list of derived field names such as ["codes"]',
+        )
+        require(
+            isinstance(self.read_mel, bool) and (self.read_mel or bool(self.fields)),
+            "data.read_mel",
+            self.read_mel,
+            "true, or false with data.fields naming what is read instead",
         )
         require(
             isinstance(self.field_provenance, Mapping)

@@ -24,7 +24,7 @@ from melcache.loader.batching import round_up
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
 from melcache.loader.stream import Source
-from melcache.location import is_url
+from melcache.location import is_url, member_location
 from melcache.sections import as_float
 from melcache.table import TABLE_NAME, Table
 
@@ -169,7 +169,14 @@ def with_fields(mix: OpenedMix, data: DataConfig, by: str = "data.fields") -> Op
     sources = []
     for source, index in zip(mix.sources, mix.indexes, strict=True):
         store = FieldStore(source.location, index, data.fields, data.field_provenance, by)
-        sources.append(dataclasses.replace(source, fields=store.entries))
+        source = dataclasses.replace(source, fields=store.entries)
+        if not data.read_mel:  # fields alone: the first field's shards stand for the mel's
+            first = store.entries[data.fields[0]]
+            folder = member_location(source.location, first["folder"])
+            source = dataclasses.replace(
+                source, location=folder, shards=tuple(first["shards"]), ranged=False
+            )
+        sources.append(source)
     return dataclasses.replace(mix, sources=tuple(sources))
 
 

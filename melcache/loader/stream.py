@@ -30,6 +30,7 @@ from typing import Any
 
 from melcache.access import Cache
 from melcache.errors import ShardError
+from melcache.field_store import read_field_shard
 from melcache.loader.batch import PackedBatch, Tokenizer, collate
 from melcache.loader.batch_fields import BatchFields
 from melcache.loader.batching import (
@@ -176,8 +177,12 @@ def _read(
 ) -> list[RawSample] | None:
     """One shard's samples, or ``None`` when it is bad and the policy is to skip it."""
     where, entry = spec.sources[source], spec.sources[source].shards[shard_id]
+    location = member_location(where.location, entry["name"])
     try:
-        return read_shard(member_location(where.location, entry["name"]), entry, check)
+        if not spec.data.read_mel:  # the sources are the first field's shards (mix.with_fields)
+            name = spec.data.fields[0]
+            return read_field_shard(location, entry, check, name, where.fields[name])
+        return read_shard(location, entry, check)
     except ShardError as exc:
         skips.record((source, entry["name"]), entry["name"], exc)
         return None
@@ -370,7 +375,7 @@ def _collate_next(
                 samples,
                 seq=seq,
                 mel_out=functools.partial(ring.slot, seq),
-                n_mels=spec.n_mels,
+                n_mels=spec.n_mels if spec.data.read_mel else 0,
                 pad_multiple=spec.data.pad_multiple,
                 pad_value=spec.pad_value,
                 tokenizer=spec.tokenizer,
@@ -379,7 +384,7 @@ def _collate_next(
                 source=location,
                 extras=spec.data.extras,
             )
-            packed.fields, packed.field_lengths = fields.batch(source, packed.keys, entries)
+            packed.fields, packed.field_lengths = fields.batch(source, samples, entries)
         except ShardError as exc:
             failed[stream] = visit
             skips.record((source, name), name, exc)

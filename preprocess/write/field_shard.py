@@ -26,6 +26,7 @@ from melcache.codec import decode_mel
 from melcache.errors import UserError
 from melcache.fields import BOUND_NAME, FieldEncoder, bound_member, encode_field
 from melcache.format import (
+    META_MEMBER,
     HashingStream,
     open_tar_writer,
     plain_tar_entries,
@@ -33,7 +34,7 @@ from melcache.format import (
     write_atomic,
 )
 from melcache.location import member_location
-from melcache.reader import ShardCheck, read_shard
+from melcache.reader import ShardCheck, load_shard, read_shard, shard_samples
 from melcache.table import sample_digest
 
 # Mel frames per encoder call: big enough to fill a GPU, small enough for CPU memory.
@@ -88,6 +89,8 @@ def derive_shard(job: DeriveJob) -> dict[str, Any]:
     assert _encoder is not None, "worker not initialised"  # internal invariant
     mel_location = member_location(job.cache, job.mel_entry["name"])
     samples = read_shard(mel_location, job.mel_entry, ShardCheck("fast"))
+    # Each sample's json member verbatim: a model that reads fields alone reads no mel shard.
+    metas = [bytes(s[META_MEMBER]) for s in shard_samples(load_shard(mel_location), mel_location)]
     mels = [decode_mel(s.mel, s.storage, job.n_mels, f"{mel_location}:{s.key}") for s in samples]
     values = encode_all(_encoder, mels, job.pad_value, _device)
     final = job.out / job.mel_entry["name"]
@@ -98,25 +101,31 @@ def derive_shard(job: DeriveJob) -> dict[str, Any]:
             with open_tar_writer(stream) as writer:
                 bound = bound_member(job.mel_entry, job.field, job.digest)
                 writer.write({"__key__": "", BOUND_NAME[1:]: bound})
-                for sample, value in zip(samples, values, strict=True):
-                    writer.write({"__key__": sample.key, f"{job.field}.npy": encode_field(value)})
+                for sample, meta, value in zip(samples, metas, values, strict=True):
+                    member = {f"{job.field}.npy": encode_field(value), META_MEMBER: meta}
+                    writer.write({"__key__": sample.key, **member})
         os.replace(temp, final)
     except OSError as exc:
         raise UserError(f"cannot write {final}: {exc.strerror}; free space and rerun") from None
     finally:
         temp.unlink(missing_ok=True)
     data = final.read_bytes()
-    entries = plain_tar_entries(data) or []
+    suffix = f".{job.field}.npy"
+    entries = [e for e in plain_tar_entries(data) or [] if e[0].endswith(suffix)]
     rows = [
         (start, size, len(v), sample_digest(data[start : start + size]))
-        for (_, start, size), v in zip(entries[1:], values, strict=True)
+        for (_, start, size), v in zip(entries, values, strict=True)
     ]
+    frames = [len(v) for v in values]
     receipt = {
         "digest": job.digest,
         "shard": {
             "name": job.mel_entry["name"],
+            "bucket": job.mel_entry["bucket"],
             "samples": len(values),
-            "frames": sum(len(v) for v in values),
+            "frames": sum(frames),
+            "min_frames": min(frames),
+            "max_frames": max(frames),
             "bytes": len(data),
             "mel_sha256": job.mel_entry["sha256"],
             **stream.hexdigests(),
