@@ -254,3 +254,39 @@ def test_what_cannot_be_derived_or_read_is_one_line(
     done = run_preprocess(*derive_args(building, dvae_run), check=False)
     assert done.returncode == 2 and one_error(done.stderr), done.stderr
     assert "is still being built" in done.stderr
+
+
+def test_a_models_contract_declares_fields_and_their_provenance(derived: Path) -> None:
+    """``melcache_contract["fields"]``: names, or names to provenance keys, merged with ``[data]
+    field_provenance``; a mismatch is one line naming both values; ``"mel": False`` needs fields."""
+    from melcache.errors import UserError
+    from melcache.loader import DataConfig, make_loader
+    from train.model.contract import declared, loader_data
+
+    wanted = {"codes": {"encoder": ENCODER, "dtype": "int16"}}
+    model = type(
+        "GPT", (), {"melcache_contract": {"inputs": "batch", "fields": wanted, "mel": False}}
+    )
+    spec = declared(model, "tests:GPT")
+    digest = json.loads((derived / "index.json").read_text())["fields"]["codes"]["provenance"]
+    base = DataConfig(num_workers=0, batch_frames=1000)
+    data = loader_data(base, spec)
+    assert data.fields == ("codes",) and not data.read_mel
+    loader = make_loader(derived, data)
+    try:
+        batch = next(iter(loader))
+        assert batch.mel.shape[2] == 0 and batch.fields["codes"].shape[2] == 4
+    finally:
+        loader.close()
+    pinned = DataConfig(num_workers=0, field_provenance={"codes": {"checkpoint_sha256": "f" * 64}})
+    with pytest.raises(UserError) as raised:
+        make_loader(derived, loader_data(pinned, spec))
+    message = str(raised.value)
+    assert digest["checkpoint_sha256"] in message and "f" * 64 in message and "\n" not in message
+    for table in (
+        {"inputs": "batch", "mel": False},
+        {"fields": ["codes"]},
+        {"inputs": "batch", "fields": ["A b"]},
+    ):
+        with pytest.raises(UserError, match="melcache_contract"):
+            declared(type("Bad", (), {"melcache_contract": table}), "tests:Bad")
