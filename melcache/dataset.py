@@ -44,7 +44,10 @@ class CacheDataset(Dataset):
             "speaker": utterance.speaker,
             "frames": utterance.frames,
             "seconds": utterance.meta.get("seconds"),
-            "fields": {name: torch.from_numpy(v) for name, v in utterance.fields.items()},
+            "fields": {  # views of the bytes read: copied, as the mel
+                name: torch.from_numpy(v if v.flags.writeable else v.copy())
+                for name, v in utterance.fields.items()
+            },
         }
 
     @property

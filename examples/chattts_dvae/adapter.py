@@ -143,7 +143,8 @@ def encoder(checkpoint: str | None = None, device: str = "cpu", **kwargs: Any) -
     if path.is_dir():
         weights, args, state = _from_run(path)
     else:
-        weights, args, state = path, dict(kwargs), _weights_file(path)
+        weights, state = path, _weights_file(path)
+        args = {**_sizes(state), **kwargs}
     model = DVAE(n_mels=100, **args).dvae
     state = {k.removeprefix("dvae."): v for k, v in state.items()}
     missing = [k for k in model.state_dict() if k.startswith(_ENCODER_PARTS) and k not in state]
@@ -188,6 +189,22 @@ def _from_run(run: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]
     if impl != "examples.chattts_dvae.adapter:DVAE":
         raise UserError(f"{shared}: a run of {impl}, not examples.chattts_dvae.adapter:DVAE")
     return shared, args, model
+
+
+def _sizes(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """A weights file's DVAE sizes, read off its tensors (ChatTTS's own where one is absent):
+    ``dim`` → ``downsample_conv``, ``bn_dim`` and ``hidden`` → the encoder's ``conv_in``,
+    ``vq_dim`` → its ``conv_out``, ``layers`` → its blocks."""
+    state = {k.removeprefix("dvae."): v for k, v in state.items()}
+    shapes = {
+        "dim": ("downsample_conv.0.weight", 0),
+        "bn_dim": ("encoder.conv_in.0.weight", 0),
+        "hidden": ("encoder.conv_in.2.weight", 0),
+        "vq_dim": ("encoder.conv_out.weight", 0),
+    }
+    sizes = {k: int(state[key].shape[axis]) for k, (key, axis) in shapes.items() if key in state}
+    blocks = {k.split(".")[2] for k in state if k.startswith("encoder.decoder_block.")}
+    return {**sizes, **({"layers": len(blocks)} if blocks else {})}
 
 
 def _weights_file(path: Path) -> dict[str, torch.Tensor]:
