@@ -28,6 +28,8 @@ import numpy as np
 from melcache.bounded import open_regular
 from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
+from melcache.field_store import FieldStore
+from melcache.fields import cache_fields
 from melcache.format import META_MEMBER, decode_meta, finite_mel
 from melcache.index import read_index
 from melcache.location import is_url, member_location
@@ -52,6 +54,7 @@ class Utterance:
     shard: str
     row: int
     audio: bytes | None  # the FLAC of a --keep-audio cache
+    fields: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # derived fields
 
 
 class UnknownKey(KeyError, UserError):
@@ -94,6 +97,13 @@ class Cache:
         self.table = Table(cache, self.index)
         self._n_mels = int(self.index["features"]["n_mels"])
         self._shards = _Shards(cache, self.index["shards"])
+        # Every derived field of the cache (melcache/fields.py), one ranged read each per row.
+        fields = cache_fields(self.index, str(cache))
+        self.fields = FieldStore(cache, self.index, list(fields))
+        self._field_shards = {
+            name: _Shards(member_location(cache, e["folder"]), e["shards"])
+            for name, e in fields.items()
+        }
         # A copy, not a view of the mapped table: samplers keep ``lengths`` for a whole run,
         # and a view would be SIGBUS once the file is cut (the table checks only its reads).
         self._frames = np.array(self.table.column("frames"))
@@ -153,6 +163,8 @@ class Cache:
     def close(self) -> None:
         """Close the shard files this cache has opened."""
         self._shards.close()
+        for shards in self._field_shards.values():
+            shards.close()
 
     def __enter__(self) -> Cache:
         return self
@@ -228,7 +240,12 @@ class Cache:
             shard=name,
             row=row,
             audio=None if raw.audio is None else bytes(raw.audio),
+            fields=self.fields.row(row, name, self._read_field),
         )
+
+    def _read_field(self, field: str, shard: str, offset: int, length: int) -> bytes:
+        """A copy: the field's values outlive this read, the mapping may not."""
+        return bytes(self._field_shards[field].read(shard, offset, length))
 
     def __iter__(self) -> Iterator[Utterance]:
         return (self[row] for row in range(len(self)))

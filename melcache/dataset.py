@@ -21,7 +21,8 @@ from melcache.access import Cache, open_cache, row_or_key
 
 class CacheDataset(Dataset):
     """Items ``{"key", "mel" (float16 [frames, n_mels] tensor), "text", "speaker", "frames",
-    "seconds"}``, in the table's row order."""
+    "seconds", "fields"}`` (``fields``: every derived field of the cache, name → tensor
+    ``[T_field, *shape]`` in its stored dtype), in the table's row order."""
 
     def __init__(self, cache: str | Path) -> None:
         self.cache: Cache = open_cache(cache)
@@ -43,6 +44,10 @@ class CacheDataset(Dataset):
             "speaker": utterance.speaker,
             "frames": utterance.frames,
             "seconds": utterance.meta.get("seconds"),
+            "fields": {  # views of the bytes read: copied, as the mel
+                name: torch.from_numpy(v if v.flags.writeable else v.copy())
+                for name, v in utterance.fields.items()
+            },
         }
 
     @property

@@ -50,6 +50,7 @@ class RawSample:
     bucket: int | None  # None only in hand-made shards; the build always records it
     audio: bytes | memoryview | None  # the FLAC member of a --keep-audio build
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)  # melcache/extras.py
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)  # read with the sample
 
 
 def load_shard(location: str) -> bytes | mmap.mmap:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m preprocess {build,verify,inspect,index-table}``."""
+"""Command line: ``python -m preprocess {build,derive,verify,inspect,index-table}``."""
 
 from __future__ import annotations
 
@@ -78,6 +78,32 @@ def _build(args: argparse.Namespace) -> int:
         f"{totals['shards']} shards; {totals['rejected']} rejected (see {args.out}/rejected.jsonl)"
         f"{left_out}; {wall:.1f} s wall, {totals['seconds'] / max(wall, 1e-9):.0f}x real time"
     )
+    return 0
+
+
+def _derive(args: argparse.Namespace) -> int:
+    from preprocess.derive import DeriveOptions, default_device, derive
+    from preprocess.job.part import choose_part
+
+    part, part_from = choose_part(args.part)
+    workers, workers_from = _resolve_workers(args.workers)
+    device = args.device or default_device()
+    log.info(
+        "deriving %s of %s: part %d/%d (%s); workers %d (%s); device %s",
+        args.field, args.cache, *part, part_from, workers, workers_from, device,
+    )  # fmt: skip
+    options = DeriveOptions(
+        args.cache, args.field, args.encoder, args.checkpoint, part, workers, device, args.replace
+    )
+    started = time.perf_counter()
+    entry = derive(options)
+    if entry is not None:
+        totals = entry["totals"]
+        print(
+            f"{args.cache}: field {args.field} in {len(entry['shards'])} shards, "
+            f"{totals['frames']} frames, {totals['bytes']} bytes; "
+            f"{time.perf_counter() - started:.1f} s wall"
+        )
     return 0
 
 
@@ -175,6 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     _add_build(commands, pool)
+    _add_derive(commands, pool)
     _add_verify(commands, pool)
     _add_inspect(commands)
     _add_index_table(commands, pool)
@@ -262,6 +289,38 @@ def _add_corpus_selection(build: argparse.ArgumentParser) -> None:
         action="store_true",
         help="scan the corpus again even if its listing looks unchanged (after editing files in place)",
     )
+
+
+def _add_derive(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:
+    """``derive``: a model's output over every cached mel, stored as a field beside them."""
+    derive = commands.add_parser(
+        "derive",
+        parents=[pool],
+        help="store an encoder's output per utterance as a field of a cache",
+        description="Run --encoder over every utterance's mel and store the result as field "
+        "NAME in sidecar shards aligned with the mel shards (no mel shard is rewritten), "
+        "listed in index.json with its provenance. Resumable, byte-deterministic, --part K/N "
+        "like build; see docs/fields.md.",
+    )
+    derive.add_argument("cache", type=Path, help="a finished cache folder")
+    derive.add_argument("--field", required=True, help="the field's name, e.g. codes")
+    derive.add_argument(
+        "--encoder", required=True, metavar="MODULE:FACTORY",
+        help="package.module:factory returning a melcache.fields.FieldEncoder",
+    )  # fmt: skip
+    derive.add_argument(
+        "--checkpoint", help="handed to the factory: a trainer run folder or a weights file"
+    )
+    derive.add_argument(
+        "--part", type=_part, metavar="K/N",
+        help="derive 1/N of the shards (0-based K), meeting the other parts in CACHE",
+    )  # fmt: skip
+    derive.add_argument("--device", help="torch device (default: cuda when present, else cpu)")
+    derive.add_argument(
+        "--replace", action="store_true",
+        help="derive a field that exists with another provenance again, replacing it",
+    )  # fmt: skip
+    derive.set_defaults(run=_derive)
 
 
 def _add_verify(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:

@@ -16,15 +16,30 @@ What the adapter bridges (``train/model/contract.py`` for the keys):
   in every training forward (and reads it on the host), even with that dropout off: the trainer
   refuses it at start, naming ``dvae.vq_layer.quantizer`` (``train/model/guards.py``). The adapter
   calls its residual FSQ groups itself, with the (unused) seed given, so no collective runs.
+
+``encoder`` is the factory for ``python -m preprocess derive CACHE --field codes --encoder
+examples.chattts_dvae.adapter:encoder --checkpoint RUN_OR_FILE`` (docs/fields.md): the DVAE's
+encoder, mel ``[B, T, 100]`` → codes ``[B, T / 2, 4]``, the grouped residual FSQ's indices
+(G = 2, R = 2, levels (5, 5, 5, 5): values 0..624) in ChatTTS's order (group-major, as
+``GFSQ.forward`` lays them out): the audio tokens ChatTTS's GPT reads.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from ChatTTS.model.dvae import DVAE as ChatTTSDVAE
 from torch import nn
+
+from melcache.errors import UserError
+from melcache.features import feature_presets
+from melcache.fields import FieldEncoder
+
+# What the released ChatTTS DVAE.safetensors holds: ChatTTS/config/config.py's sizes, the
+# adapter's defaults. The encoder needs these parts of it; the decoder is left out.
+_ENCODER_PARTS = ("coef", "downsample_conv.", "encoder.", "vq_layer.")
 
 
 class DVAE(nn.Module):
@@ -93,3 +108,113 @@ class DVAE(nn.Module):
             for rvq, c in zip(grouped.rvqs, chunks, strict=True)
         ]
         return torch.cat(parts, dim=grouped.split_dim)
+
+
+class Codes(nn.Module):
+    """ChatTTS's DVAE encoder as ``derive`` runs it: mel ``[B, T, 100]`` (T even) → int64
+    codes ``[B, T / 2, 4]``."""
+
+    def __init__(self, dvae: ChatTTSDVAE) -> None:
+        super().__init__()
+        self.dvae = dvae
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = mel.transpose(1, 2).float() / self.dvae.coef
+        h = self.dvae.encoder(self.dvae.downsample_conv(x)).transpose(1, 2)  # [B, T / 2, vq]
+        grouped = self.dvae.vq_layer.quantizer
+        chunks = h.float().chunk(grouped.groups, dim=grouped.split_dim)
+        # rvq → (quantized, indices [B, T / 2, R]); stacked as GFSQ.forward does: [B, T/2, G, R]
+        indices = [
+            rvq(c, rand_quantize_dropout_fixed_seed=0)[1]
+            for rvq, c in zip(grouped.rvqs, chunks, strict=True)
+        ]
+        return torch.stack(indices, dim=2).flatten(2).long()
+
+
+def encoder(checkpoint: str | None = None, device: str = "cpu", **kwargs: Any) -> FieldEncoder:
+    """The DVAE encoder for ``derive``, from ``checkpoint``: a trainer run folder of this
+    adapter (its newest complete checkpoint: its ``[model.args]`` and weights) or a weights
+    file (``.safetensors``, ChatTTS's released ``DVAE.safetensors`` included, or a ``.pt``
+    state dict), at the sizes ``kwargs`` give (ChatTTS's own by default). Read with
+    safetensors or ``torch.load(weights_only=True)``: never unpickled."""
+    if checkpoint is None:
+        raise UserError("--encoder examples.chattts_dvae.adapter:encoder needs --checkpoint")
+    path = Path(checkpoint)
+    if path.is_dir():
+        weights, args, state = _from_run(path)
+    else:
+        weights, state = path, _weights_file(path)
+        args = {**_sizes(state), **kwargs}
+    model = DVAE(n_mels=100, **args).dvae
+    state = {k.removeprefix("dvae."): v for k, v in state.items()}
+    missing = [k for k in model.state_dict() if k.startswith(_ENCODER_PARTS) and k not in state]
+    unknown = [k for k in state if k not in model.state_dict()]
+    if missing or unknown:
+        raise UserError(
+            f"{weights}: not weights of a ChatTTS DVAE with args {args} (missing "
+            f"{missing[:2]}, unexpected {unknown[:2]}): pass the run's sizes"
+        )
+    model.load_state_dict(state, strict=False)
+    chattts = feature_presets()["chattts"].to_dict()
+    return FieldEncoder(
+        module=Codes(model).eval().to(device),
+        config={"impl": "chattts DVAE encoder", "levels": [5, 5, 5, 5], "G": 2, "R": 2, **args},
+        dtype="int16",
+        shape=(4,),
+        frame_rate=0.5,
+        mel_multiple=2,
+        weights=weights,
+        features=chattts,
+        bf16=False,  # FSQ rounds each value to one of 5 levels: bf16 would move indices
+    )
+
+
+def _from_run(run: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """The newest complete checkpoint of a run folder (train/run/checkpoint.py's layout:
+    ``checkpoints/step-N/`` counts once its ``COMPLETE.json`` exists)."""
+    done = sorted(
+        p for p in (run / "checkpoints").glob("step-*") if (p / "COMPLETE.json").is_file()
+    )
+    if not done:
+        raise UserError(f"{run}: no complete checkpoint in {run / 'checkpoints'}")
+    if (done[-1] / "weights").exists():
+        raise UserError(f"{done[-1]}: an FSDP2 checkpoint (sharded weights); pass a DDP run's")
+    shared = done[-1] / "shared.pt"
+    try:
+        state = torch.load(shared, map_location="cpu", weights_only=True)
+        args, model = dict(state["config"]["model"]["args"]), state["model"]
+    except Exception as exc:  # torch raises many kinds for a damaged file
+        raise UserError(f"{shared}: not a readable checkpoint ({type(exc).__name__})") from None
+    impl = state["config"]["model"]["impl"]
+    if impl != "examples.chattts_dvae.adapter:DVAE":
+        raise UserError(f"{shared}: a run of {impl}, not examples.chattts_dvae.adapter:DVAE")
+    return shared, args, model
+
+
+def _sizes(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """A weights file's DVAE sizes, read off its tensors (ChatTTS's own where one is absent):
+    ``dim`` → ``downsample_conv``, ``bn_dim`` and ``hidden`` → the encoder's ``conv_in``,
+    ``vq_dim`` → its ``conv_out``, ``layers`` → its blocks."""
+    state = {k.removeprefix("dvae."): v for k, v in state.items()}
+    shapes = {
+        "dim": ("downsample_conv.0.weight", 0),
+        "bn_dim": ("encoder.conv_in.0.weight", 0),
+        "hidden": ("encoder.conv_in.2.weight", 0),
+        "vq_dim": ("encoder.conv_out.weight", 0),
+    }
+    sizes = {k: int(state[key].shape[axis]) for k, (key, axis) in shapes.items() if key in state}
+    blocks = {k.split(".")[2] for k in state if k.startswith("encoder.decoder_block.")}
+    return {**sizes, **({"layers": len(blocks)} if blocks else {})}
+
+
+def _weights_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a damaged or foreign file: one line, whatever raised
+        raise UserError(
+            f"{path}: not a readable weights file ({type(exc).__name__}: {exc})"
+        ) from None

@@ -107,6 +107,10 @@ class Batch:
     bucket: int  # the length bucket of the shard it comes from (-1: not from a cache)
     source: str = ""  # the cache (location, as given to make_loader) it comes from
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)  # fields asked for
+    # Derived fields asked for (data.fields): [B, T_field, *shape] zero-padded, integers as
+    # int64, floats as float32; and their true lengths, int64 [B] (melcache/fields.py).
+    fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    field_lengths: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -119,6 +123,8 @@ class Batch:
             text=fn(self.text),
             text_lengths=fn(self.text_lengths),
             extras={k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()},
+            fields={k: fn(v) for k, v in self.fields.items()},
+            field_lengths={k: fn(v) for k, v in self.field_lengths.items()},
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> Batch:
@@ -145,6 +151,8 @@ class PackedBatch:
     bucket: int
     source: str
     extras: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    fields: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    field_lengths: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def unpack(self, mel: torch.Tensor, pin_memory: bool) -> Batch:
         """The :class:`Batch`, given the mel copied out of the ring."""
@@ -152,14 +160,18 @@ class PackedBatch:
         extras: dict[str, Any] = dict(self.extras)
         if REFERENCE in extras:
             extras[REFERENCE] = torch.tensor(extras[REFERENCE], dtype=torch.int64)
+        fields = {k: torch.from_numpy(v) for k, v in self.fields.items()}
+        lengths = {k: torch.from_numpy(v) for k, v in self.field_lengths.items()}
         if pin_memory:
             small = [t.pin_memory() for t in small]
+            fields = {k: v.pin_memory() for k, v in fields.items()}
+            lengths = {k: v.pin_memory() for k, v in lengths.items()}
             extras = {
                 k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in extras.items()
             }
         return Batch(
             mel, *small, keys=self.keys, speaker=self.speaker, bucket=self.bucket,
-            source=self.source, extras=extras,
+            source=self.source, extras=extras, fields=fields, field_lengths=lengths,
         )  # fmt: skip
 
 
@@ -183,6 +195,8 @@ def collate(
     out = mel_out(shape)
     for row, sample in enumerate(samples):
         name = f"{where}:{sample.key}"
+        if not n_mels:  # a model that reads fields alone: no mel was read (data.read_mel)
+            continue
         frames = decode_mel_into(sample.mel, sample.storage, n_mels, name, out[row])
         if frames != sample.frames:
             raise ShardError(f"{name}: the mel has {frames} frames, metadata says {sample.frames}")

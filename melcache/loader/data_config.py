@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from melcache.cpus import usable_cpus
+from melcache.fields import name_problem
 from melcache.reader import SHARD_CHECKS
 from melcache.sections import Bounds, as_float, bounded, check_numbers, require
 
@@ -56,6 +57,14 @@ class DataConfig:
     # Per-utterance fields each batch carries in batch.extras ([build] extras of the cache, or
     # "reference"): melcache/loader/batch.py; a plug-in's melcache_contract "extras" adds its own.
     extras: tuple[str, ...] = ()
+    # Derived fields each batch carries in batch.fields ("codes": python -m preprocess derive),
+    # and, per field, provenance keys the cache's must equal (e.g. {codes = {checkpoint_sha256
+    # = "..."}}); a plug-in's melcache_contract "fields" adds its own: docs/fields.md.
+    fields: tuple[str, ...] = ()
+    field_provenance: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    # False (a model's melcache_contract "mel": False): read the field shards alone, no mel
+    # byte; batch.mel is [B, T, 0] and every frame count is the first field's.
+    read_mel: bool = True
 
     def __post_init__(self) -> None:
         check_numbers(self, "data")
@@ -85,6 +94,25 @@ class DataConfig:
             "data.extras",
             self.extras,
             "a list of field names",
+        )
+        require(
+            isinstance(self.fields, tuple) and not any(map(name_problem, self.fields)),
+            "data.fields",
+            self.fields,
+            'a list of derived field names such as ["codes"]',
+        )
+        require(
+            isinstance(self.read_mel, bool) and (self.read_mel or bool(self.fields)),
+            "data.read_mel",
+            self.read_mel,
+            "true, or false with data.fields naming what is read instead",
+        )
+        require(
+            isinstance(self.field_provenance, Mapping)
+            and all(isinstance(v, Mapping) for v in self.field_provenance.values()),
+            "data.field_provenance",
+            self.field_provenance,
+            "a table of field names to tables of provenance keys",
         )
 
     def budget(self, bucket: int) -> int:

@@ -69,6 +69,7 @@ from melcache.loader.mix import (
     open_mix,
     shards_digest,
     whole_shared_reads,
+    with_fields,
 )
 from melcache.loader.schedule import make_schedule, substreams
 from melcache.loader.stream import Cursor, StreamSpec, progress
@@ -338,7 +339,9 @@ def make_loader(
     require(_is_int(seed) and seed >= 0, "loader seed", seed, "a non-negative integer")
     require(isinstance(data, DataConfig), "loader data", data, "a DataConfig")
     require(tokenizer is None or callable(tokenizer), "loader tokenizer", tokenizer, "a callable")
-    mix = open_mix(cache, data, expect_features)
+    mix = with_fields(
+        open_mix(cache, data, expect_features), data, "data.fields / data.field_provenance"
+    )
     check_extras(mix, data.extras)
     num_slots = world_size * max(1, data.num_workers)
     check_layout(mix.sources, data, num_slots)

@@ -18,12 +18,13 @@ from typing import Any
 from melcache.errors import UserError
 from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
+from melcache.field_store import FieldStore
 from melcache.index import read_index
 from melcache.loader.batching import round_up
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
 from melcache.loader.stream import Source
-from melcache.location import is_url
+from melcache.location import is_url, member_location
 from melcache.sections import as_float
 from melcache.table import TABLE_NAME, Table
 
@@ -157,6 +158,26 @@ def check_extras(mix: OpenedMix, asked: Sequence[str]) -> None:
                 f"{', '.join(carried) or 'none'}): rebuild it from a manifest with "
                 f'[build] extras = ["{missing}"]'
             )
+
+
+def with_fields(mix: OpenedMix, data: DataConfig, by: str = "data.fields") -> OpenedMix:
+    """The mix with each cache's entries of the fields ``data.fields`` (in its sources, for
+    the workers); one line naming both for a field a cache lacks or whose provenance is not
+    ``data.field_provenance``'s."""
+    if not data.fields:
+        return mix
+    sources = []
+    for source, index in zip(mix.sources, mix.indexes, strict=True):
+        store = FieldStore(source.location, index, data.fields, data.field_provenance, by)
+        source = dataclasses.replace(source, fields=store.entries)
+        if not data.read_mel:  # fields alone: the first field's shards stand for the mel's
+            first = store.entries[data.fields[0]]
+            folder = member_location(source.location, first["folder"])
+            source = dataclasses.replace(
+                source, location=folder, shards=tuple(first["shards"]), ranged=False
+            )
+        sources.append(source)
+    return dataclasses.replace(mix, sources=tuple(sources))
 
 
 def _reads_by_table(where: str, index: dict[str, Any], data: DataConfig) -> bool:

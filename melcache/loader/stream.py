@@ -25,12 +25,14 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 from melcache.access import Cache
 from melcache.errors import ShardError
+from melcache.field_store import read_field_shard
 from melcache.loader.batch import PackedBatch, Tokenizer, collate
+from melcache.loader.batch_fields import BatchFields
 from melcache.loader.batching import (
     BATCH_PLAN,
     EVEN_PLAN,
@@ -83,6 +85,7 @@ class Source:
     location: str
     shards: tuple[dict[str, Any], ...]
     ranged: bool = False
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # entries asked for
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -174,8 +177,12 @@ def _read(
 ) -> list[RawSample] | None:
     """One shard's samples, or ``None`` when it is bad and the policy is to skip it."""
     where, entry = spec.sources[source], spec.sources[source].shards[shard_id]
+    location = member_location(where.location, entry["name"])
     try:
-        return read_shard(member_location(where.location, entry["name"]), entry, check)
+        if not spec.data.read_mel:  # the sources are the first field's shards (mix.with_fields)
+            name = spec.data.fields[0]
+            return read_field_shard(location, entry, check, name, where.fields[name])
+        return read_shard(location, entry, check)
     except ShardError as exc:
         skips.record((source, entry["name"]), entry["name"], exc)
         return None
@@ -327,6 +334,7 @@ def worker_stream(
     skips = SkipLog(spec.data.on_error, sum(len(s.shards) for s in spec.sources))
     check = ShardCheck(spec.data.shard_check)  # one per worker: it lives as long as the stream
     slot = spec.rank * spec.workers_per_rank + worker
+    fields = BatchFields(spec.sources, spec.data.fields)
     with contextlib.ExitStack() as stack:
         readers = open_readers(spec, slot, positions, check, skips, stack)
         consumed = [position[-1] for position in positions]
@@ -335,7 +343,9 @@ def worker_stream(
         while True:
             rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
             stream = spec.schedule.pick(rank_step, slot, consumed)
-            packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
+            packed, after = _collate_next(
+                spec, readers[stream], failed, stream, skips, ring, seq, fields
+            )
             consumed[stream] += int(packed.mel_lengths.sum())
             ring.publish(seq)
             seq += 1
@@ -351,6 +361,7 @@ def _collate_next(
     skips: SkipLog,
     ring: BatchRing,
     seq: int,
+    fields: BatchFields,
 ) -> tuple[PackedBatch, tuple[int, ...]]:
     """Decode and pad the reader's next batch into ring slot ``seq``; a batch with a bad mel
     goes to the ``on_error`` policy and its shard visit loses its remaining batches."""
@@ -364,7 +375,7 @@ def _collate_next(
                 samples,
                 seq=seq,
                 mel_out=functools.partial(ring.slot, seq),
-                n_mels=spec.n_mels,
+                n_mels=spec.n_mels if spec.data.read_mel else 0,
                 pad_multiple=spec.data.pad_multiple,
                 pad_value=spec.pad_value,
                 tokenizer=spec.tokenizer,
@@ -373,6 +384,7 @@ def _collate_next(
                 source=location,
                 extras=spec.data.extras,
             )
+            packed.fields, packed.field_lengths = fields.batch(source, samples, entries)
         except ShardError as exc:
             failed[stream] = visit
             skips.record((source, name), name, exc)

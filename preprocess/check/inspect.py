@@ -12,6 +12,7 @@ import numpy as np
 from melcache.codec import decode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
+from melcache.fields import FIELDS_KEY
 from melcache.index import index_storage, read_index
 from melcache.loader.batching import make_rng, padding_fraction, plan_batches, round_up
 from melcache.reader import ShardCheck, read_shard
@@ -55,7 +56,24 @@ def summarize(cache: Path) -> str:
     if totals.get("filtered_out"):
         lines.insert(-1, f"left out by --where: {totals['filtered_out']}")
     lines += [f"  {n:>6}  {reason}" for reason, n in totals["rejected_by_reason"].items()]
+    lines += _field_lines(index.get(FIELDS_KEY, {}), hours)
     return "\n".join(lines)
+
+
+def _field_lines(fields: dict[str, Any], hours: float) -> list[str]:
+    """One line per derived field: what it holds, its size and where it came from."""
+    lines = ["", f"derived fields: {len(fields) or 'none'}"] if fields else []
+    for name, entry in fields.items():
+        made = entry["provenance"]
+        megabytes = entry["totals"]["bytes"] / 1e6
+        weights = (made.get("checkpoint_sha256") or "none")[:12]
+        lines.append(
+            f"  {name}: {entry['dtype']} [T, {', '.join(map(str, entry['shape']))}] at "
+            f"{entry['frame_rate']}x the mel's frame rate, {entry['totals']['frames']} frames, "
+            f"{megabytes:.2f} MB ({megabytes / hours:.1f} MB per hour); {made['encoder']}, "
+            f"weights sha256 {weights}…, provenance {entry['provenance_digest']}"
+        )
+    return lines
 
 
 def describe_plan(plan: Plan, scan: Scan, features: FeatureConfig, config: BuildConfig) -> str:

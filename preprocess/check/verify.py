@@ -26,6 +26,7 @@ from melcache.format import AUDIO_MEMBER, REJECTED_NAME, finite_mel
 from melcache.index import index_storage, read_index, read_stats
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
 from melcache.storage import MEL_MEMBERS, STEP, STORAGE_OF_MEMBER
+from preprocess.check.verify_fields import field_problems
 from preprocess.job.pool import ordered_map
 from preprocess.write.index_table import table_problems
 
@@ -73,6 +74,7 @@ def verify(cache: Path, workers: int = 1) -> list[str]:
     ]
     problems += _check_totals(cache, index, n_mels)
     problems += table_problems(cache, index, workers)  # utterances.table against the shards
+    problems += field_problems(cache, index)  # derived fields against their shards and rows
     return problems
 
 

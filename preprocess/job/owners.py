@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from melcache.format import HOST_TAG, temp_owner
 from melcache.lock import process_alive
@@ -32,23 +33,15 @@ def running_build(folder: Path, part: tuple[int, int]) -> Iterator[None]:
     """Mark this build (part K of N) as running in ``folder`` (``OUT/.build``) while the
     block runs, and warn about each other build of the same part marked there that is still
     running (other parts are expected)."""
-    for marker in sorted(folder.glob(MARKER_PREFIX + "*")):
-        try:
-            other = json.loads(marker.read_text())
-            host, pid = other["tag"], int(other["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # half written by a build starting right now, or foreign: not ours to judge
-        if not process_alive(host, pid):
-            marker.unlink(missing_ok=True)  # left by a killed build
-            continue
+    for other in live_builds(folder):
         if other.get("part", [0, 1]) != list(part):
             continue
         log.warning(
             "another build is writing %s: pid %d on host %s, since %s; both end with the same "
             "cache (each writes whole shards atomically), the second does redundant work",
             folder.parent,
-            pid,
-            other.get("host", host),
+            other["pid"],
+            other.get("host", other["tag"]),
             other.get("started", "?"),
         )
     marker = folder / f"{MARKER_PREFIX}{HOST_TAG}-{os.getpid()}"
@@ -65,6 +58,22 @@ def running_build(folder: Path, part: tuple[int, int]) -> Iterator[None]:
         yield
     finally:
         marker.unlink(missing_ok=True)
+
+
+def live_builds(folder: Path) -> list[dict[str, Any]]:
+    """The markers in ``folder`` of builds still running (those of killed ones are removed)."""
+    live = []
+    for marker in sorted(folder.glob(MARKER_PREFIX + "*")):
+        try:
+            other = json.loads(marker.read_text())
+            host, pid = other["tag"], int(other["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # half written by a build starting right now, or foreign: not ours to judge
+        if not process_alive(host, pid):
+            marker.unlink(missing_ok=True)  # left by a killed build
+            continue
+        live.append({**other, "pid": pid})
+    return live
 
 
 def sweep_temps(out: Path) -> None:

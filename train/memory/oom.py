@@ -299,6 +299,8 @@ def _rows(batch: Batch, start: int, stop: int) -> Batch:
         keys=batch.keys[start:stop],
         speaker=batch.speaker[start:stop],
         extras=extras_rows(batch.extras, start, stop),
+        fields={name: v[start:stop] for name, v in batch.fields.items()},
+        field_lengths={name: v[start:stop] for name, v in batch.field_lengths.items()},
     )
 
 

@@ -17,6 +17,15 @@ optional, the defaults being the reference :class:`train.model.text_to_mel.TextT
   list of ``B`` values) and ``"reference"`` (int64 ``[B]``: the row of another utterance of the
   same speaker in the batch, or -1; ``melcache/loader/batch.py``). A field a cache lacks is refused at
   start, by name.
+- ``"fields"``: derived fields (``python -m preprocess derive``, docs/fields.md) the model needs
+  in ``batch.fields`` / ``batch.field_lengths`` (with ``"inputs": "batch"``): a list of names,
+  or a table of names to the provenance keys the cache's field must equal (``{"codes":
+  {"encoder": "examples.chattts_dvae.adapter:encoder"}}``); ``[data] field_provenance`` adds
+  per-run ones (a checkpoint digest). A field the cache lacks or whose provenance differs is
+  refused at start, naming both.
+- ``"mel"``: ``False`` for a model that reads fields only: the loader then reads the field
+  shards alone (no mel byte), ``batch.mel`` is ``[B, T, 0]``, and ``mel_lengths``, bucketing,
+  budgets and the schedule count the first field's frames.
 
 A constructor with a ``vocab_size`` parameter is given the tokenizer's vocabulary size.
 
@@ -39,6 +48,7 @@ import torch
 
 from melcache.errors import UserError
 from melcache.features import feature_presets
+from melcache.fields import name_problem as field_name_problem
 from melcache.loader.batch import Batch
 from melcache.loader.data_config import DataConfig
 from train.config.tables import ModelConfig
@@ -61,6 +71,8 @@ class ModelSpec:
     pad: str = "multiple"
     features: str | Mapping[str, Any] | None = None
     extras: tuple[str, ...] = ()
+    fields: tuple[str, ...] | Mapping[str, Mapping[str, Any]] = ()
+    mel: bool = True
 
 
 def declared(cls: type, impl: str) -> ModelSpec:
@@ -92,7 +104,37 @@ def declared(cls: type, impl: str) -> ModelSpec:
             f"{impl}.melcache_contract asks for extras {list(extras)}, which only reach a model "
             'given the whole batch: add "inputs": "batch"'
         )
-    return ModelSpec(**{**table, "extras": tuple(extras)})
+    fields = table.get("fields", ())
+    _check_fields(fields, impl, table)
+    if not isinstance(fields, Mapping):
+        fields = tuple(fields)
+    return ModelSpec(**{**table, "extras": tuple(extras), "fields": fields})
+
+
+def _check_fields(fields: Any, impl: str, table: Mapping[str, Any]) -> None:
+    """One line for a ``fields`` or ``mel`` declaration that is not one."""
+    names = list(fields) if isinstance(fields, (list, tuple, Mapping)) else None
+    if (
+        names is None
+        or any(field_name_problem(n) for n in names)
+        or (
+            isinstance(fields, Mapping) and not all(isinstance(v, Mapping) for v in fields.values())
+        )
+    ):
+        raise UserError(
+            f"{impl}.melcache_contract['fields'] = {fields!r}: expected a list of field names "
+            "or a table of names to provenance tables"
+        )
+    if names and table.get("inputs") != "batch":
+        raise UserError(
+            f"{impl}.melcache_contract asks for fields {names}, which only reach a model "
+            'given the whole batch: add "inputs": "batch"'
+        )
+    if not isinstance(table.get("mel", True), bool) or (table.get("mel") is False and not names):
+        raise UserError(
+            f"{impl}.melcache_contract['mel'] = {table.get('mel')!r}: expected true, or false "
+            "for a model that declares the fields it reads instead"
+        )
 
 
 def expected_features(model: ModelConfig, spec: ModelSpec) -> dict[str, Any]:
@@ -116,7 +158,14 @@ def loader_data(data: DataConfig, spec: ModelSpec) -> DataConfig:
     with the extras the model asks for added to ``data.extras``."""
     extras = tuple(dict.fromkeys((*data.extras, *spec.extras)))
     pad_multiple = 1 if spec.pad == "longest" else data.pad_multiple
-    return dataclasses.replace(data, pad_multiple=pad_multiple, extras=extras)
+    fields = tuple(dict.fromkeys((*data.fields, *spec.fields)))
+    provenance = {k: dict(v) for k, v in data.field_provenance.items()}
+    for name, keys in spec.fields.items() if isinstance(spec.fields, Mapping) else ():
+        provenance[name] = {**keys, **provenance.get(name, {})}
+    return dataclasses.replace(
+        data, pad_multiple=pad_multiple, extras=extras, fields=fields,
+        field_provenance=provenance, read_mel=data.read_mel and spec.mel,
+    )  # fmt: skip
 
 
 def construct(cls: type, impl: str, args: dict[str, Any], vocab_size: int) -> torch.nn.Module:

@@ -1,0 +1,292 @@
+"""Derived fields (issue #38): ChatTTS's DVAE trained a few steps on the sample corpus, then
+``python -m preprocess derive --field codes`` with its run folder. Parts at once, one killed
+and rerun, give the bytes of one uninterrupted derive; no mel shard changes; the codes are
+the encoder's own on each utterance; verify names a flipped byte; the loader, random access
+and CacheDataset give the same codes; what cannot be derived or read is one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import REPO, run_ok, run_preprocess, started, wait_for
+
+pytestmark = pytest.mark.slow  # a DVAE run and several derives in subprocesses
+
+ENCODER = "examples.chattts_dvae.adapter:encoder"
+
+
+@pytest.fixture(scope="module")
+def dvae_run(train_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ChatTTS's DVAE example trained 4 steps (one process), its run folder."""
+    pytest.importorskip("ChatTTS")
+    out = tmp_path_factory.mktemp("dvae") / "run"
+    config = REPO / "examples" / "chattts_dvae" / "config.toml"
+    command = [sys.executable, "-m", "train", "--shards", str(train_cache), "--config"]
+    command += [str(config), "--out", str(out), "--max-steps", "4", "train.checkpoint.every=4"]
+    run_ok(command, timeout=600)
+    return out
+
+
+def derive_args(cache: Path, run: Path, *extra: str) -> list[str]:
+    return ["derive", str(cache), "--field", "codes", "--encoder", ENCODER, "--checkpoint",
+            str(run), "--workers", "1", *extra]  # fmt: skip
+
+
+def field_bytes(cache: Path) -> dict[str, str]:
+    """sha256 of every file of the field, by its path inside its version folder."""
+    entry = json.loads((cache / "index.json").read_text())["fields"]["codes"]
+    folder = cache / entry["folder"]
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def mel_shards(cache: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache.glob("*.tar"))}
+
+
+@pytest.fixture(scope="module")
+def derived(train_cache: Path, dvae_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The train cache with codes derived by one uninterrupted single-part derive."""
+    cache = tmp_path_factory.mktemp("single") / "cache"
+    shutil.copytree(train_cache, cache)
+    run_preprocess(*derive_args(cache, dvae_run))
+    return cache
+
+
+def test_parts_at_once_one_killed_give_the_single_derive_and_leave_mels(
+    train_cache: Path, dvae_run: Path, derived: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    before = mel_shards(cache)
+    log0, log1 = tmp_path / "part0.log", tmp_path / "part1.log"
+    command = [sys.executable, "-m", "preprocess"]
+    with (
+        started([*command, *derive_args(cache, dvae_run, "--part", "1/2")], log1) as part1,
+        started([*command, *derive_args(cache, dvae_run, "--part", "0/2")], log0) as part0,
+    ):
+        # Part 1 killed as soon as it has written its first field shard's receipt.
+        wrote = wait_for(lambda: any(cache.glob(".derive/*/b*.json")), part1, 120)
+        part1.send_signal(signal.SIGKILL)
+        part1.wait()
+        assert part0.wait(timeout=300) == 0, log0.read_text()
+    print(f"part 1 killed after a receipt: {wrote}; exit {part1.returncode}")
+    assert "fields" not in json.loads((cache / "index.json").read_text())  # part 1 unfinished
+    run_preprocess(*derive_args(cache, dvae_run, "--part", "1/2"))  # the rerun lists the field
+    assert field_bytes(cache) == field_bytes(derived)
+    assert mel_shards(cache) == before == mel_shards(train_cache)
+    assert run_preprocess("verify", str(cache)).returncode == 0
+
+
+def test_codes_are_the_encoders_own_on_each_mel_and_every_reader_agrees(
+    derived: Path, dvae_run: Path
+) -> None:
+    import melcache
+    from examples.chattts_dvae.adapter import encoder
+    from melcache.dataset import CacheDataset
+    from melcache.loader import DataConfig, make_loader
+
+    made = encoder(checkpoint=str(dvae_run))
+    cache = melcache.open(derived)
+    direct = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as derive's workers run it
+    try:
+        for u in cache:
+            mel = torch.from_numpy(u.mel.astype(np.float32))
+            if len(mel) % 2:  # padded to an even length with the log floor, as derive does
+                mel = torch.cat([mel, torch.full((1, 100), float(np.log(1e-5)))])
+            with torch.inference_mode():
+                direct[u.key] = made.module(mel[None])[0].numpy()
+            assert np.array_equal(u.fields["codes"], direct[u.key]), u.key
+            assert (
+                u.fields["codes"].dtype == np.int16
+                and len(u.fields["codes"]) == (u.frames + 1) // 2
+            )
+    finally:
+        torch.set_num_threads(threads)
+    values = np.concatenate(list(direct.values()))
+    assert values.min() >= 0 and values.max() <= 624 and len(np.unique(values)) > 20
+    item = CacheDataset(derived)[3]
+    assert torch.equal(item["fields"]["codes"].long(), torch.from_numpy(direct[item["key"]]).long())
+    loader = make_loader(derived, DataConfig(batch_frames=2000, num_workers=1, fields=("codes",)))
+    seen = 0
+    try:
+        for batch, _ in zip(loader, range(8), strict=False):
+            assert batch.fields["codes"].dtype == torch.int64
+            for row, key in enumerate(batch.keys):
+                length = int(batch.field_lengths["codes"][row])
+                assert np.array_equal(batch.fields["codes"][row, :length].numpy(), direct[key])
+                assert not batch.fields["codes"][row, length:].any()  # zero padding
+                seen += 1
+    finally:
+        loader.close()
+    assert seen >= 8
+
+
+FIELDS_ONLY_PROBE = """
+import json, sys
+opened = []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" else None)
+from melcache.loader import DataConfig, make_loader
+data = DataConfig(batch_frames=1000, num_workers=0, fields=("codes",), read_mel=False)
+loader = make_loader(sys.argv[1], data)
+batches = [next(iter(loader)) for _ in range(1)] + [b for b, _ in zip(loader, range(30))]
+loader.close()
+shapes = sorted({tuple(b.mel.shape[2:]) for b in batches})
+same = all(b.mel_lengths.tolist() == b.field_lengths["codes"].tolist() for b in batches)
+print(json.dumps({"opened": opened, "mel": shapes, "same": same, "rows": sum(map(len, batches))}))
+"""
+
+
+def test_a_model_of_fields_alone_reads_no_mel_shard(derived: Path) -> None:
+    """``read_mel = False`` (a melcache_contract with ``"mel": False``): the files opened
+    (an audit hook sees every open) hold no mel shard, and every frame count is the field's."""
+    done = run_ok([sys.executable, "-c", FIELDS_ONLY_PROBE, str(derived)])
+    seen = json.loads(done.stdout.splitlines()[-1])
+    tars = {Path(p) for p in seen["opened"] if p.endswith(".tar")}
+    mel_read = sum(p.stat().st_size for p in tars if p.parent == derived)
+    field_read = sum(p.stat().st_size for p in tars if p.parent != derived)
+    print(f"mel shard bytes opened {mel_read}, field shard bytes opened {field_read}")
+    assert mel_read == 0 and field_read > 0
+    assert seen["mel"] == [[0]] and seen["same"] and seen["rows"] > 30
+
+
+def test_verify_names_a_flipped_byte_in_a_field_shard(derived: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(derived, cache)
+    entry = json.loads((cache / "index.json").read_text())["fields"]["codes"]
+    shard = cache / entry["folder"] / entry["shards"][1]["name"]
+    rows = np.load(cache / entry["folder"] / "rows.npy")
+    first = sum(s["samples"] for s in entry["shards"][:1])
+    offset = int(rows[first][0]) + int(rows[first][1]) - 3  # inside the first utterance's codes
+    data = bytearray(shard.read_bytes())
+    data[offset] ^= 0x01
+    shard.chmod(0o644)
+    shard.write_bytes(bytes(data))
+    done = run_preprocess("verify", str(cache), check=False)
+    print(done.stdout)
+    assert done.returncode == 1
+    assert f"{entry['folder']}/{shard.name}: sha256 differs" in done.stdout
+    assert f"{shard.name}:{cache_key(cache, first)}: bytes {rows[first][0]}" in done.stdout
+
+
+def one_error(stderr: str) -> bool:
+    """One ``error:`` line and no traceback."""
+    return stderr.count("error: ") == 1 and "Traceback" not in stderr
+
+
+def cache_key(cache: Path, row: int) -> str:
+    import melcache
+
+    return melcache.open(cache).keys()[row]
+
+
+def test_what_cannot_be_derived_or_read_is_one_line(
+    derived: Path, train_cache: Path, sample_cache: Path, dvae_run: Path, tmp_path: Path
+) -> None:
+    import melcache
+    from melcache.errors import ShardError, UserError
+    from melcache.loader import DataConfig, make_loader
+
+    # another provenance without --replace
+    other = dvae_run.parent / "other"
+    shutil.copytree(dvae_run, other)
+    marker = sorted((other / "checkpoints").glob("step-*"))[-1] / "shared.pt"
+    state = torch.load(marker, weights_only=True)
+    state["model"]["dvae.coef"] = state["model"]["dvae.coef"] * 2
+    torch.save(state, marker)
+    cache = tmp_path / "cache"
+    shutil.copytree(derived, cache)
+    done = run_preprocess(*derive_args(cache, other), check=False)
+    assert done.returncode == 2 and one_error(done.stderr), done.stderr
+    assert (
+        "field 'codes' exists with checkpoint_sha256" in done.stderr and "--replace" in done.stderr
+    )
+    old = json.loads((cache / "index.json").read_text())["fields"]["codes"]["folder"]
+    run_preprocess(*derive_args(cache, other, "--replace"))
+    new = json.loads((cache / "index.json").read_text())["fields"]["codes"]["folder"]
+    assert new != old and not (cache / old).exists() and (cache / new).is_dir()
+    # a field shard of another cache, put in place of this one's
+    elsewhere = tmp_path / "elsewhere"  # the whole sample corpus, other buckets: other shards
+    shutil.copytree(sample_cache, elsewhere)
+    run_preprocess(*derive_args(elsewhere, dvae_run))
+    theirs = json.loads((elsewhere / "index.json").read_text())["fields"]["codes"]
+    foreign = tmp_path / "foreign"
+    shutil.copytree(derived, foreign)
+    entry = json.loads((foreign / "index.json").read_text())["fields"]["codes"]
+    name = entry["shards"][0]["name"]
+    assert name == theirs["shards"][0]["name"]
+    (foreign / entry["folder"] / name).unlink()
+    shutil.copyfile(elsewhere / theirs["folder"] / name, foreign / entry["folder"] / name)
+    done = run_preprocess("verify", str(foreign), check=False)
+    assert f"{entry['folder']}/{name}: a field shard of another cache" in done.stdout, done.stdout
+    with pytest.raises(ShardError, match="a field shard of another cache"):
+        melcache.open(foreign)[0]
+    loader = make_loader(foreign, DataConfig(num_workers=0, fields=("codes",)))
+    try:
+        with pytest.raises(ShardError, match="a field shard of another cache"):
+            for _ in zip(loader, range(40), strict=False):
+                pass
+    finally:
+        loader.close()
+    # a field the cache lacks, and one whose provenance differs from the declaration
+    for fields, provenance, said in (
+        (("speaker",), {}, "has no derived field 'speaker'"),
+        (("codes",), {"codes": {"checkpoint_sha256": "0" * 64}}, "checkpoint_sha256 = '"),
+    ):
+        with pytest.raises(UserError, match=said) as raised:
+            make_loader(
+                derived, DataConfig(num_workers=0, fields=fields, field_provenance=provenance)
+            )
+        assert "\n" not in str(raised.value)
+    # a derive into a cache still being built
+    building = tmp_path / "building"
+    shutil.copytree(train_cache, building)
+    (building / "index.json").unlink()
+    done = run_preprocess(*derive_args(building, dvae_run), check=False)
+    assert done.returncode == 2 and one_error(done.stderr), done.stderr
+    assert "is still being built" in done.stderr
+
+
+def test_a_models_contract_declares_fields_and_their_provenance(derived: Path) -> None:
+    """``melcache_contract["fields"]``: names, or names to provenance keys, merged with ``[data]
+    field_provenance``; a mismatch is one line naming both values; ``"mel": False`` needs fields."""
+    from melcache.errors import UserError
+    from melcache.loader import DataConfig, make_loader
+    from train.model.contract import declared, loader_data
+
+    wanted = {"codes": {"encoder": ENCODER, "dtype": "int16"}}
+    model = type(
+        "GPT", (), {"melcache_contract": {"inputs": "batch", "fields": wanted, "mel": False}}
+    )
+    spec = declared(model, "tests:GPT")
+    digest = json.loads((derived / "index.json").read_text())["fields"]["codes"]["provenance"]
+    base = DataConfig(num_workers=0, batch_frames=1000)
+    data = loader_data(base, spec)
+    assert data.fields == ("codes",) and not data.read_mel
+    loader = make_loader(derived, data)
+    try:
+        batch = next(iter(loader))
+        assert batch.mel.shape[2] == 0 and batch.fields["codes"].shape[2] == 4
+    finally:
+        loader.close()
+    pinned = DataConfig(num_workers=0, field_provenance={"codes": {"checkpoint_sha256": "f" * 64}})
+    with pytest.raises(UserError) as raised:
+        make_loader(derived, loader_data(pinned, spec))
+    message = str(raised.value)
+    assert digest["checkpoint_sha256"] in message and "f" * 64 in message and "\n" not in message
+    for table in (
+        {"inputs": "batch", "mel": False},
+        {"fields": ["codes"]},
+        {"inputs": "batch", "fields": ["A b"]},
+    ):
+        with pytest.raises(UserError, match="melcache_contract"):
+            declared(type("Bad", (), {"melcache_contract": table}), "tests:Bad")
