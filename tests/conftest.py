@@ -1,11 +1,22 @@
-"""Shared fixtures: the committed sample corpus built by the real build, once per session."""
+"""Shared fixtures: the committed sample corpus built by the real build, once per session, and
+ChatTTS's codes derived into it."""
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import SMALL_SHARDS_TOML, TRAIN_CACHE_TOML, build_cache
+from helpers import (
+    REPO,
+    SMALL_SHARDS_TOML,
+    TRAIN_CACHE_TOML,
+    build_cache,
+    derive_args,
+    run_ok,
+    run_preprocess,
+)
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +41,25 @@ def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = root / "short.toml"
     config.write_text(TRAIN_CACHE_TOML)
     return build_cache(root / "cache", config)
+
+
+@pytest.fixture(scope="session")
+def dvae_run(train_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ChatTTS's DVAE example trained 4 steps (one process) on ``train_cache``: its run folder."""
+    pytest.importorskip("ChatTTS")
+    out = tmp_path_factory.mktemp("dvae") / "run"
+    config = REPO / "examples" / "chattts_dvae" / "config.toml"
+    command = [sys.executable, "-m", "train", "--shards", str(train_cache), "--config"]
+    command += [str(config), "--out", str(out), "--max-steps", "4", "train.checkpoint.every=4"]
+    run_ok(command, timeout=600)
+    return out
+
+
+@pytest.fixture(scope="session")
+def derived(train_cache: Path, dvae_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of ``train_cache`` with ChatTTS's codes derived by one single-part derive with
+    ``dvae_run`` (read-only: copy it before damaging it)."""
+    cache = tmp_path_factory.mktemp("single") / "cache"
+    shutil.copytree(train_cache, cache)
+    run_preprocess(*derive_args(cache, dvae_run))
+    return cache

@@ -434,3 +434,33 @@ def same_ddp_run(a: Path, b: Path) -> None:
     for rank in (0, 1):
         ra, rb = load(a, f"rank-{rank:05d}.pt"), load(b, f"rank-{rank:05d}.pt")
         assert ra["loader"] == rb["loader"] and torch.equal(ra["rng"]["torch"], rb["rng"]["torch"])
+
+
+def dcp_weights(out: Path, step: int) -> dict:
+    """The DCP shards of checkpoint ``step`` of a 2-rank FSDP2/HSDP run, gathered into plain
+    tensors, by dotted key."""
+    from train.run import dcp
+
+    folder = checkpoint(out, step) / dcp.WEIGHTS
+    assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 2
+    return flat(dcp.read_full(folder))
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves by dotted key."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+DVAE_ENCODER = "examples.chattts_dvae.adapter:encoder"  # ChatTTS's codes, for --encoder
+
+
+def derive_args(cache: Path, run: Path, *extra: str) -> list[str]:
+    """``preprocess derive`` of ChatTTS's codes into ``cache`` with the DVAE run ``run``."""
+    return ["derive", str(cache), "--field", "codes", "--encoder", DVAE_ENCODER, "--checkpoint",
+            str(run), "--workers", "1", *extra]  # fmt: skip

@@ -16,28 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, run_ok, run_preprocess, started, wait_for
+from helpers import DVAE_ENCODER, derive_args, run_ok, run_preprocess, started, wait_for
 
 pytestmark = pytest.mark.slow  # a DVAE run and several derives in subprocesses
-
-ENCODER = "examples.chattts_dvae.adapter:encoder"
-
-
-@pytest.fixture(scope="module")
-def dvae_run(train_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ChatTTS's DVAE example trained 4 steps (one process), its run folder."""
-    pytest.importorskip("ChatTTS")
-    out = tmp_path_factory.mktemp("dvae") / "run"
-    config = REPO / "examples" / "chattts_dvae" / "config.toml"
-    command = [sys.executable, "-m", "train", "--shards", str(train_cache), "--config"]
-    command += [str(config), "--out", str(out), "--max-steps", "4", "train.checkpoint.every=4"]
-    run_ok(command, timeout=600)
-    return out
-
-
-def derive_args(cache: Path, run: Path, *extra: str) -> list[str]:
-    return ["derive", str(cache), "--field", "codes", "--encoder", ENCODER, "--checkpoint",
-            str(run), "--workers", "1", *extra]  # fmt: skip
 
 
 def field_bytes(cache: Path) -> dict[str, str]:
@@ -49,15 +30,6 @@ def field_bytes(cache: Path) -> dict[str, str]:
 
 def mel_shards(cache: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache.glob("*.tar"))}
-
-
-@pytest.fixture(scope="module")
-def derived(train_cache: Path, dvae_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The train cache with codes derived by one uninterrupted single-part derive."""
-    cache = tmp_path_factory.mktemp("single") / "cache"
-    shutil.copytree(train_cache, cache)
-    run_preprocess(*derive_args(cache, dvae_run))
-    return cache
 
 
 def test_parts_at_once_one_killed_give_the_single_derive_and_leave_mels(
@@ -263,7 +235,7 @@ def test_a_models_contract_declares_fields_and_their_provenance(derived: Path) -
     from melcache.loader import DataConfig, make_loader
     from train.model.contract import declared, loader_data
 
-    wanted = {"codes": {"encoder": ENCODER, "dtype": "int16"}}
+    wanted = {"codes": {"encoder": DVAE_ENCODER, "dtype": "int16"}}
     model = type(
         "GPT", (), {"melcache_contract": {"inputs": "batch", "fields": wanted, "mel": False}}
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint, load, metrics, run_ok, train_cmd
+from helpers import checkpoint, dcp_weights, load, metrics, run_ok, train_cmd
 
 from melcache.errors import UserError
 from train.config.tables import load_config
@@ -20,23 +20,6 @@ STRATEGIES = {
     "hsdp": ("train.parallel.strategy=hsdp", "train.parallel.hsdp_shard_size=1"),
 }
 TWELVE = ("train.checkpoint.every=6", "train.log_every=3")
-
-
-def weights(out: Path, step: int) -> dict:
-    """The DCP shards of checkpoint ``step``, gathered into plain tensors, by dotted key."""
-    folder = checkpoint(out, step) / dcp.WEIGHTS
-    assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 2
-    return flat(dcp.read_full(folder))
-
-
-def flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 @pytest.mark.slow
@@ -65,7 +48,7 @@ def test_sharded_run_follows_ddp_and_resumes_bitwise(
 def assert_same_run(a_out: Path, b_out: Path, step: int) -> None:
     """Runs ``a_out`` and ``b_out`` hold bitwise the same DCP weights at ``step`` (model,
     AdamW, EMA) and logged the same metrics."""
-    a, b = weights(a_out, step), weights(b_out, step)
+    a, b = dcp_weights(a_out, step), dcp_weights(b_out, step)
     assert sorted(a) == sorted(b) and {"model", "optimizer", "ema"} <= {k.split(".")[0] for k in a}
     differ = []
     for key, value in a.items():

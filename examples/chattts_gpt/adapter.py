@@ -49,6 +49,7 @@ class GPT(nn.Module):
         self,
         *,
         vocab_size: int,
+        n_mels: int | None = None,  # every model is given it; this one reads codes, not mels
         hidden: int = 768,
         layers: int = 20,
         heads: int = 12,
@@ -59,6 +60,9 @@ class GPT(nn.Module):
     ) -> None:
         super().__init__()
         self.embed = Embed(hidden, num_audio_tokens, vocab_size, num_vq)
+        # head_text serves ChatTTS's refine-text mode (text → text), which the code loss does
+        # not train: frozen, so DDP and the trainer's check find no parameter without a gradient.
+        self.embed.head_text.requires_grad_(False)
         config = {
             "hidden_size": hidden, "intermediate_size": intermediate,
             "num_attention_heads": heads, "num_hidden_layers": layers, "use_cache": False,
