@@ -81,6 +81,8 @@ def init_worker(spec: str, checkpoint: str | None, device: str) -> None:
     global _encoder, _device
     torch.set_num_threads(1)
     _device = torch.device(device)
+    if _device.type == "cuda":  # the same kernels every run: parts must agree byte for byte
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     _encoder = load_encoder(spec, checkpoint, device)
 
 
