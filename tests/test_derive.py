@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, run_ok, run_preprocess, started, wait_for
+from helpers import REPO, run_ok, run_preprocess, started, torchrun, wait_for
 
 pytestmark = pytest.mark.slow  # a DVAE run and several derives in subprocesses
 
@@ -83,6 +83,16 @@ def test_parts_at_once_one_killed_give_the_single_derive_and_leave_mels(
     assert field_bytes(cache) == field_bytes(derived)
     assert mel_shards(cache) == before == mel_shards(train_cache)
     assert run_preprocess("verify", str(cache)).returncode == 0
+
+
+def test_torchrun_ranks_are_the_parts_and_give_the_same_bytes(
+    train_cache: Path, dvae_run: Path, derived: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    done = run_ok(torchrun("-m", "preprocess", *derive_args(cache, dvae_run)), timeout=300)
+    assert "torchrun's RANK=1 WORLD_SIZE=2" in done.stderr
+    assert field_bytes(cache) == field_bytes(derived)
 
 
 def test_codes_are_the_encoders_own_on_each_mel_and_every_reader_agrees(
