@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, run_ok, run_preprocess, started, torchrun, wait_for
+from helpers import REPO, metrics, run_ok, run_preprocess, started, torchrun, train_cmd, wait_for
 
 pytestmark = pytest.mark.slow  # a DVAE run and several derives in subprocesses
 
@@ -300,3 +300,14 @@ def test_a_models_contract_declares_fields_and_their_provenance(derived: Path) -
     ):
         with pytest.raises(UserError, match="melcache_contract"):
             declared(type("Bad", (), {"melcache_contract": table}), "tests:Bad")
+
+
+def test_a_fields_only_model_trains_on_two_ranks(derived: Path, tmp_path: Path) -> None:
+    """The trainer with a model of codes alone (``tests._plugin_models:CodesOnly``, ``"mel":
+    False``): batches of codes and text, its loss falling, no mel shard warning."""
+    impl = "model.impl=tests._plugin_models:CodesOnly"
+    done = run_ok(train_cmd(derived, tmp_path, impl, max_steps=20), timeout=300)
+    losses = [r["loss"] for r in metrics(tmp_path) if "loss" in r]
+    print(f"loss per window {losses}")
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert "utterances.table" not in done.stderr
