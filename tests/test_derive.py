@@ -311,3 +311,39 @@ def test_a_fields_only_model_trains_on_two_ranks(derived: Path, tmp_path: Path) 
     print(f"loss per window {losses}")
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert "utterances.table" not in done.stderr
+
+
+def test_a_released_layout_safetensors_loads_and_gives_chattts_own_indices(tmp_path: Path) -> None:
+    """A ``DVAE.safetensors`` laid out as ChatTTS releases it (ChatTTS's own ``DVAE`` built from
+    its own ``Config``, as ``ChatTTS.core`` builds it, saved by safetensors; random weights, as
+    none can be downloaded here) loads by ``--checkpoint FILE``, its sizes read off the
+    tensors; the codes are ChatTTS's own ``GFSQ.forward`` indices, transposed to [B, T, 4]."""
+    pytest.importorskip("ChatTTS")
+    from dataclasses import asdict
+
+    from ChatTTS.config.config import Config
+    from ChatTTS.model.dvae import DVAE
+    from safetensors.torch import save_file
+
+    from examples.chattts_dvae.adapter import encoder
+
+    torch.manual_seed(0)
+    config = Config().dvae
+    chattts = DVAE(
+        decoder_config=asdict(config.decoder),
+        encoder_config=asdict(config.encoder),
+        vq_config=asdict(config.vq),
+        dim=config.decoder.idim,
+    ).eval()
+    path = tmp_path / "DVAE.safetensors"
+    save_file({k: v.contiguous() for k, v in chattts.state_dict().items()}, str(path))
+    made = encoder(checkpoint=str(path))
+    assert (
+        made.config["dim"] == 512 and made.config["layers"] == 12 and made.config["vq_dim"] == 1024
+    )
+    mel = torch.randn(1, 64, 100) - 4
+    with torch.inference_mode():
+        ours = made.module(mel)
+        x = chattts.downsample_conv(mel.transpose(1, 2) / chattts.coef)
+        theirs = chattts.vq_layer(chattts.encoder(x))  # [B, 4, T / 2]
+    assert ours.shape == (1, 32, 4) and torch.equal(ours, theirs.transpose(1, 2).long())
