@@ -96,7 +96,7 @@ def derive(options: DeriveOptions) -> dict[str, Any] | None:
                 _job(options, index, i, folder, state, digest) for i in range(len(index["shards"]))
             ]
             todo = [job for i, job in enumerate(jobs) if i % n == k and not _done(job)]
-            _run(todo, options, workers)
+            _run(todo, options, workers, encoder)
         meeting.barrier()
         if any(not _done(job) for job in jobs) or (meeting.collective and k != 0):
             log.info("part %d/%d done; the index lists the field once every part is", k, n)
@@ -190,9 +190,11 @@ def _done(job: DeriveJob) -> bool:
     return shard["mel_sha256"] == job.mel_entry["sha256"] and size == shard["bytes"]
 
 
-def _run(todo: list[DeriveJob], options: DeriveOptions, workers: int) -> None:
+def _run(
+    todo: list[DeriveJob], options: DeriveOptions, workers: int, encoder: FieldEncoder
+) -> None:
     total = sum(job.mel_entry["samples"] for job in todo)
-    initargs = (options.encoder, options.checkpoint, options.device)
+    initargs = (encoder, options.device)
     with (
         ordered_map(min(workers, max(1, len(todo))), init_worker, initargs) as run,
         tqdm(total=total, desc=f"derive {options.field}", unit="utt", disable=None) as bar,

@@ -162,3 +162,37 @@ class LanguagePrompted(TextToMel):
         self.references_seen += int((reference >= 0).sum())
         self.rows_seen.append(len(batch))
         return out
+
+
+class CodesOnly(nn.Module):
+    """Reads the derived field ``codes`` alone (``"mel": False``: no mel shard is opened) and
+    predicts each frame's 4 codes from the frame before and the text, as a speech-token
+    language model does, with its loss summed over valid frames and codebooks."""
+
+    melcache_contract: ClassVar[dict] = {
+        "inputs": "batch",
+        "fields": {"codes": {"dtype": "int16", "shape": [4]}},
+        "mel": False,
+    }
+
+    def __init__(self, *, n_mels: int, vocab_size: int, dim: int = 64, **_: object) -> None:
+        super().__init__()
+        self.codes = nn.Embedding(626, dim)  # 0: before the first frame, 1 + code otherwise
+        self.text = nn.Embedding(vocab_size, dim, padding_idx=0)
+        self.head = nn.Linear(dim, 4 * 625)
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        if batch.mel.shape[2] != 0 or not torch.equal(
+            batch.field_lengths["codes"], batch.mel_lengths
+        ):
+            raise AssertionError(f"mel {list(batch.mel.shape)}: a fields-only batch has none")
+        codes, lengths = batch.fields["codes"], batch.field_lengths["codes"]
+        B, T, _ = codes.shape
+        before = torch.cat([codes.new_full((B, 1, 4), -1), codes[:, :-1]], 1)
+        x = self.codes(before + 1).sum(2) + self.text(batch.text).mean(1, keepdim=True)
+        logits = self.head(x).view(B, T, 4, 625)
+        loss = nn.functional.cross_entropy(
+            logits.flatten(0, 2), codes.flatten(), reduction="none"
+        ).view(B, T, 4)
+        valid = torch.arange(T, device=codes.device) < lengths[:, None]
+        return {"loss_sum": loss.sum(2)[valid].sum(), "loss_count": valid.sum().float()}

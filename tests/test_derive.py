@@ -16,7 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import DVAE_ENCODER, derive_args, run_ok, run_preprocess, started, wait_for
+from helpers import (
+    DVAE_ENCODER,
+    derive_args,
+    metrics,
+    run_ok,
+    run_preprocess,
+    started,
+    torchrun,
+    train_cmd,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # a DVAE run and several derives in subprocesses
 
@@ -55,6 +65,16 @@ def test_parts_at_once_one_killed_give_the_single_derive_and_leave_mels(
     assert field_bytes(cache) == field_bytes(derived)
     assert mel_shards(cache) == before == mel_shards(train_cache)
     assert run_preprocess("verify", str(cache)).returncode == 0
+
+
+def test_torchrun_ranks_are_the_parts_and_give_the_same_bytes(
+    train_cache: Path, dvae_run: Path, derived: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    done = run_ok(torchrun("-m", "preprocess", *derive_args(cache, dvae_run)), timeout=300)
+    assert "torchrun's RANK=1 WORLD_SIZE=2" in done.stderr
+    assert field_bytes(cache) == field_bytes(derived)
 
 
 def test_codes_are_the_encoders_own_on_each_mel_and_every_reader_agrees(
@@ -262,3 +282,50 @@ def test_a_models_contract_declares_fields_and_their_provenance(derived: Path) -
     ):
         with pytest.raises(UserError, match="melcache_contract"):
             declared(type("Bad", (), {"melcache_contract": table}), "tests:Bad")
+
+
+def test_a_fields_only_model_trains_on_two_ranks(derived: Path, tmp_path: Path) -> None:
+    """The trainer with a model of codes alone (``tests._plugin_models:CodesOnly``, ``"mel":
+    False``): batches of codes and text, its loss falling, no mel shard warning."""
+    impl = "model.impl=tests._plugin_models:CodesOnly"
+    done = run_ok(train_cmd(derived, tmp_path, impl, max_steps=20), timeout=300)
+    losses = [r["loss"] for r in metrics(tmp_path) if "loss" in r]
+    print(f"loss per window {losses}")
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert "utterances.table" not in done.stderr
+
+
+def test_a_released_layout_safetensors_loads_and_gives_chattts_own_indices(tmp_path: Path) -> None:
+    """A ``DVAE.safetensors`` laid out as ChatTTS releases it (ChatTTS's own ``DVAE`` built from
+    its own ``Config``, as ``ChatTTS.core`` builds it, saved by safetensors; random weights, as
+    none can be downloaded here) loads by ``--checkpoint FILE``, its sizes read off the
+    tensors; the codes are ChatTTS's own ``GFSQ.forward`` indices, transposed to [B, T, 4]."""
+    pytest.importorskip("ChatTTS")
+    from dataclasses import asdict
+
+    from ChatTTS.config.config import Config
+    from ChatTTS.model.dvae import DVAE
+    from safetensors.torch import save_file
+
+    from examples.chattts_dvae.adapter import encoder
+
+    torch.manual_seed(0)
+    config = Config().dvae
+    chattts = DVAE(
+        decoder_config=asdict(config.decoder),
+        encoder_config=asdict(config.encoder),
+        vq_config=asdict(config.vq),
+        dim=config.decoder.idim,
+    ).eval()
+    path = tmp_path / "DVAE.safetensors"
+    save_file({k: v.contiguous() for k, v in chattts.state_dict().items()}, str(path))
+    made = encoder(checkpoint=str(path))
+    assert (
+        made.config["dim"] == 512 and made.config["layers"] == 12 and made.config["vq_dim"] == 1024
+    )
+    mel = torch.randn(1, 64, 100) - 4
+    with torch.inference_mode():
+        ours = made.module(mel)
+        x = chattts.downsample_conv(mel.transpose(1, 2) / chattts.coef)
+        theirs = chattts.vq_layer(chattts.encoder(x))  # [B, 4, T / 2]
+    assert ours.shape == (1, 32, 4) and torch.equal(ours, theirs.transpose(1, 2).long())

@@ -198,8 +198,8 @@ def whole_shared_reads(
     """One line per local cache whose shards the job's slots share but must read whole, as it
     has no table: each slot then reads all of a unit for its few batches of it. (``shard_check
     = "sha256"`` reads whole shards by choice.)"""
-    if not data.sync_buckets or data.shard_check == "sha256":
-        return []
+    if not data.sync_buckets or data.shard_check == "sha256" or not data.read_mel:
+        return []  # (field shards are small, and have no table of their own: read whole)
     return [
         f"cache {source.location} has no {TABLE_NAME}: the job's {num_slots} workers share its "
         "shards and each reads them whole for its own batches; python -m preprocess "

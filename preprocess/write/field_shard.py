@@ -75,13 +75,15 @@ def load_encoder(spec: str, checkpoint: str | None, device: str) -> FieldEncoder
     return made
 
 
-def init_worker(spec: str, checkpoint: str | None, device: str) -> None:
-    """Load the encoder once per process; one thread, so float sums do not depend on
-    ``--workers`` (as the build's writers)."""
+def init_worker(encoder: FieldEncoder, device: str) -> None:
+    """Take the encoder derive loaded (a forked worker inherits it: no second load); one
+    thread, so float sums do not depend on ``--workers`` (as the build's writers)."""
     global _encoder, _device
     torch.set_num_threads(1)
     _device = torch.device(device)
-    _encoder = load_encoder(spec, checkpoint, device)
+    if _device.type == "cuda":  # the same kernels every run: parts must agree byte for byte
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    _encoder = encoder
 
 
 def derive_shard(job: DeriveJob) -> dict[str, Any]:
