@@ -1,4 +1,4 @@
-"""Command line: ``python -m preprocess {build,verify,inspect,index-table}``."""
+"""Command line: ``python -m preprocess {build,verify,inspect,index-table,push}``."""
 
 from __future__ import annotations
 
@@ -129,6 +129,16 @@ def _index_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _push(args: argparse.Namespace) -> int:
+    from preprocess.write.push import push
+
+    counts = push(args.cache, args.destination)
+    print(
+        f"{args.destination}: {counts['uploaded']} objects uploaded, {counts['kept']} already there"
+    )
+    return 0
+
+
 def _part(text: str) -> tuple[int, int]:
     try:
         k, n = (int(x) for x in text.split("/"))
@@ -178,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_verify(commands, pool)
     _add_inspect(commands)
     _add_index_table(commands, pool)
+    _add_push(commands)
     return parser
 
 
@@ -325,3 +336,18 @@ def _add_index_table(commands: argparse._SubParsersAction, pool: argparse.Argume
     )
     table.add_argument("cache", type=Path, help="cache folder (OUT of build)")
     table.set_defaults(run=_index_table)
+
+
+def _add_push(commands: argparse._SubParsersAction) -> None:
+    """``push``: publish a finished cache to an object store."""
+    push = commands.add_parser(
+        "push",
+        help="publish a finished cache to s3://bucket/prefix",
+        description="Upload every file of a finished cache in parallel, read each back and "
+        "compare it, then index.json last, so readers never see half a cache. Rerun to resume: "
+        "objects already there and equal are kept. Endpoint and credentials come from the "
+        "standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
+    )
+    push.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    push.add_argument("destination", help="s3://bucket/prefix")
+    push.set_defaults(run=_push)

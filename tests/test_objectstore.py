@@ -1,0 +1,165 @@
+"""Caches in an object store: the sample cache pushed to a real S3 server (moto's standalone
+server on loopback, started for this module and stopped after) and read back by the loader,
+``melcache.open``, ``CacheDataset``, ``verify`` and ``inspect``; the failures a user meets
+(a wrong bucket, no credentials, no server, a cache half pushed) as one line each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+import torch
+from helpers import REPO, run_preprocess
+
+import melcache
+from benchmarks.s3_server import CREDENTIALS, free_port, moto_server, s3_environment
+from melcache import objectstore
+from melcache.dataset import CacheDataset
+from melcache.errors import UserError
+from melcache.format import INDEX_NAME
+from melcache.loader import Batch, DataConfig, make_loader
+
+BUCKET = "caches"
+TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    """A moto S3 server for this module, the standard environment pointing at it."""
+    with moto_server() as url, s3_environment(url):
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def pushed(endpoint: str, sample_cache: Path) -> str:
+    """The sample cache published with ``python -m preprocess push``."""
+    location = f"s3://{BUCKET}/sample"
+    done = run_preprocess("push", str(sample_cache), location)
+    assert "objects uploaded" in done.stdout
+    return location
+
+
+def data(workers: int = 2) -> DataConfig:
+    return DataConfig(batch_frames=1500, max_batch_size=2, num_workers=workers, sync_buckets=True)
+
+
+def batches(cache: str | Path, count: int, state: dict | None = None, **options) -> list[Batch]:
+    loader = make_loader(cache, data(), seed=3, **options)
+    if state is not None:
+        loader.load_state_dict(state)
+    try:
+        return [batch for _, batch in zip(range(count), loader, strict=False)]
+    finally:
+        loader.close()
+
+
+def assert_same(got: list[Batch], want: list[Batch]) -> None:
+    assert len(got) == len(want)
+    for number, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.keys == b.keys, number
+        for name in TENSORS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), (number, name)
+
+
+def test_a_pushed_cache_streams_batch_for_batch_as_the_local_copy_and_resumes(
+    pushed: str, sample_cache: Path
+) -> None:
+    for rank in (0, 1):  # two in-process ranks of one job, each with 2 workers
+        ranks = {"rank": rank, "world_size": 2}
+        local = batches(sample_cache, 24, **ranks)
+        assert_same(batches(pushed, 24, **ranks), local)
+        loader = make_loader(pushed, data(), seed=3, **ranks)
+        stream = iter(loader)
+        for _ in range(9):
+            next(stream)
+        state = loader.state_dict()
+        loader.close()
+        assert_same(batches(pushed, 15, state, **ranks), local[9:])
+
+
+def test_open_and_the_dataset_answer_as_the_local_copy(pushed: str, sample_cache: Path) -> None:
+    with melcache.open(pushed) as remote, melcache.open(sample_cache) as local:
+        assert len(remote) == len(local) and remote.keys() == local.keys()
+        key = local.keys()[7]
+        assert np.array_equal(remote[key].mel, local[key].mel)
+        assert remote[key].text == local[key].text and remote[3].key == local[3].key
+        assert [u.key for u in remote.get_many(local.keys()[:5])] == local.keys()[:5]
+    item = CacheDataset(pushed)[4]
+    assert np.array_equal(item["mel"], CacheDataset(sample_cache)[4]["mel"])
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
+def test_the_loaders_parent_holds_no_client_once_four_workers_run(pushed: str) -> None:
+    loader = make_loader(pushed, data(workers=4))
+    stream = iter(loader)
+    try:
+        assert len(next(stream)) > 0  # the workers read the shards, each with its own client
+        assert objectstore.held_clients() == 0  # the one that read the index is gone
+        assert "obstore" not in sys.modules  # and no client runtime (boto3 has none)
+    finally:
+        loader.close()
+
+
+def test_push_resumes_and_refuses_another_cache(endpoint: str, sample_cache: Path) -> None:
+    location = f"s3://{BUCKET}/resume"
+    first = run_preprocess("push", str(sample_cache), location)
+    s3 = boto3.client("s3")
+    key = next(k for k in objectstore.list_sizes(location) if k.endswith(".tar"))
+    s3.put_object(Bucket=BUCKET, Key=f"resume/{key}", Body=b"damaged")  # then a killed push
+    s3.delete_object(Bucket=BUCKET, Key=f"resume/{INDEX_NAME}")
+    again = run_preprocess("push", str(sample_cache), location)
+    assert "objects uploaded" in first.stdout
+    assert again.stdout.strip().endswith("2 objects uploaded, 16 already there"), again.stdout
+    with melcache.open(location) as cache:
+        assert len(cache) == 30
+    other = run_preprocess("push", str(REPO / "docs"), location, check=False)
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1
+
+
+def test_pushed_cache_passes_verify_and_inspect(pushed: str) -> None:
+    verified = run_preprocess("verify", pushed)
+    assert verified.stdout.strip().endswith(f"{pushed}: OK"), verified.stdout
+    inspected = run_preprocess("inspect", pushed)
+    assert "utterances" in inspected.stdout
+
+
+def one_line_error(*args: str, env: dict[str, str]) -> str:
+    """``python -m preprocess ARGS`` under ``env``: exit 2, one line on stderr, quickly."""
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "preprocess", *args], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert time.monotonic() - began < 60
+    return lines[0]
+
+
+def test_a_wrong_bucket_no_credentials_no_server_and_half_a_cache_are_one_line_each(
+    pushed: str, endpoint: str
+) -> None:
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    assert "no bucket 'nowhere'" in one_line_error("inspect", "s3://nowhere/sample", env=env)
+    bare = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    bare |= {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+             "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    assert "no S3 credentials" in one_line_error("verify", pushed, env=bare)
+    closed = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    assert "giving up after" in one_line_error("inspect", pushed, env=closed)
+    s3 = boto3.client("s3")
+    for name in objectstore.list_sizes(pushed):
+        if name.endswith(".tar") or name == "utterances.table":
+            s3.copy_object(Bucket=BUCKET, Key=f"half/{name}", CopySource=f"{BUCKET}/sample/{name}")
+    assert "has not finished" in one_line_error("verify", f"s3://{BUCKET}/half", env=env)
+    with pytest.raises(UserError, match="has not finished"):
+        melcache.open(f"s3://{BUCKET}/half")
