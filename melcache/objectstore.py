@@ -281,8 +281,10 @@ def _client_problem(location: str, code: str, status: int, exc: Exception) -> st
 
 def _transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a lost connection, a timeout or a body cut short."""
+    from botocore.exceptions import ConnectionError as LostConnection
     from botocore.exceptions import HTTPClientError, IncompleteReadError, ResponseStreamingError
     from urllib3.exceptions import HTTPError as Urllib3Error
 
-    transient = (HTTPClientError, IncompleteReadError, ResponseStreamingError, Urllib3Error)
+    transient = (LostConnection, HTTPClientError, IncompleteReadError, ResponseStreamingError,
+                 Urllib3Error)  # fmt: skip
     return isinstance(exc, (*transient, ConnectionError, TimeoutError))

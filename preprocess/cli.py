@@ -11,6 +11,7 @@ from pathlib import Path
 
 from melcache.cpus import allotment
 from melcache.errors import UserError
+from melcache.location import is_url
 from melcache.storage import STORAGES
 from preprocess.config import load_config
 
@@ -137,6 +138,12 @@ def _push(args: argparse.Namespace) -> int:
         f"{args.destination}: {counts['uploaded']} objects uploaded, {counts['kept']} already there"
     )
     return 0
+
+
+def _cache(text: str) -> Path | str:
+    """A cache argument: a folder, or a URL prefix kept as written (a Path would fold its
+    ``//``)."""
+    return text if is_url(text) else Path(text)
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -285,7 +292,7 @@ def _add_verify(commands: argparse._SubParsersAction, pool: argparse.ArgumentPar
         "member names, metadata), decode every mel (dtype, shape, finite, frames, bucket), then "
         "check totals, rejected.jsonl and stats.zarr; exit 1 listing each problem.",
     )
-    verify.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    verify.add_argument("cache", type=_cache, help="cache folder (OUT of build) or s3://…")
     verify.set_defaults(run=_verify)
 
 
@@ -296,7 +303,7 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
         help="summarise a cache",
         description="Print hours, utterances, buckets with counts and implied padding, shards and rejections.",
     )
-    inspect.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    inspect.add_argument("cache", type=_cache, help="cache folder (OUT of build) or s3://…")
     inspect.add_argument(
         "--png",
         type=Path,

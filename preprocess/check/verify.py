@@ -6,26 +6,34 @@ them all, and adds what only a full pass can check: every mel decoded (finite, i
 count the metadata's, inside its bucket), foreign members, totals against the index. Across shards: duplicate
 keys, shards on disk that the index does not list, totals, ``rejected.jsonl`` and
 ``stats.zarr``.
+
+A cache in an object store (``s3://``) is checked the same, each shard read once by ranged
+GETs; its table is checked against the index's digests of it, not rebuilt from the shards
+(that would read every shard a second time: verify the local cache before ``push``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from melcache.bounded import loads_json, open_regular
+from melcache import objectstore
+from melcache.bounded import loads_json
 from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
 from melcache.extras import cache_extras
-from melcache.format import AUDIO_MEMBER, REJECTED_NAME, finite_mel
+from melcache.format import AUDIO_MEMBER, REJECTED_NAME, SHARD_PATTERN, STATS_NAME, finite_mel
 from melcache.index import index_storage, read_index, read_stats
+from melcache.location import member_location, read_bytes
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
 from melcache.storage import MEL_MEMBERS, STEP, STORAGE_OF_MEMBER
+from melcache.table import Table
 from preprocess.job.pool import ordered_map
 from preprocess.write.index_table import table_problems
 
@@ -42,7 +50,7 @@ class SampleRules:
     extras: tuple[str, ...] = ()
 
 
-def verify(cache: Path, workers: int = 1) -> list[str]:
+def verify(cache: Path | str, workers: int = 1) -> list[str]:
     """Return every problem found in ``cache`` (empty when the cache is sound)."""
     index = read_index(cache)
     n_mels = index["features"]["n_mels"]
@@ -67,23 +75,37 @@ def verify(cache: Path, workers: int = 1) -> list[str]:
     ]
     listed = {s["name"] for s in index["shards"]}
     problems += [
-        f"{p.name}: shard not listed in index.json"
-        for p in sorted(cache.glob("*.tar"))
-        if p.name not in listed
+        f"{name}: shard not listed in index.json"
+        for name in _stored_shards(cache)
+        if name not in listed
     ]
     problems += _check_totals(cache, index, n_mels)
-    problems += table_problems(cache, index, workers)  # utterances.table against the shards
+    if not objectstore.is_store(cache):
+        problems += table_problems(cache, index, workers)  # utterances.table against the shards
+    elif "table" in index:
+        try:
+            Table(cache, index, sha256=True)  # size, digests and columns against the index
+        except (UserError, ShardError) as exc:
+            problems.append(str(exc))
     return problems
 
 
+def _stored_shards(cache: Path | str) -> list[str]:
+    """The names of the shard files the cache's folder or prefix holds."""
+    if objectstore.is_store(cache):
+        names = objectstore.list_sizes(str(cache))
+        return sorted(n for n in names if "/" not in n and SHARD_PATTERN.match(n))
+    return [path.name for path in sorted(Path(cache).glob("*.tar"))]
+
+
 def _check_shard_job(
-    job: tuple[Path, dict[str, Any], SampleRules, dict[str, Any] | None, bool],
+    job: tuple[Path | str, dict[str, Any], SampleRules, dict[str, Any] | None, bool],
 ) -> tuple[list[str], list[str]]:
     return check_shard(*job)
 
 
 def check_shard(
-    cache: Path,
+    cache: Path | str,
     entry: dict[str, Any],
     rules: SampleRules,
     bucket: dict[str, Any] | None,
@@ -91,12 +113,13 @@ def check_shard(
 ) -> tuple[list[str], list[str]]:
     """Problems in one shard and the keys it holds."""
     name = entry["name"]  # read_index has checked it against the shard-name pattern
-    if not (cache / name).is_file():
-        return [f"{name}: shard missing"], []
+    location = member_location(cache, name)
+    if not objectstore.is_store(cache) and not Path(location).is_file():
+        return [f"{name}: shard missing"], []  # a store says so as it is read
     if bucket is None:
         return [f"{name}: bucket {entry['bucket']} is not in the index"], []
     try:
-        data = load_shard(str(cache / name))
+        data = load_shard(location)
     except ShardError as exc:
         return [str(exc)], []
     problems = integrity_problems(data, entry, name)
@@ -175,7 +198,7 @@ def _check_sample(
     return frames
 
 
-def _check_totals(cache: Path, index: dict[str, Any], n_mels: int) -> list[str]:
+def _check_totals(cache: Path | str, index: dict[str, Any], n_mels: int) -> list[str]:
     problems: list[str] = []
     totals = index["totals"]
     samples = sum(s["samples"] for s in index["shards"])
@@ -185,27 +208,41 @@ def _check_totals(cache: Path, index: dict[str, Any], n_mels: int) -> list[str]:
         )
     if totals["utterances"] + totals["rejected"] != totals["discovered"]:
         problems.append("index.json: utterances + rejected != discovered")
-    counted = _rejection_records(cache / REJECTED_NAME)
+    counted = _rejection_records(member_location(cache, REJECTED_NAME))
     if isinstance(counted, str):
         problems.append(f"{REJECTED_NAME}: unreadable ({counted})")
     elif counted != totals["rejected"]:
         problems.append(f"{REJECTED_NAME}: {counted} records, index says {totals['rejected']}")
     try:
-        read_stats(cache, n_mels)
-    except UserError as exc:
+        if objectstore.is_store(cache):
+            _check_stored_stats(str(cache), n_mels)
+        else:
+            read_stats(cache, n_mels)
+    except (UserError, OSError) as exc:
         problems.append(str(exc))
     return problems
 
 
-def _rejection_records(path: Path) -> int | str:
+def _check_stored_stats(cache: str, n_mels: int) -> None:
+    """``stats.zarr`` of a store's cache, its few small objects copied to a temporary folder
+    and read there as a local cache's are (zarr would need another client to read a store)."""
+    stats = member_location(cache, STATS_NAME)
+    with tempfile.TemporaryDirectory() as folder:
+        for name in objectstore.list_sizes(stats):
+            path = Path(folder, STATS_NAME, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(objectstore.read_object(member_location(stats, name)))
+        read_stats(folder, n_mels)
+
+
+def _rejection_records(location: str) -> int | str:
     """How many records ``rejected.jsonl`` holds, or why it cannot be read: a line that is
     not a JSON object with a reason counts as none."""
     records = 0
     try:
-        with open_regular(path) as file:
-            for line in file:
-                record = loads_json(line)
-                records += isinstance(record, dict) and bool(record.get("reason"))
+        for line in bytes(read_bytes(location)).splitlines():
+            record = loads_json(line)
+            records += isinstance(record, dict) and bool(record.get("reason"))
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         return str(exc)
     return records
