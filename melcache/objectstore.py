@@ -30,8 +30,10 @@ from melcache.errors import UserError
 
 SCHEMES = ("s3://",)
 MAX_REQUESTS = 16  # in flight per process: a loader worker, a push thread pool
-ATTEMPTS = 8  # failed attempts in a row (no byte gained) before a read gives up
-BACKOFF_S = 0.05  # the first back-off's ceiling; doubled per failed attempt
+ATTEMPTS = 10  # failed attempts in a row (no byte gained) before a read gives up
+# The first back-off's ceiling, doubled per failed attempt up to the cap: a lone 503 costs a
+# few ms, a store that keeps refusing is left alone for seconds (10 attempts: ~10 s at most).
+BACKOFF_S = 0.01
 BACKOFF_CAP_S = 5.0
 CHUNK = 1 << 20  # a body is read in pieces: what arrived before a reset is kept
 

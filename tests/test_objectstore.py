@@ -19,6 +19,7 @@ import torch
 from helpers import REPO, run_preprocess
 
 import melcache
+from benchmarks.s3_faults import ISSUE_FAULTS, fault_proxy
 from benchmarks.s3_server import CREDENTIALS, free_port, moto_server, s3_environment
 from melcache import objectstore
 from melcache.dataset import CacheDataset
@@ -69,6 +70,7 @@ def assert_same(got: list[Batch], want: list[Batch]) -> None:
             assert torch.equal(getattr(a, name), getattr(b, name)), (number, name)
 
 
+@pytest.mark.slow  # subprocesses or eight loaders of 2 workers
 def test_a_pushed_cache_streams_batch_for_batch_as_the_local_copy_and_resumes(
     pushed: str, sample_cache: Path
 ) -> None:
@@ -108,6 +110,7 @@ def test_the_loaders_parent_holds_no_client_once_four_workers_run(pushed: str) -
         loader.close()
 
 
+@pytest.mark.slow  # subprocesses or eight loaders of 2 workers
 def test_push_resumes_and_refuses_another_cache(endpoint: str, sample_cache: Path) -> None:
     location = f"s3://{BUCKET}/resume"
     first = run_preprocess("push", str(sample_cache), location)
@@ -124,6 +127,7 @@ def test_push_resumes_and_refuses_another_cache(endpoint: str, sample_cache: Pat
     assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # subprocesses or eight loaders of 2 workers
 def test_pushed_cache_passes_verify_and_inspect(pushed: str) -> None:
     verified = run_preprocess("verify", pushed)
     assert verified.stdout.strip().endswith(f"{pushed}: OK"), verified.stdout
@@ -145,6 +149,7 @@ def one_line_error(*args: str, env: dict[str, str]) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # subprocesses or eight loaders of 2 workers
 def test_a_wrong_bucket_no_credentials_no_server_and_half_a_cache_are_one_line_each(
     pushed: str, endpoint: str
 ) -> None:
@@ -163,3 +168,17 @@ def test_a_wrong_bucket_no_credentials_no_server_and_half_a_cache_are_one_line_e
     assert "has not finished" in one_line_error("verify", f"s3://{BUCKET}/half", env=env)
     with pytest.raises(UserError, match="has not finished"):
         melcache.open(f"s3://{BUCKET}/half")
+
+
+def test_a_flaky_store_loses_and_changes_no_sample(pushed: str, endpoint: str) -> None:
+    """Through a proxy answering 20 % of requests 503 SlowDown, cutting 5 % of bodies short
+    and resetting 1 % of connections: the same batches, every lookup the true utterance."""
+    want = batches(pushed, 40)
+    with fault_proxy(endpoint, ISSUE_FAULTS, seed=1) as proxy, s3_environment(proxy):
+        objectstore.forget_clients()  # this process's next requests go through the proxy
+        assert_same(batches(pushed, 40), want)
+        with melcache.open(pushed) as remote:
+            got = [remote[row].mel for row in range(len(remote))]
+        objectstore.forget_clients()
+    with melcache.open(pushed) as remote:
+        assert all(np.array_equal(g, remote[row].mel) for row, g in enumerate(got))
