@@ -1,7 +1,7 @@
 """Random access to a cache: ``melcache.open(cache)``, then ``cache[key]`` or ``cache[i]``.
 
-Every lookup is one ranged read of one shard (a view of the memory-mapped shard locally, an
-HTTP ``Range`` request for an ``http(s)://`` cache), located by the per-utterance table
+Every lookup is one ranged read of one shard (a view of the memory-mapped shard locally, a
+ranged read for an ``http(s)://`` or ``s3://`` cache), located by the per-utterance table
 (:mod:`melcache.table`). The bytes read are checked against the table's digest of that
 sample before they are parsed, with the loader's own parser and metadata checks; so a
 shard replaced or damaged under a sound table is an error naming the shard, never a wrong
