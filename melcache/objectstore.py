@@ -24,6 +24,7 @@ import os
 import random
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from melcache.errors import UserError
@@ -146,6 +147,17 @@ def list_sizes(prefix: str) -> dict[str, int]:
         if not page.get("IsTruncated"):
             return found
         token = {"ContinuationToken": page["NextContinuationToken"]}
+
+
+def download_prefix(prefix: str, folder: Path) -> None:
+    """Copy every object under ``prefix`` into ``folder``, as files named by the rest of their
+    keys (for the few small objects of a group other libraries read from a folder)."""
+    for name in list_sizes(prefix):
+        path = folder / name
+        if ".." in Path(name).parts or Path(name).is_absolute():  # a key is no path to follow
+            raise StoreError(f"{prefix}/{name}: not a name inside the prefix")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(read_object(f"{prefix.rstrip('/')}/{name}"))
 
 
 def put_object(location: str, data: bytes, *, if_absent: bool = False) -> bool:

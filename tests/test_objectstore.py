@@ -16,7 +16,7 @@ import boto3
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, run_preprocess
+from helpers import REPO, checkpoint, metrics, run_ok, run_preprocess, same_ddp_run, train_cmd
 
 import melcache
 from benchmarks.s3_faults import ISSUE_FAULTS, fault_proxy
@@ -182,3 +182,18 @@ def test_a_flaky_store_loses_and_changes_no_sample(pushed: str, endpoint: str) -
         objectstore.forget_clients()
     with melcache.open(pushed) as remote:
         assert all(np.array_equal(g, remote[row].mel) for row, g in enumerate(got))
+
+
+@pytest.mark.slow  # two 2-rank torchrun jobs
+def test_the_trainer_reads_train_and_validation_caches_from_the_store(
+    endpoint: str, train_cache: Path, tmp_path: Path
+) -> None:
+    location = f"s3://{BUCKET}/train"
+    run_preprocess("push", str(train_cache), location)
+    validation = ("train.validation.every=4",)
+    for cache, out in ((train_cache, tmp_path / "local"), (location, tmp_path / "store")):
+        run_ok(train_cmd(cache, out, "--val-shards", str(cache), *validation, max_steps=8))
+    same_ddp_run(checkpoint(tmp_path / "local", 8), checkpoint(tmp_path / "store", 8))
+    assert [r["val_loss"] for r in metrics(tmp_path / "store") if "val_loss" in r] == [
+        r["val_loss"] for r in metrics(tmp_path / "local") if "val_loss" in r
+    ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from melcache.bounded import loads_json
 from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
 from melcache.extras import cache_extras
-from melcache.format import AUDIO_MEMBER, REJECTED_NAME, SHARD_PATTERN, STATS_NAME, finite_mel
+from melcache.format import AUDIO_MEMBER, REJECTED_NAME, SHARD_PATTERN, finite_mel
 from melcache.index import index_storage, read_index, read_stats
 from melcache.location import member_location, read_bytes
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
@@ -214,25 +213,10 @@ def _check_totals(cache: Path | str, index: dict[str, Any], n_mels: int) -> list
     elif counted != totals["rejected"]:
         problems.append(f"{REJECTED_NAME}: {counted} records, index says {totals['rejected']}")
     try:
-        if objectstore.is_store(cache):
-            _check_stored_stats(str(cache), n_mels)
-        else:
-            read_stats(cache, n_mels)
-    except (UserError, OSError) as exc:
+        read_stats(cache, n_mels)
+    except UserError as exc:
         problems.append(str(exc))
     return problems
-
-
-def _check_stored_stats(cache: str, n_mels: int) -> None:
-    """``stats.zarr`` of a store's cache, its few small objects copied to a temporary folder
-    and read there as a local cache's are (zarr would need another client to read a store)."""
-    stats = member_location(cache, STATS_NAME)
-    with tempfile.TemporaryDirectory() as folder:
-        for name in objectstore.list_sizes(stats):
-            path = Path(folder, STATS_NAME, name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(objectstore.read_object(member_location(stats, name)))
-        read_stats(folder, n_mels)
 
 
 def _rejection_records(location: str) -> int | str:
