@@ -19,13 +19,15 @@ import torch
 from helpers import REPO, checkpoint, metrics, run_ok, run_preprocess, same_ddp_run, train_cmd
 
 import melcache
-from benchmarks.s3_faults import ISSUE_FAULTS, fault_proxy
+from benchmarks.s3_faults import ISSUE_FAULTS, NO_FAULTS, fault_proxy
 from benchmarks.s3_server import CREDENTIALS, free_port, moto_server, s3_environment
 from melcache import objectstore
 from melcache.dataset import CacheDataset
-from melcache.errors import UserError
+from melcache.errors import ShardError, UserError
 from melcache.format import INDEX_NAME
+from melcache.index import read_index
 from melcache.loader import Batch, DataConfig, make_loader
+from melcache.reader import ShardCheck, read_shard
 
 BUCKET = "caches"
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
@@ -197,3 +199,31 @@ def test_the_trainer_reads_train_and_validation_caches_from_the_store(
     assert [r["val_loss"] for r in metrics(tmp_path / "store") if "val_loss" in r] == [
         r["val_loss"] for r in metrics(tmp_path / "local") if "val_loss" in r
     ]
+
+
+def test_a_read_that_fails_past_its_budget_names_the_object_and_on_error_handles_it(
+    pushed: str, endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = read_index(pushed)
+    first = index["shards"][0]
+    location = f"{pushed}/{first['name']}"
+    monkeypatch.setattr(objectstore, "ATTEMPTS", 3)
+    with fault_proxy(endpoint, {**NO_FAULTS, "slowdown": 1.0}) as proxy, s3_environment(proxy):
+        objectstore.forget_clients()
+        with pytest.raises(ShardError, match=rf"{location}: giving up after 3 .*503 SlowDown"):
+            read_shard(location, first, ShardCheck())
+    objectstore.forget_clients()
+    copy = f"s3://{BUCKET}/one-shard-gone"  # the index there, a shard missing
+    s3 = boto3.client("s3")
+    for name in objectstore.list_sizes(pushed):
+        if name != first["name"]:
+            s3.copy_object(Bucket=BUCKET, Key=f"one-shard-gone/{name}",
+                           CopySource=f"{BUCKET}/sample/{name}")  # fmt: skip
+    loader = make_loader(copy, DataConfig(batch_frames=3000, num_workers=0, on_error="skip"))
+    keys = {key for _, batch in zip(range(30), loader, strict=False) for key in batch.keys}
+    assert list(loader.skipped_shards) == [first["name"]]
+    assert len(keys) == index["totals"]["utterances"] - first["samples"]
+    with pytest.raises(ShardError, match=rf"{copy}/{first['name']}: cannot read shard .*no such"):
+        strict = make_loader(copy, DataConfig(batch_frames=3000, num_workers=0, on_error="raise"))
+        for _, _batch in zip(range(30), strict, strict=False):
+            pass  # until the worker meets the missing shard
