@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import REPO, checkpoint, metrics, run_ok, run_preprocess, same_ddp_run, train_cmd
+from torch.utils.data import DataLoader
 
 import melcache
 from benchmarks.s3_faults import ISSUE_FAULTS, NO_FAULTS, fault_proxy
@@ -96,8 +97,11 @@ def test_open_and_the_dataset_answer_as_the_local_copy(pushed: str, sample_cache
         assert np.array_equal(remote[key].mel, local[key].mel)
         assert remote[key].text == local[key].text and remote[3].key == local[3].key
         assert [u.key for u in remote.get_many(local.keys()[:5])] == local.keys()[:5]
-    item = CacheDataset(pushed)[4]
-    assert np.array_equal(item["mel"], CacheDataset(sample_cache)[4]["mel"])
+    # In forked DataLoader workers too: each makes its own client after the fork.
+    rows = [3, 11, 4, 20, 0, 17]
+    loader = DataLoader(CacheDataset(pushed), sampler=rows, batch_size=None, num_workers=2)
+    local = CacheDataset(sample_cache)
+    assert all(np.array_equal(i["mel"], local[r]["mel"]) for i, r in zip(loader, rows, strict=True))
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
