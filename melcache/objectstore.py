@@ -1,9 +1,9 @@
 """Caches in an object store: ``s3://bucket/prefix`` read by ranged GETs, written by PUTs.
 
-The client is boto3 (``pip install 'melcache[s3]'``), chosen by ``benchmarks/s3_clients.py``:
-obstore read 1.33× faster against a local moto server, but its Rust runtime, once started in
-the loader's parent (which reads ``index.json``), hangs forked workers (LitData #872); boto3 is
-plain Python and a client made after ``fork`` is safe. Credentials and endpoint come from the
+The client is boto3 (``pip install 'melcache[s3]'``), weighing ``benchmarks/s3_clients.py``
+against fork-safety: obstore read 1.3–1.7× faster against a local moto server, but its Rust
+runtime, once started in the loader's parent (which reads ``index.json``), hangs forked workers
+(LitData #872); boto3 is plain Python and a client made after ``fork`` is safe. Credentials and endpoint come from the
 standard environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, …, the default credential
 chain), so any S3-compatible store (MinIO, Ceph RGW, R2) works. boto3 gives no ``gs://`` or
 ``az://``: GCS is reached through its S3 interoperability endpoint.
