@@ -124,16 +124,6 @@ def read_range(location: str, offset: int, length: int) -> bytes:
     return _ranged(location, offset, offset + length)
 
 
-def object_size(location: str) -> int | None:
-    """The object's size in bytes, or ``None`` when there is no such object."""
-    bucket, key = split(location)
-    try:
-        answer = _retrying(location, lambda c: c.head_object(Bucket=bucket, Key=key))
-    except FileNotFoundError:
-        return None
-    return answer["ContentLength"]
-
-
 def list_sizes(prefix: str) -> dict[str, int]:
     """Name (below ``prefix``) → size of every object under the prefix ``s3://bucket/p``."""
     bucket, key = split(prefix)
@@ -160,18 +150,10 @@ def download_prefix(prefix: str, folder: Path) -> None:
         path.write_bytes(read_object(f"{prefix.rstrip('/')}/{name}"))
 
 
-def put_object(location: str, data: bytes, *, if_absent: bool = False) -> bool:
-    """Write ``data`` as the object at ``location``; with ``if_absent``, only where there is
-    none yet (a conditional write, ``If-None-Match: *``). False when ``if_absent`` lost."""
+def put_object(location: str, data: bytes) -> None:
+    """Write ``data`` as the object at ``location`` (retried as reads are)."""
     bucket, key = split(location)
-    extra = {"IfNoneMatch": "*"} if if_absent else {}
-    try:
-        _retrying(location, lambda c: c.put_object(Bucket=bucket, Key=key, Body=data, **extra))
-    except StoreError as exc:
-        if if_absent and "PreconditionFailed" in str(exc):
-            return False
-        raise
-    return True
+    _retrying(location, lambda c: c.put_object(Bucket=bucket, Key=key, Body=data))
 
 
 def _retrying(location: str, request: Any) -> Any:

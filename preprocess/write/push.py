@@ -39,18 +39,15 @@ def push(cache: Path, destination: str, threads: int = PUSH_THREADS) -> dict[str
             f"{member_location(destination, INDEX_NAME)} exists and is another cache's index; "
             "push to an empty prefix"
         )
-    names = _cache_files(cache)
     present = _listing(destination)
-    counts = {"uploaded": 0, "kept": 0}
+
+    def publish_file(name: str) -> bool:
+        return publish(cache / name, member_location(destination, name), present.get(name))
+
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        jobs = [pool.submit(publish, cache / n, member_location(destination, n), present.get(n))
-                for n in names]  # fmt: skip
-        for job in concurrent.futures.as_completed(jobs):
-            counts["uploaded" if job.result() else "kept"] += 1
-    # The commit marker, after every other object read back as written.
-    counts["uploaded" if publish(cache / INDEX_NAME, member_location(destination, INDEX_NAME),
-                                 present.get(INDEX_NAME)) else "kept"] += 1  # fmt: skip
-    return counts
+        uploaded = list(pool.map(publish_file, _cache_files(cache)))
+    uploaded.append(publish_file(INDEX_NAME))  # the commit marker, once all others read back
+    return {"uploaded": sum(uploaded), "kept": len(uploaded) - sum(uploaded)}
 
 
 def publish(path: Path, location: str, remote_size: int | None) -> bool:
