@@ -5,6 +5,7 @@ server on loopback, started for this module and stopped after) and read back by 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -231,3 +232,21 @@ def test_a_read_that_fails_past_its_budget_names_the_object_and_on_error_handles
         strict = make_loader(copy, DataConfig(batch_frames=3000, num_workers=0, on_error="raise"))
         for _, _batch in zip(range(30), strict, strict=False):
             pass  # until the worker meets the missing shard
+
+
+def bench_rows(module: str, *args: str) -> dict[str, dict]:
+    """``python -m benchmarks.MODULE ARGS``: its JSON rows by name."""
+    command = [sys.executable, "-m", f"benchmarks.{module}", *args]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {row["row"]: row for row in map(json.loads, done.stdout.splitlines())}
+
+
+@pytest.mark.slow  # a moto server, three clients; then a build, a push and four loaders
+def test_the_store_benchmarks_print_their_rows_side_by_side() -> None:
+    clients = bench_rows("s3_clients", "--reads", "40", "--rounds", "1")
+    assert all(clients[name]["reads_per_s"] > 0 for name in ("boto3", "obstore", "s3fs"))
+    assert clients["ratio"]["boto3_over_boto3"] == 1.0
+    faults = bench_rows("s3_faults", "--batches", "20", "--rounds", "1", "--workers", "2")
+    assert faults["ratio"]["same_batches"] is True
+    assert faults["loader through the proxy, faults"]["samples_per_s"] > 0
