@@ -1,7 +1,7 @@
 """Random access to a cache: ``melcache.open(cache)``, then ``cache[key]`` or ``cache[i]``.
 
-Every lookup is one ranged read of one shard (a view of the memory-mapped shard locally, an
-HTTP ``Range`` request for an ``http(s)://`` cache), located by the per-utterance table
+Every lookup is one ranged read of one shard (a view of the memory-mapped shard locally, a
+ranged read for an ``http(s)://`` or ``s3://`` cache), located by the per-utterance table
 (:mod:`melcache.table`). The bytes read are checked against the table's digest of that
 sample before they are parsed, with the loader's own parser and metadata checks; so a
 shard replaced or damaged under a sound table is an error naming the shard, never a wrong
@@ -17,8 +17,6 @@ import dataclasses
 import mmap
 import operator
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from melcache.field_store import FieldStore
 from melcache.fields import cache_fields
 from melcache.format import META_MEMBER, decode_meta, finite_mel
 from melcache.index import read_index
-from melcache.location import is_url, member_location
+from melcache.location import is_url, member_location, read_range, reads_ranges
 from melcache.reader import RawSample, raw_sample, shard_samples
 from melcache.table import TABLE_NAME, Table, sample_digest
 
@@ -252,16 +250,16 @@ class Cache:
 
 
 class _Shards:
-    """One ranged read of a shard: a view of a file kept mapped, or an HTTP range request."""
+    """One ranged read of a shard: a view of a file kept mapped, or a remote ranged read."""
 
     def __init__(self, cache: str | Path, entries: list[dict[str, Any]]) -> None:
         self._cache = cache
         self._entries = {entry["name"]: entry for entry in entries}
         self._locations = {name: member_location(cache, name) for name in self._entries}
         self._maps: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
-        if is_url(cache) and not str(cache).startswith(("http://", "https://")):
+        if not reads_ranges(cache):
             raise UserError(
-                f"{cache}: random access reads a local folder or an http(s):// cache; "
+                f"{cache}: random access reads a local folder, an http(s):// or s3:// cache; "
                 "stream this one with the loader, or copy it"
             )
 
@@ -275,7 +273,7 @@ class _Shards:
                 f"outside the shard's {size}"
             )
         if is_url(self._cache):
-            got: bytes | memoryview = _http_range(location, offset, length)
+            got: bytes | memoryview = read_range(location, offset, length)
         else:
             mapped = self._mapped(name, location)
             if mapped.size() < offset + length:  # the file now: a page cut off would be SIGBUS
@@ -344,23 +342,8 @@ def _row_runs(rows: list[int], shard_rows: np.ndarray) -> Iterator[tuple[int, in
         begin = end
 
 
-def _http_range(url: str, offset: int, length: int) -> bytes:
-    request = urllib.request.Request(
-        url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            if response.status != 206:
-                raise ShardError(
-                    f"{url}: the server ignores range requests (status {response.status})"
-                )
-            return response.read(length + 1)
-    except (urllib.error.URLError, OSError) as exc:
-        raise ShardError(f"{url}: cannot read bytes {offset}+{length} ({exc})") from None
-
-
 def open_cache(cache: str | Path) -> Cache:
-    """Open a finished cache (folder or ``http(s)://`` prefix) for random access: ``len()``,
+    """Open a finished cache (folder, ``http(s)://`` or ``s3://`` prefix) for random access: ``len()``,
     ``cache[key]``, ``cache[i]``, ``get_many(keys)``, ``keys()`` and ``lengths``.
 
     Raises :class:`UserError` (one line, naming the file) when the index is bad or the table

@@ -12,12 +12,14 @@ import json
 import math
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
 
+from melcache import objectstore
 from melcache.bounded import loads_json
 from melcache.errors import UserError
 from melcache.extras import META_FIELD, name_problem
@@ -180,8 +182,18 @@ def write_stats(out: Path, mean: np.ndarray, std: np.ndarray, frames: int) -> No
 
 
 def read_stats(cache: str | Path, n_mels: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and std (float32 ``[n_mels]``) from a local cache's ``stats.zarr``;
+    """Per-channel mean and std (float32 ``[n_mels]``) from a cache's ``stats.zarr`` (local,
+    or in a store: its few small objects copied to a temporary folder, read there);
     :class:`UserError` when they are missing, unreadable or of another shape."""
+    if objectstore.is_store(cache):
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                objectstore.download_prefix(
+                    member_location(cache, STATS_NAME), Path(folder, STATS_NAME)
+                )
+            except OSError as exc:
+                raise UserError(str(exc)) from None
+            return read_stats(folder, n_mels)
     path = Path(member_location(cache, STATS_NAME))
     if is_url(cache) or not path.is_dir():
         raise UserError(f"{path}: per-channel statistics not found (they need a local cache)")

@@ -1,16 +1,23 @@
-"""Where a cache's files live: a local folder, or a URL prefix webdataset's ``gopen`` opens
-(``http://host/cache``, ``pipe:aws s3 cp s3://bucket/cache``, …); a file's location is the
-prefix, a slash and its name."""
+"""Where a cache's files live: a local folder, an object-store prefix (``s3://bucket/cache``,
+:mod:`melcache.objectstore`) or a URL prefix webdataset's ``gopen`` opens (``http://host/cache``,
+``pipe:…``); a file's location is the prefix, a slash and its name. Local files, ``http(s)://``
+and ``s3://`` also answer ranged reads (:func:`read_range`)."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from webdataset import gopen
 
+from melcache import objectstore
 from melcache.bounded import open_regular
+from melcache.errors import ShardError
+
+RANGED_SCHEMES = ("http://", "https://", *objectstore.SCHEMES)
 
 
 def is_url(cache: str | Path) -> bool:
@@ -37,8 +44,37 @@ def read_bytes(location: str) -> bytes | mmap.mmap:
         if hasattr(mmap, "MADV_WILLNEED"):  # start reading a cold shard ahead of the parser
             mapped.madvise(mmap.MADV_WILLNEED)
         return mapped
+    if objectstore.is_store(location):
+        return objectstore.read_object(location)
     stream = gopen(location, "rb")
     try:
         return stream.read()
     finally:
         stream.close()  # a pipe reports its command's exit status only here
+
+
+def reads_ranges(cache: str | Path) -> bool:
+    """Whether a cache's files answer ranged reads: a local folder, ``http(s)://``, ``s3://``."""
+    return not is_url(cache) or str(cache).startswith(RANGED_SCHEMES)
+
+
+def read_range(location: str, offset: int, length: int) -> bytes:
+    """``length`` bytes of the remote file at ``location`` from ``offset`` (an HTTP ``Range``
+    request, or a ranged GET); :class:`ShardError` naming it when it cannot be read."""
+    if objectstore.is_store(location):
+        try:
+            return objectstore.read_range(location, offset, length)
+        except OSError as exc:
+            raise ShardError(f"cannot read bytes {offset}+{length} ({exc})") from None
+    request = urllib.request.Request(
+        location, headers={"Range": f"bytes={offset}-{offset + length - 1}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            if response.status != 206:
+                raise ShardError(
+                    f"{location}: the server ignores range requests (status {response.status})"
+                )
+            return response.read(length + 1)
+    except (urllib.error.URLError, OSError) as exc:
+        raise ShardError(f"{location}: cannot read bytes {offset}+{length} ({exc})") from None

@@ -1,4 +1,4 @@
-"""Command line: ``python -m preprocess {build,derive,verify,inspect,index-table}``."""
+"""Command line: ``python -m preprocess {build,derive,verify,inspect,index-table,push}``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from melcache.cpus import allotment
 from melcache.errors import UserError
+from melcache.location import is_url
 from melcache.storage import STORAGES
 from preprocess.config import load_config
 
@@ -155,6 +156,22 @@ def _index_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _push(args: argparse.Namespace) -> int:
+    from preprocess.write.push import push
+
+    counts = push(args.cache, args.destination)
+    print(
+        f"{args.destination}: {counts['uploaded']} objects uploaded, {counts['kept']} already there"
+    )
+    return 0
+
+
+def _cache(text: str) -> Path | str:
+    """A cache argument: a folder, or a URL prefix kept as written (a Path would fold its
+    ``//``)."""
+    return text if is_url(text) else Path(text)
+
+
 def _part(text: str) -> tuple[int, int]:
     try:
         k, n = (int(x) for x in text.split("/"))
@@ -205,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_verify(commands, pool)
     _add_inspect(commands)
     _add_index_table(commands, pool)
+    _add_push(commands)
     return parser
 
 
@@ -333,7 +351,7 @@ def _add_verify(commands: argparse._SubParsersAction, pool: argparse.ArgumentPar
         "member names, metadata), decode every mel (dtype, shape, finite, frames, bucket), then "
         "check totals, rejected.jsonl and stats.zarr; exit 1 listing each problem.",
     )
-    verify.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    verify.add_argument("cache", type=_cache, help="cache folder (OUT of build) or s3://…")
     verify.set_defaults(run=_verify)
 
 
@@ -344,7 +362,7 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
         help="summarise a cache",
         description="Print hours, utterances, buckets with counts and implied padding, shards and rejections.",
     )
-    inspect.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    inspect.add_argument("cache", type=_cache, help="cache folder (OUT of build) or s3://…")
     inspect.add_argument(
         "--png",
         type=Path,
@@ -384,3 +402,18 @@ def _add_index_table(commands: argparse._SubParsersAction, pool: argparse.Argume
     )
     table.add_argument("cache", type=Path, help="cache folder (OUT of build)")
     table.set_defaults(run=_index_table)
+
+
+def _add_push(commands: argparse._SubParsersAction) -> None:
+    """``push``: publish a finished cache to an object store."""
+    push = commands.add_parser(
+        "push",
+        help="publish a finished cache to s3://bucket/prefix",
+        description="Upload every file of a finished cache in parallel, read each back and "
+        "compare it, then index.json last, so readers never see half a cache. Rerun to resume: "
+        "objects already there and equal are kept. Endpoint and credentials come from the "
+        "standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
+    )
+    push.add_argument("cache", type=Path, help="cache folder (OUT of build)")
+    push.add_argument("destination", help="s3://bucket/prefix")
+    push.set_defaults(run=_push)

@@ -257,7 +257,8 @@ def test_pyproject_claims_ranges_the_suite_runs_on() -> None:
     python = ".".join(map(str, sys.version_info[:3]))
     assert SpecifierSet(project["requires-python"]).contains(python)
     optional = project["optional-dependencies"]
-    claims = [*project["dependencies"], *optional["test"], *optional["plot"], *optional["parquet"]]
+    claims = [*project["dependencies"], *optional["test"], *optional["plot"], *optional["parquet"],
+              *optional["s3"]]  # fmt: skip
     for requirement in map(Requirement, claims):
         installed = Version(metadata.version(requirement.name))
         assert requirement.specifier.contains(installed), f"{requirement} but {installed}"

@@ -277,7 +277,7 @@ def test_http_cache_is_read_by_range_requests(sample_cache: Path) -> None:
         pytest.raises(ShardError, match="ignores range requests"),
     ):
         cache[0]
-    with pytest.raises(UserError, match="random access reads a local folder or an http"):
+    with pytest.raises(UserError, match="random access reads a local folder, an http"):
         melcache.open("pipe:cat " + str(sample_cache))
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from melcache import objectstore
 from melcache.errors import UserError
 from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
@@ -24,7 +25,7 @@ from melcache.loader.batching import round_up
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
 from melcache.loader.stream import Source
-from melcache.location import is_url, member_location
+from melcache.location import is_url, member_location, reads_ranges
 from melcache.sections import as_float
 from melcache.table import TABLE_NAME, Table
 
@@ -68,6 +69,9 @@ def open_mix(
         for where, index in zip(locations, indexes, strict=True)
     )
     weights = tuple(mix_weights(hours, given, data.mix_temperature))
+    # The indexes are all the parent reads of a store; its workers are forked after this and
+    # make their own clients, so the one made here goes (it would only hold sockets open).
+    objectstore.forget_clients()
     return OpenedMix(sources, indexes, features, weights)
 
 
@@ -107,9 +111,9 @@ def _location(where: object) -> str:
 
 def same_cache(where: str) -> str:
     """What two locations of one cache share: the resolved folder (symlinks, ``./``, a final
-    slash), or an http(s) URL without its final slashes."""
+    slash), or an http(s) or s3 URL without its final slashes."""
     if is_url(where):
-        return where.rstrip("/") if where.startswith(("http://", "https://")) else where
+        return where.rstrip("/") if reads_ranges(where) else where
     return str(Path(where).resolve())
 
 

@@ -15,6 +15,7 @@ from melcache.features import FeatureConfig
 from melcache.fields import FIELDS_KEY
 from melcache.index import index_storage, read_index
 from melcache.loader.batching import make_rng, padding_fraction, plan_batches, round_up
+from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
 from preprocess.config import BuildConfig
 from preprocess.plan.scan import Scan
@@ -24,7 +25,7 @@ from preprocess.write.finish import reason_kind
 SHARDS_PER_BUCKET = 16  # enough samples for a faithful histogram without reading a huge cache
 
 
-def summarize(cache: Path) -> str:
+def summarize(cache: Path | str) -> str:
     """Hours, utterances, buckets (counts and the padding they imply), shards and rejections."""
     index = read_index(cache)
     totals = index["totals"]
@@ -135,7 +136,7 @@ def _read_samples(cache: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
         if taken.setdefault(shard["bucket"], 0) >= SHARDS_PER_BUCKET:
             continue
         taken[shard["bucket"]] += 1
-        location = str(cache / shard["name"])
+        location = member_location(cache, shard["name"])
         for i, raw in enumerate(read_shard(location, shard, ShardCheck("off"))):
             meta = {"shard": shard["name"], "seconds": raw.frames * hop_seconds}
             meta.update(text=raw.text, frames=raw.frames, bucket=raw.bucket)

@@ -6,6 +6,11 @@ them all, and adds what only a full pass can check: every mel decoded (finite, i
 count the metadata's, inside its bucket), foreign members, totals against the index. Across shards: duplicate
 keys, shards on disk that the index does not list, totals, ``rejected.jsonl`` and
 ``stats.zarr``.
+
+A cache in an object store (``s3://``) is checked the same, each shard read once by ranged
+GETs; its table is checked against the index's digests of it, not rebuilt from the shards
+(that would read every shard a second time: verify the local cache before ``push``), and its
+derived fields are not checked (stores serve mel shards only so far).
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ from typing import Any
 
 from tqdm import tqdm
 
-from melcache.bounded import loads_json, open_regular
+from melcache import objectstore
+from melcache.bounded import loads_json
 from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
 from melcache.extras import cache_extras
-from melcache.format import AUDIO_MEMBER, REJECTED_NAME, finite_mel
+from melcache.format import AUDIO_MEMBER, REJECTED_NAME, SHARD_PATTERN, finite_mel
 from melcache.index import index_storage, read_index, read_stats
+from melcache.location import member_location, read_bytes
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
 from melcache.storage import MEL_MEMBERS, STEP, STORAGE_OF_MEMBER
+from melcache.table import Table
 from preprocess.check.verify_fields import field_problems
 from preprocess.job.pool import ordered_map
 from preprocess.write.index_table import table_problems
@@ -43,7 +51,7 @@ class SampleRules:
     extras: tuple[str, ...] = ()
 
 
-def verify(cache: Path, workers: int = 1) -> list[str]:
+def verify(cache: Path | str, workers: int = 1) -> list[str]:
     """Return every problem found in ``cache`` (empty when the cache is sound)."""
     index = read_index(cache)
     n_mels = index["features"]["n_mels"]
@@ -68,24 +76,38 @@ def verify(cache: Path, workers: int = 1) -> list[str]:
     ]
     listed = {s["name"] for s in index["shards"]}
     problems += [
-        f"{p.name}: shard not listed in index.json"
-        for p in sorted(cache.glob("*.tar"))
-        if p.name not in listed
+        f"{name}: shard not listed in index.json"
+        for name in _stored_shards(cache)
+        if name not in listed
     ]
     problems += _check_totals(cache, index, n_mels)
-    problems += table_problems(cache, index, workers)  # utterances.table against the shards
-    problems += field_problems(cache, index)  # derived fields against their shards and rows
+    if not objectstore.is_store(cache):
+        problems += table_problems(cache, index, workers)  # utterances.table against the shards
+        problems += field_problems(cache, index)  # derived fields against their shards and rows
+    elif "table" in index:
+        try:
+            Table(cache, index, sha256=True)  # size, digests and columns against the index
+        except (UserError, ShardError) as exc:
+            problems.append(str(exc))
     return problems
 
 
+def _stored_shards(cache: Path | str) -> list[str]:
+    """The names of the shard files the cache's folder or prefix holds."""
+    if objectstore.is_store(cache):
+        names = objectstore.list_sizes(str(cache))
+        return sorted(n for n in names if "/" not in n and SHARD_PATTERN.match(n))
+    return [path.name for path in sorted(Path(cache).glob("*.tar"))]
+
+
 def _check_shard_job(
-    job: tuple[Path, dict[str, Any], SampleRules, dict[str, Any] | None, bool],
+    job: tuple[Path | str, dict[str, Any], SampleRules, dict[str, Any] | None, bool],
 ) -> tuple[list[str], list[str]]:
     return check_shard(*job)
 
 
 def check_shard(
-    cache: Path,
+    cache: Path | str,
     entry: dict[str, Any],
     rules: SampleRules,
     bucket: dict[str, Any] | None,
@@ -93,12 +115,13 @@ def check_shard(
 ) -> tuple[list[str], list[str]]:
     """Problems in one shard and the keys it holds."""
     name = entry["name"]  # read_index has checked it against the shard-name pattern
-    if not (cache / name).is_file():
-        return [f"{name}: shard missing"], []
+    location = member_location(cache, name)
+    if not objectstore.is_store(cache) and not Path(location).is_file():
+        return [f"{name}: shard missing"], []  # a store says so as it is read
     if bucket is None:
         return [f"{name}: bucket {entry['bucket']} is not in the index"], []
     try:
-        data = load_shard(str(cache / name))
+        data = load_shard(location)
     except ShardError as exc:
         return [str(exc)], []
     problems = integrity_problems(data, entry, name)
@@ -177,7 +200,7 @@ def _check_sample(
     return frames
 
 
-def _check_totals(cache: Path, index: dict[str, Any], n_mels: int) -> list[str]:
+def _check_totals(cache: Path | str, index: dict[str, Any], n_mels: int) -> list[str]:
     problems: list[str] = []
     totals = index["totals"]
     samples = sum(s["samples"] for s in index["shards"])
@@ -187,7 +210,7 @@ def _check_totals(cache: Path, index: dict[str, Any], n_mels: int) -> list[str]:
         )
     if totals["utterances"] + totals["rejected"] != totals["discovered"]:
         problems.append("index.json: utterances + rejected != discovered")
-    counted = _rejection_records(cache / REJECTED_NAME)
+    counted = _rejection_records(member_location(cache, REJECTED_NAME))
     if isinstance(counted, str):
         problems.append(f"{REJECTED_NAME}: unreadable ({counted})")
     elif counted != totals["rejected"]:
@@ -199,15 +222,14 @@ def _check_totals(cache: Path, index: dict[str, Any], n_mels: int) -> list[str]:
     return problems
 
 
-def _rejection_records(path: Path) -> int | str:
+def _rejection_records(location: str) -> int | str:
     """How many records ``rejected.jsonl`` holds, or why it cannot be read: a line that is
     not a JSON object with a reason counts as none."""
     records = 0
     try:
-        with open_regular(path) as file:
-            for line in file:
-                record = loads_json(line)
-                records += isinstance(record, dict) and bool(record.get("reason"))
+        for line in bytes(read_bytes(location)).splitlines():
+            record = loads_json(line)
+            records += isinstance(record, dict) and bool(record.get("reason"))
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         return str(exc)
     return records

@@ -1,0 +1,252 @@
+"""Caches in an object store: the sample cache pushed to a real S3 server (moto's standalone
+server on loopback, started for this module and stopped after) and read back by the loader,
+``melcache.open``, ``CacheDataset``, ``verify`` and ``inspect``; the failures a user meets
+(a wrong bucket, no credentials, no server, a cache half pushed) as one line each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+import torch
+from helpers import REPO, checkpoint, metrics, run_ok, run_preprocess, same_ddp_run, train_cmd
+from torch.utils.data import DataLoader
+
+import melcache
+from benchmarks.s3_faults import ISSUE_FAULTS, NO_FAULTS, fault_proxy
+from benchmarks.s3_server import CREDENTIALS, free_port, moto_server, s3_environment
+from melcache import objectstore
+from melcache.dataset import CacheDataset
+from melcache.errors import ShardError, UserError
+from melcache.format import INDEX_NAME
+from melcache.index import read_index
+from melcache.loader import Batch, DataConfig, make_loader
+from melcache.reader import ShardCheck, read_shard
+
+BUCKET = "caches"
+TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    """A moto S3 server for this module, the standard environment pointing at it."""
+    with moto_server() as url, s3_environment(url):
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def pushed(endpoint: str, sample_cache: Path) -> str:
+    """The sample cache published with ``python -m preprocess push``."""
+    location = f"s3://{BUCKET}/sample"
+    done = run_preprocess("push", str(sample_cache), location)
+    assert "objects uploaded" in done.stdout
+    return location
+
+
+def data(workers: int = 2) -> DataConfig:
+    return DataConfig(batch_frames=1500, max_batch_size=2, num_workers=workers, sync_buckets=True)
+
+
+def batches(cache: str | Path, count: int, state: dict | None = None, **options) -> list[Batch]:
+    loader = make_loader(cache, data(), seed=3, **options)
+    if state is not None:
+        loader.load_state_dict(state)
+    try:
+        return [batch for _, batch in zip(range(count), loader, strict=False)]
+    finally:
+        loader.close()
+
+
+def assert_same(got: list[Batch], want: list[Batch]) -> None:
+    assert len(got) == len(want)
+    for number, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.keys == b.keys, number
+        for name in TENSORS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), (number, name)
+
+
+@pytest.mark.slow  # subprocesses or eight loaders of 2 workers
+def test_a_pushed_cache_streams_batch_for_batch_as_the_local_copy_and_resumes(
+    pushed: str, sample_cache: Path
+) -> None:
+    for rank in (0, 1):  # two in-process ranks of one job, each with 2 workers
+        ranks = {"rank": rank, "world_size": 2}
+        local = batches(sample_cache, 24, **ranks)
+        assert_same(batches(pushed, 24, **ranks), local)
+        loader = make_loader(pushed, data(), seed=3, **ranks)
+        stream = iter(loader)
+        for _ in range(9):
+            next(stream)
+        state = loader.state_dict()
+        loader.close()
+        assert_same(batches(pushed, 15, state, **ranks), local[9:])
+
+
+def test_open_and_the_dataset_answer_as_the_local_copy(pushed: str, sample_cache: Path) -> None:
+    with melcache.open(pushed) as remote, melcache.open(sample_cache) as local:
+        assert len(remote) == len(local) and remote.keys() == local.keys()
+        key = local.keys()[7]
+        assert np.array_equal(remote[key].mel, local[key].mel)
+        assert remote[key].text == local[key].text and remote[3].key == local[3].key
+        assert [u.key for u in remote.get_many(local.keys()[:5])] == local.keys()[:5]
+    # In forked DataLoader workers too: each makes its own client after the fork.
+    rows = [3, 11, 4, 20, 0, 17]
+    loader = DataLoader(CacheDataset(pushed), sampler=rows, batch_size=None, num_workers=2)
+    local = CacheDataset(sample_cache)
+    assert all(np.array_equal(i["mel"], local[r]["mel"]) for i, r in zip(loader, rows, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
+def test_the_loaders_parent_holds_no_client_once_four_workers_run(pushed: str) -> None:
+    loader = make_loader(pushed, data(workers=4))
+    stream = iter(loader)
+    try:
+        assert len(next(stream)) > 0  # the workers read the shards, each with its own client
+        assert objectstore.held_clients() == 0  # the one that read the index is gone
+        assert "obstore" not in sys.modules  # and no client runtime (boto3 has none)
+    finally:
+        loader.close()
+
+
+@pytest.mark.slow  # subprocesses or eight loaders of 2 workers
+def test_push_resumes_and_refuses_another_cache(endpoint: str, sample_cache: Path) -> None:
+    location = f"s3://{BUCKET}/resume"
+    first = run_preprocess("push", str(sample_cache), location)
+    s3 = boto3.client("s3")
+    key = next(k for k in objectstore.list_sizes(location) if k.endswith(".tar"))
+    s3.put_object(Bucket=BUCKET, Key=f"resume/{key}", Body=b"damaged")  # then a killed push
+    s3.delete_object(Bucket=BUCKET, Key=f"resume/{INDEX_NAME}")
+    again = run_preprocess("push", str(sample_cache), location)
+    assert "objects uploaded" in first.stdout
+    assert again.stdout.strip().endswith("2 objects uploaded, 16 already there"), again.stdout
+    with melcache.open(location) as cache:
+        assert len(cache) == 30
+    other = run_preprocess("push", str(REPO / "docs"), location, check=False)
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # subprocesses or eight loaders of 2 workers
+def test_pushed_cache_passes_verify_and_inspect(pushed: str) -> None:
+    verified = run_preprocess("verify", pushed)
+    assert verified.stdout.strip().endswith(f"{pushed}: OK"), verified.stdout
+    inspected = run_preprocess("inspect", pushed)
+    assert "utterances" in inspected.stdout
+
+
+def one_line_error(*args: str, env: dict[str, str]) -> str:
+    """``python -m preprocess ARGS`` under ``env``: exit 2, one line on stderr, quickly."""
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "preprocess", *args], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert time.monotonic() - began < 60
+    return lines[0]
+
+
+@pytest.mark.slow  # subprocesses or eight loaders of 2 workers
+def test_a_wrong_bucket_no_credentials_no_server_and_half_a_cache_are_one_line_each(
+    pushed: str, endpoint: str
+) -> None:
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    assert "no bucket 'nowhere'" in one_line_error("inspect", "s3://nowhere/sample", env=env)
+    bare = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    bare |= {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+             "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    assert "no S3 credentials" in one_line_error("verify", pushed, env=bare)
+    closed = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    assert "giving up after" in one_line_error("inspect", pushed, env=closed)
+    s3 = boto3.client("s3")
+    for name in objectstore.list_sizes(pushed):
+        if name.endswith(".tar") or name == "utterances.table":
+            s3.copy_object(Bucket=BUCKET, Key=f"half/{name}", CopySource=f"{BUCKET}/sample/{name}")
+    assert "has not finished" in one_line_error("verify", f"s3://{BUCKET}/half", env=env)
+    with pytest.raises(UserError, match="has not finished"):
+        melcache.open(f"s3://{BUCKET}/half")
+
+
+def test_a_flaky_store_loses_and_changes_no_sample(pushed: str, endpoint: str) -> None:
+    """Through a proxy answering 20 % of requests 503 SlowDown, cutting 5 % of bodies short
+    and resetting 1 % of connections: the same batches, every lookup the true utterance."""
+    want = batches(pushed, 40)
+    with fault_proxy(endpoint, ISSUE_FAULTS, seed=1) as proxy, s3_environment(proxy):
+        objectstore.forget_clients()  # this process's next requests go through the proxy
+        assert_same(batches(pushed, 40), want)
+        with melcache.open(pushed) as remote:
+            got = [remote[row].mel for row in range(len(remote))]
+        objectstore.forget_clients()
+    with melcache.open(pushed) as remote:
+        assert all(np.array_equal(g, remote[row].mel) for row, g in enumerate(got))
+
+
+@pytest.mark.slow  # two 2-rank torchrun jobs
+def test_the_trainer_reads_train_and_validation_caches_from_the_store(
+    endpoint: str, train_cache: Path, tmp_path: Path
+) -> None:
+    location = f"s3://{BUCKET}/train"
+    run_preprocess("push", str(train_cache), location)
+    validation = ("train.validation.every=4",)
+    for cache, out in ((train_cache, tmp_path / "local"), (location, tmp_path / "store")):
+        run_ok(train_cmd(cache, out, "--val-shards", str(cache), *validation, max_steps=8))
+    same_ddp_run(checkpoint(tmp_path / "local", 8), checkpoint(tmp_path / "store", 8))
+    assert [r["val_loss"] for r in metrics(tmp_path / "store") if "val_loss" in r] == [
+        r["val_loss"] for r in metrics(tmp_path / "local") if "val_loss" in r
+    ]
+
+
+def test_a_read_that_fails_past_its_budget_names_the_object_and_on_error_handles_it(
+    pushed: str, endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = read_index(pushed)
+    first = index["shards"][0]
+    location = f"{pushed}/{first['name']}"
+    monkeypatch.setattr(objectstore, "ATTEMPTS", 3)
+    with fault_proxy(endpoint, {**NO_FAULTS, "slowdown": 1.0}) as proxy, s3_environment(proxy):
+        objectstore.forget_clients()
+        with pytest.raises(ShardError, match=rf"{location}: giving up after 3 .*503 SlowDown"):
+            read_shard(location, first, ShardCheck())
+    objectstore.forget_clients()
+    copy = f"s3://{BUCKET}/one-shard-gone"  # the index there, a shard missing
+    s3 = boto3.client("s3")
+    for name in objectstore.list_sizes(pushed):
+        if name != first["name"]:
+            s3.copy_object(Bucket=BUCKET, Key=f"one-shard-gone/{name}",
+                           CopySource=f"{BUCKET}/sample/{name}")  # fmt: skip
+    loader = make_loader(copy, DataConfig(batch_frames=3000, num_workers=0, on_error="skip"))
+    keys = {key for _, batch in zip(range(30), loader, strict=False) for key in batch.keys}
+    assert list(loader.skipped_shards) == [first["name"]]
+    assert len(keys) == index["totals"]["utterances"] - first["samples"]
+    with pytest.raises(ShardError, match=rf"{copy}/{first['name']}: cannot read shard .*no such"):
+        strict = make_loader(copy, DataConfig(batch_frames=3000, num_workers=0, on_error="raise"))
+        for _, _batch in zip(range(30), strict, strict=False):
+            pass  # until the worker meets the missing shard
+
+
+def bench_rows(module: str, *args: str) -> dict[str, dict]:
+    """``python -m benchmarks.MODULE ARGS``: its JSON rows by name."""
+    command = [sys.executable, "-m", f"benchmarks.{module}", *args]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {row["row"]: row for row in map(json.loads, done.stdout.splitlines())}
+
+
+@pytest.mark.slow  # a moto server, three clients; then a build, a push and four loaders
+def test_the_store_benchmarks_print_their_rows_side_by_side() -> None:
+    clients = bench_rows("s3_clients", "--reads", "40", "--rounds", "1")
+    assert all(clients[name]["reads_per_s"] > 0 for name in ("boto3", "obstore", "s3fs"))
+    assert clients["ratio"]["boto3_over_boto3"] == 1.0
+    faults = bench_rows("s3_faults", "--batches", "20", "--rounds", "1", "--workers", "2")
+    assert faults["ratio"]["same_batches"] is True
+    assert faults["loader through the proxy, faults"]["samples_per_s"] > 0
