@@ -219,3 +219,21 @@ def test_loader_ab_streams_an_earlier_commit_and_this_checkout_side_by_side(
     assert rows[0]["ratio_to_first_median"] == 1.0
     listed = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True)
     assert "melcache-ab-" not in listed.stdout  # its worktree removed
+
+
+@pytest.mark.slow
+def test_derive_bench_prints_every_row(tmp_path: Path) -> None:
+    rows = {
+        r["row"]: r
+        for r in bench_rows("derive_bench", tmp_path, "--size", "tiny", "--batches", "3")
+    }
+    derive = rows["derive codes (cpu, 1 worker)"]
+    assert derive["utterances"] == 30 and derive["utterances_per_s"] > 0
+    assert derive["codes_alone_mb_per_audio_hour"] < derive["field_mb_per_audio_hour"]
+    for name in (
+        "loader, mel only",
+        "loader, mel + codes",
+        "loader, codes alone (read_mel = false)",
+    ):
+        assert rows[name]["ms_per_batch"] > 0
+    assert rows["DVAE encoder forward in the step (cpu)"]["ms_per_batch"] > 0
