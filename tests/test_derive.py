@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import signal
 import sys
@@ -347,3 +348,30 @@ def test_a_released_layout_safetensors_loads_and_gives_chattts_own_indices(tmp_p
         x = chattts.downsample_conv(mel.transpose(1, 2) / chattts.coef)
         theirs = chattts.vq_layer(chattts.encoder(x))  # [B, 4, T / 2]
     assert ours.shape == (1, 32, 4) and torch.equal(ours, theirs.transpose(1, 2).long())
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("folder", "../../etc", "folder = '../../etc', expected its own"),
+        ("shape", "4", "shape = '4'"),
+        ("dtype", "object", "dtype = 'object'"),
+        ("rows", {"sha256": "x"}, "expected its sha256"),
+        ("shards", [{"name": "/etc/passwd"}], "is not a shard name"),
+    ],
+)
+def test_a_forged_field_entry_is_one_line_before_any_file_is_opened(
+    derived: Path, tmp_path: Path, key: str, value: object, said: str
+) -> None:
+    import melcache
+    from melcache.errors import UserError
+
+    cache = tmp_path / "cache"
+    shutil.copytree(derived, cache)
+    index = json.loads((cache / "index.json").read_text())
+    index["fields"]["codes"][key] = value
+    (cache / "index.json").chmod(0o644)
+    (cache / "index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=re.escape(said)) as raised:
+        melcache.open(cache)
+    assert "\n" not in str(raised.value)
