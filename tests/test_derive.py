@@ -200,12 +200,7 @@ def cache_key(cache: Path, row: int) -> str:
     return melcache.open(cache).keys()[row]
 
 
-def test_what_cannot_be_derived_or_read_is_one_line(
-    derived: Path, train_cache: Path, sample_cache: Path, dvae_run: Path, tmp_path: Path
-) -> None:
-    import melcache
-    from melcache.errors import ShardError, UserError
-    from melcache.loader import DataConfig, make_loader
+def test_what_cannot_be_derived_is_one_line(derived: Path, dvae_run: Path, tmp_path: Path) -> None:
 
     # another provenance without --replace
     other = dvae_run.parent / "other"
@@ -225,6 +220,22 @@ def test_what_cannot_be_derived_or_read_is_one_line(
     run_preprocess(*derive_args(cache, other, "--replace"))
     new = json.loads((cache / "index.json").read_text())["fields"]["codes"]["folder"]
     assert new != old and not (cache / old).exists() and (cache / new).is_dir()
+    # a derive into a cache still being built
+    building = tmp_path / "building"
+    shutil.copytree(derived, building)
+    (building / "index.json").unlink()
+    done = run_preprocess(*derive_args(building, dvae_run), check=False)
+    assert done.returncode == 2 and one_error(done.stderr), done.stderr
+    assert "is still being built" in done.stderr
+
+
+def test_what_cannot_be_read_is_one_line(
+    derived: Path, sample_cache: Path, dvae_run: Path, tmp_path: Path
+) -> None:
+    import melcache
+    from melcache.errors import ShardError, UserError
+    from melcache.loader import DataConfig, make_loader
+
     # a field shard of another cache, put in place of this one's
     elsewhere = tmp_path / "elsewhere"  # the whole sample corpus, other buckets: other shards
     shutil.copytree(sample_cache, elsewhere)
@@ -258,13 +269,6 @@ def test_what_cannot_be_derived_or_read_is_one_line(
                 derived, DataConfig(num_workers=0, fields=fields, field_provenance=provenance)
             )
         assert "\n" not in str(raised.value)
-    # a derive into a cache still being built
-    building = tmp_path / "building"
-    shutil.copytree(train_cache, building)
-    (building / "index.json").unlink()
-    done = run_preprocess(*derive_args(building, dvae_run), check=False)
-    assert done.returncode == 2 and one_error(done.stderr), done.stderr
-    assert "is still being built" in done.stderr
 
 
 def test_a_models_contract_declares_fields_and_their_provenance(derived: Path) -> None:
