@@ -18,6 +18,7 @@ import numpy as np
 from melcache.errors import ShardError, UserError
 from melcache.fields import (
     HEAD_BYTES,
+    ROW_COLUMNS,
     ROWS_NAME,
     binding_problem,
     cache_fields,
@@ -92,7 +93,13 @@ class FieldStore:
                 raise ShardError(f"{location}: cannot read ({exc})") from None
             if hashlib.sha256(data).hexdigest() != entry["rows"]["sha256"]:
                 raise ShardError(f"{location}: sha256 differs from the index (corrupt or replaced)")
-            self._rows[name] = np.load(io.BytesIO(data), allow_pickle=False)
+            rows = np.load(io.BytesIO(data), allow_pickle=False)
+            count = sum(s["samples"] for s in self.index["shards"])
+            if rows.dtype != np.dtype("<u8") or rows.shape != (count, len(ROW_COLUMNS)):
+                raise ShardError(
+                    f"{location}: {rows.dtype} {rows.shape}, expected uint64 [{count}, 4]"
+                )
+            self._rows[name] = rows
         return self._rows[name]
 
     def row(

@@ -37,7 +37,8 @@ import numpy as np
 
 from melcache.bounded import loads_json
 from melcache.errors import ShardError, UserError
-from melcache.format import META_MEMBER, SHARD_PATTERN, plain_tar_entries
+from melcache.format import META_MEMBER, plain_tar_entries
+from melcache.index import check_shard_entry
 
 FIELDS_KEY = "fields"  # in index.json
 FIELDS_DIR = "fields"
@@ -140,11 +141,26 @@ def cache_fields(index: Mapping[str, Any], where: str) -> dict[str, dict[str, An
             raise UserError(f"{at}.folder = {entry.get('folder')!r}, expected its own")
         if entry.get("dtype") not in DTYPES:
             raise UserError(f"{at}.dtype = {entry.get('dtype')!r}: one of {', '.join(DTYPES)}")
-        shards = entry.get("shards")
-        names = [s.get("name") for s in shards] if isinstance(shards, list) else None
-        if names != mel or not all(SHARD_PATTERN.match(str(n)) for n in names):
+        _check_layout(entry, at)
+        shards = entry["shards"]
+        for number, shard in enumerate(shards):
+            check_shard_entry(shard, f"{at}.shards[{number}]")
+        if [s["name"] for s in shards] != mel:
             raise UserError(f"{at}.shards do not name the cache's {len(mel)} mel shards in order")
     return fields
+
+
+def _check_layout(entry: Mapping[str, Any], at: str) -> None:
+    """The types of a field entry's other keys, before any is used."""
+    shape, rate, rows = entry.get("shape"), entry.get("frame_rate"), entry.get("rows")
+    if not isinstance(shape, list) or not all(type(n) is int and n > 0 for n in shape):
+        raise UserError(f"{at}.shape = {shape!r}: expected a list of positive integers")
+    if type(rate) not in (int, float) or not 0 < rate <= 64:
+        raise UserError(f"{at}.frame_rate = {rate!r}: expected a number in (0, 64]")
+    if not isinstance(entry.get("provenance"), dict) or not isinstance(entry.get("shards"), list):
+        raise UserError(f"{at}: provenance and shards must be an object and a list")
+    if not isinstance(rows, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(rows.get("sha256"))):
+        raise UserError(f"{at}.rows = {rows!r}: expected its sha256")
 
 
 def missing_field(where: str, fields: Mapping[str, Any], name: str, by: str) -> UserError:

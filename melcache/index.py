@@ -103,14 +103,15 @@ def read_index(cache: str | Path) -> dict[str, Any]:
     if problem:
         raise UserError(f"{location}: build.extras = {extras!r} is invalid: expected {problem}")
     for number, entry in enumerate(index["shards"]):
-        _check_shard_entry(entry, f"{location}: shards[{number}]")
+        check_shard_entry(entry, f"{location}: shards[{number}]")
     for number, bucket in enumerate(index["buckets"]):
         _check_bucket(bucket, f"{location}: buckets[{number}]")
     _check_totals(index["totals"], f"{location}: totals")
     return index
 
 
-def _check_shard_entry(entry: Any, where: str) -> None:
+def check_shard_entry(entry: Any, where: str) -> None:
+    """One shard entry's name, counts and digests (mel shards, and derived fields' shards)."""
     if not isinstance(entry, dict):
         raise UserError(f"{where} is {entry!r}, not an object")
     name = entry.get("name")

@@ -231,3 +231,21 @@ def test_tracker_bench_prints_each_setting_and_the_hand_off(tmp_path: Path) -> N
     # the hand-off is a put on a queue: microseconds, far under a step's milliseconds
     assert 0 < row["hand_off"]["queued_us"] < 1000 and 0 < row["hand_off_pct_of_step"] < 1
     assert (tmp_path / "data" / "cache" / "index.json").exists()  # --data keeps the cache
+
+
+@pytest.mark.slow
+def test_derive_bench_prints_every_row(tmp_path: Path) -> None:
+    rows = {
+        r["row"]: r
+        for r in bench_rows("derive_bench", tmp_path, "--size", "tiny", "--batches", "3")
+    }
+    derive = rows["derive codes (cpu, 1 worker)"]
+    assert derive["utterances"] == 30 and derive["utterances_per_s"] > 0
+    assert derive["codes_alone_mb_per_audio_hour"] < derive["field_mb_per_audio_hour"]
+    for name in (
+        "loader, mel only",
+        "loader, mel + codes",
+        "loader, codes alone (read_mel = false)",
+    ):
+        assert rows[name]["ms_per_batch"] > 0
+    assert rows["DVAE encoder forward in the step (cpu)"]["ms_per_batch"] > 0

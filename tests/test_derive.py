@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import signal
 import sys
@@ -181,12 +182,7 @@ def cache_key(cache: Path, row: int) -> str:
     return melcache.open(cache).keys()[row]
 
 
-def test_what_cannot_be_derived_or_read_is_one_line(
-    derived: Path, train_cache: Path, sample_cache: Path, dvae_run: Path, tmp_path: Path
-) -> None:
-    import melcache
-    from melcache.errors import ShardError, UserError
-    from melcache.loader import DataConfig, make_loader
+def test_what_cannot_be_derived_is_one_line(derived: Path, dvae_run: Path, tmp_path: Path) -> None:
 
     # another provenance without --replace
     other = dvae_run.parent / "other"
@@ -206,6 +202,22 @@ def test_what_cannot_be_derived_or_read_is_one_line(
     run_preprocess(*derive_args(cache, other, "--replace"))
     new = json.loads((cache / "index.json").read_text())["fields"]["codes"]["folder"]
     assert new != old and not (cache / old).exists() and (cache / new).is_dir()
+    # a derive into a cache still being built
+    building = tmp_path / "building"
+    shutil.copytree(derived, building)
+    (building / "index.json").unlink()
+    done = run_preprocess(*derive_args(building, dvae_run), check=False)
+    assert done.returncode == 2 and one_error(done.stderr), done.stderr
+    assert "is still being built" in done.stderr
+
+
+def test_what_cannot_be_read_is_one_line(
+    derived: Path, sample_cache: Path, dvae_run: Path, tmp_path: Path
+) -> None:
+    import melcache
+    from melcache.errors import ShardError, UserError
+    from melcache.loader import DataConfig, make_loader
+
     # a field shard of another cache, put in place of this one's
     elsewhere = tmp_path / "elsewhere"  # the whole sample corpus, other buckets: other shards
     shutil.copytree(sample_cache, elsewhere)
@@ -239,13 +251,6 @@ def test_what_cannot_be_derived_or_read_is_one_line(
                 derived, DataConfig(num_workers=0, fields=fields, field_provenance=provenance)
             )
         assert "\n" not in str(raised.value)
-    # a derive into a cache still being built
-    building = tmp_path / "building"
-    shutil.copytree(train_cache, building)
-    (building / "index.json").unlink()
-    done = run_preprocess(*derive_args(building, dvae_run), check=False)
-    assert done.returncode == 2 and one_error(done.stderr), done.stderr
-    assert "is still being built" in done.stderr
 
 
 def test_a_models_contract_declares_fields_and_their_provenance(derived: Path) -> None:
@@ -329,3 +334,30 @@ def test_a_released_layout_safetensors_loads_and_gives_chattts_own_indices(tmp_p
         x = chattts.downsample_conv(mel.transpose(1, 2) / chattts.coef)
         theirs = chattts.vq_layer(chattts.encoder(x))  # [B, 4, T / 2]
     assert ours.shape == (1, 32, 4) and torch.equal(ours, theirs.transpose(1, 2).long())
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("folder", "../../etc", "folder = '../../etc', expected its own"),
+        ("shape", "4", "shape = '4'"),
+        ("dtype", "object", "dtype = 'object'"),
+        ("rows", {"sha256": "x"}, "expected its sha256"),
+        ("shards", [{"name": "/etc/passwd"}], "is not a shard name"),
+    ],
+)
+def test_a_forged_field_entry_is_one_line_before_any_file_is_opened(
+    derived: Path, tmp_path: Path, key: str, value: object, said: str
+) -> None:
+    import melcache
+    from melcache.errors import UserError
+
+    cache = tmp_path / "cache"
+    shutil.copytree(derived, cache)
+    index = json.loads((cache / "index.json").read_text())
+    index["fields"]["codes"][key] = value
+    (cache / "index.json").chmod(0o644)
+    (cache / "index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=re.escape(said)) as raised:
+        melcache.open(cache)
+    assert "\n" not in str(raised.value)

@@ -178,6 +178,8 @@ class Budgets:
             speaker=[None],
             bucket=piece.bucket,
             extras=stand_in_extras(list(piece.extras), 1),
+            fields={k: v.new_zeros(1, n, *v.shape[2:]) for k, v in piece.fields.items()},
+            field_lengths={k: lengths.clone() for k in piece.fields},
         )
 
     def settle(self, failures: list[Failure]) -> list[dict[str, Any]]:
