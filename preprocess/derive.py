@@ -11,6 +11,7 @@ ends with the same bytes.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -232,9 +233,13 @@ def _finish(
             "bytes": sum(s["bytes"] for s in shards),
         },
     }
-    index = read_index(cache)  # again: another field may have been listed meanwhile
-    index.setdefault(FIELDS_KEY, {})[name] = entry
-    write_index(cache, index)
+    # Two derives of different fields may finish at once: one index update at a time, each
+    # reading the index afresh, so neither drops the other's entry.
+    with open(cache / STATE / "index.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        index = read_index(cache)
+        index.setdefault(FIELDS_KEY, {})[name] = entry
+        write_index(cache, index)
     if old is not None and old["folder"] != entry["folder"]:
         shutil.rmtree(cache / old["folder"], ignore_errors=True)
     return entry

@@ -113,15 +113,16 @@ def test_chattts_s_gpt_trains_on_two_ranks_from_the_codes_and_resumes_bitwise(
     strategy: str, derived: Path, tmp_path: Path
 ) -> None:
     """``torchrun --nproc-per-node 2 -m train --config examples/chattts_gpt/config.toml`` on a
-    cache whose codes the DVAE example's encoder derived: the loss falls from ChatTTS's
-    uniform level, and a run stopped halfway resumes to the same weights, bit for bit."""
+    cache whose codes the DVAE example's encoder derived: the loss and the validation loss
+    fall, and a run stopped halfway resumes to the same weights, bit for bit."""
 
     def train(out: Path, steps: int) -> None:
         run_ok(
             torchrun(
                 "-m", "train", "--shards", str(derived), "--config", str(CONFIG), "--out",
                 str(out), "--max-steps", str(steps), "train.checkpoint.every=10",
-                f"train.parallel.strategy={strategy}",
+                f"train.parallel.strategy={strategy}", f"data.val_shards={derived}",
+                "train.validation.every=10",
             ),
             timeout=600,
         )  # fmt: skip
@@ -130,6 +131,8 @@ def test_chattts_s_gpt_trains_on_two_ranks_from_the_codes_and_resumes_bitwise(
     losses = [r["loss"] for r in metrics(tmp_path / "whole") if "loss" in r]
     print(f"{strategy}: loss per window {losses}")
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], losses
+    validated = [(r["step"], r["val_loss"]) for r in metrics(tmp_path / "whole") if "val_loss" in r]
+    assert [step for step, _ in validated] == [10, 20] and validated[1][1] < validated[0][1]
     train(tmp_path / "split", 10)
     train(tmp_path / "split", 20)
     whole, split = (model_weights(tmp_path / name, 20) for name in ("whole", "split"))

@@ -68,6 +68,36 @@ def test_parts_at_once_one_killed_give_the_single_derive_and_leave_mels(
     assert run_preprocess("verify", str(cache)).returncode == 0
 
 
+def test_two_fields_derived_at_once_are_both_listed(
+    train_cache: Path, dvae_run: Path, derived: Path, tmp_path: Path
+) -> None:
+    """Two derives of different fields into one cache, at once: each reads the index afresh
+    under a lock when it lists its field, so neither drops the other's entry."""
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    command = [sys.executable, "-m", "preprocess"]
+    runs = {
+        name: [a if a != "codes" else name for a in derive_args(cache, dvae_run)]
+        for name in ("a", "b")
+    }
+    with (
+        started([*command, *runs["a"]], tmp_path / "a.log") as a,
+        started([*command, *runs["b"]], tmp_path / "b.log") as b,
+    ):
+        assert a.wait(timeout=300) == 0 and b.wait(timeout=300) == 0, (
+            tmp_path / "a.log"
+        ).read_text()
+    fields = json.loads((cache / "index.json").read_text())["fields"]
+    assert sorted(fields) == ["a", "b"]
+    codes = json.loads((derived / "index.json").read_text())["fields"]["codes"]
+    assert (
+        fields["a"]["totals"]["frames"]
+        == fields["b"]["totals"]["frames"]
+        == codes["totals"]["frames"]
+    )
+    assert run_preprocess("verify", str(cache)).returncode == 0
+
+
 def test_torchrun_ranks_are_the_parts_and_give_the_same_bytes(
     train_cache: Path, dvae_run: Path, derived: Path, tmp_path: Path
 ) -> None:
