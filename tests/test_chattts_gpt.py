@@ -5,6 +5,9 @@ through ChatTTS's own tokenizer class where its files are."""
 
 from __future__ import annotations
 
+import json
+import sys
+import tomllib
 import types
 from pathlib import Path
 
@@ -146,3 +149,25 @@ def model_weights(out: Path, step: int) -> dict[str, torch.Tensor]:
     if (checkpoint(out, step) / "shared.pt").is_file() and "model" in load(checkpoint(out, step)):
         return load(checkpoint(out, step))["model"]
     return {k: v for k, v in dcp_weights(out, step).items() if k.startswith("model.")}
+
+
+@pytest.mark.slow
+def test_train_tune_sizes_a_model_of_codes_alone_in_code_frames(
+    derived: Path, tmp_path: Path
+) -> None:
+    """``train tune`` builds its worst batches from the field shards' longest code frames."""
+    out = tmp_path / "budgets.toml"
+    command = [sys.executable, "-m", "train", "tune", "--shards", str(derived), "--config",
+               str(CONFIG), "--output", str(out), "--memory-limit-mib", "400"]  # fmt: skip
+    run_ok(command, timeout=600)
+    budgets = tomllib.loads(out.read_text())["data"]["batch_frames"]
+    codes = json.loads((derived / "index.json").read_text())["fields"]["codes"]["shards"]
+    longest = {
+        s["bucket"]: max(c["max_frames"] for c in codes if c["bucket"] == s["bucket"])
+        for s in codes
+    }
+    assert sorted(int(b) for b in budgets) == sorted(longest)
+    for bucket, budget in budgets.items():  # at least one utterance of the bucket's longest
+        assert budget >= longest[int(bucket)], (bucket, budget)
+    mel = json.loads((derived / "index.json").read_text())["shards"]
+    assert max(longest.values()) < max(s["max_frames"] for s in mel)  # codes: half the mel rate

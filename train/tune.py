@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from melcache.errors import UserError
+from melcache.fields import cache_fields
 from melcache.index import read_index
 from melcache.loader import bucket_lengths
 from melcache.loader.batch import Batch, stand_in_extras
@@ -147,15 +148,23 @@ def _cap_probe(
 
 
 def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
-    data = trainer.cfg.data
+    data, asked = trainer.cfg.data, trainer.parts.loader.spec.data
     index = read_index(shards)
+    fields = {name: cache_fields(index, shards)[name] for name in asked.fields}
+    # A model of fields alone is batched, bucket by bucket, in its first field's frames.
+    counted = index["shards"] if asked.read_mel else fields[asked.fields[0]]["shards"]
+    n_mels = trainer.parts.loader.features.n_mels if asked.read_mel else 0
     rows: list[Row] = []
     fits_at_least = 1
-    for bucket, max_frames in sorted(bucket_lengths(tuple(index["shards"])).items())[::-1]:
+    for bucket, max_frames in sorted(bucket_lengths(tuple(counted)).items())[::-1]:
         tokens = _longest_text(shards, index, bucket, trainer.parts.loader.spec.tokenizer)
+        longest = {
+            name: (max(s["max_frames"] for s in e["shards"] if s["bucket"] == bucket), e)
+            for name, e in fields.items()
+        }
         shape = _Shape(
-            bucket, max_frames, tokens, data.pad_multiple, trainer.parts.loader.features.n_mels,
-            trainer.parts.loader.spec.data.extras,
+            bucket, max_frames, tokens, data.pad_multiple, n_mels, asked.extras,
+            {name: (frames, tuple(e["shape"]), e["dtype"]) for name, (frames, e) in longest.items()},
         )  # fmt: skip
         peaks: dict[int, int] = {}  # batch size → peak memory of a step that fitted
         fits = functools.partial(_fits, trainer, probe, shape, peaks)
@@ -182,10 +191,17 @@ class _Shape:
     pad_multiple: int
     n_mels: int
     extras: tuple[str, ...] = ()  # the fields the model asks for
+    fields: Mapping[str, tuple[int, tuple[int, ...], str]] = dataclasses.field(
+        default_factory=dict
+    )  # derived fields asked for: their longest frames, shape per frame and stored dtype
 
     def batch(self, size: int) -> Batch:
         frames = round_up(self.frames, self.pad_multiple)
         width = round_up(max(1, self.tokens), self.pad_multiple)
+        fields = {  # as the loader hands them: integers widened to int64, floats to float32
+            name: torch.zeros(size, longest, *shape, dtype=_widened(dtype))
+            for name, (longest, shape, dtype) in self.fields.items()
+        }
         return Batch(
             mel=torch.zeros(size, frames, self.n_mels, dtype=torch.float16),
             mel_lengths=torch.full((size,), self.frames),
@@ -195,7 +211,13 @@ class _Shape:
             speaker=[None] * size,
             bucket=self.bucket,
             extras=stand_in_extras(self.extras, size),
+            fields=fields,
+            field_lengths={name: torch.full((size,), f[0]) for name, f in self.fields.items()},
         )
+
+
+def _widened(dtype: str) -> torch.dtype:
+    return torch.float32 if dtype.startswith("float") else torch.int64
 
 
 def _fits(trainer: Trainer, probe: Any, shape: _Shape, peaks: dict[int, int], size: int) -> bool:
