@@ -171,3 +171,21 @@ def test_train_tune_sizes_a_model_of_codes_alone_in_code_frames(
         assert budget >= longest[int(bucket)], (bucket, budget)
     mel = json.loads((derived / "index.json").read_text())["shards"]
     assert max(longest.values()) < max(s["max_frames"] for s in mel)  # codes: half the mel rate
+
+
+@pytest.mark.slow
+def test_chattts_pretrain_sh_runs_build_dvae_derive_and_gpt_and_resumes(tmp_path: Path) -> None:
+    """The README's ChatTTS commands, as ``examples/chattts_pretrain.sh OUT`` chains them on the
+    sample corpus; run again, every step resumes instead of redoing its work (the build, which
+    ends with the same mel shards, keeps the field derive listed)."""
+    script = [str(REPO / "examples" / "chattts_pretrain.sh"), str(tmp_path / "out")]
+    run_ok(["bash", *script], timeout=900)
+    out = tmp_path / "out"
+    index = json.loads((out / "shards" / "index.json").read_text())
+    assert (
+        index["fields"]["codes"]["provenance"]["encoder"] == "examples.chattts_dvae.adapter:encoder"
+    )
+    assert [r["step"] for r in metrics(out / "gpt") if "loss" in r] == [5, 10, 15, 20]
+    again = run_ok(["bash", *script], timeout=900).stderr
+    assert again.count("resumed from") == 2, again[-3000:]  # the DVAE's and the GPT's runs
+    assert "field 'codes' is already derived with this provenance" in again, again[-3000:]

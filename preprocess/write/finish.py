@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,13 +11,17 @@ from typing import Any
 
 import numpy as np
 
+from melcache.errors import UserError
 from melcache.features import FeatureConfig
-from melcache.format import FORMAT_VERSION, REJECTED_NAME, STATS_NAME, write_atomic
-from melcache.index import write_index, write_stats
+from melcache.fields import FIELDS_KEY
+from melcache.format import FORMAT_VERSION, INDEX_NAME, REJECTED_NAME, STATS_NAME, write_atomic
+from melcache.index import read_index, write_index, write_stats
 from preprocess.config import BuildConfig
 from preprocess.inputs.layout import Rejection, printable
 from preprocess.plan.shards import Plan
 from preprocess.write.index_table import write_cache_table
+
+log = logging.getLogger(__name__)
 
 _SHARD_FIELDS = (
     "name",
@@ -89,8 +94,31 @@ def finish_cache(
         "stats": STATS_NAME,
     }
     index["table"] = write_cache_table(out, index)  # from the shards: every input layout alike
+    _keep_fields(out, index)
     write_index(out, index)
     return index
+
+
+def _keep_fields(out: Path, index: dict[str, Any]) -> None:
+    """A build run again over a cache with derived fields (``preprocess derive``) keeps them
+    when it ends with the same mel shards; when the shards changed, the fields, bound to the
+    old ones, are dropped from the index, saying so (their folders stay until derived again)."""
+    if not (out / INDEX_NAME).is_file():
+        return
+    try:
+        old = read_index(out)
+        fields, before = old.get(FIELDS_KEY), [(s["name"], s["sha256"]) for s in old["shards"]]
+    except (UserError, KeyError, TypeError):
+        return  # an index this build replaces anyway
+    if not fields:
+        return
+    if before == [(s["name"], s["sha256"]) for s in index["shards"]]:
+        index[FIELDS_KEY] = fields
+        return
+    log.warning(
+        "%s: the mel shards changed, so the fields %s derived from the old ones are no longer "
+        "listed; run preprocess derive again", out, ", ".join(sorted(fields)),
+    )  # fmt: skip
 
 
 def _shard_entry(receipt: dict[str, Any]) -> dict[str, Any]:
