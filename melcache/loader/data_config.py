@@ -53,6 +53,9 @@ class DataConfig:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
     mix_temperature: float = bounded(1.0, 0, 100)
+    # Resume a cache whose content (index digest) changed under the same location, from its
+    # epoch 0, rather than refuse the saved loader state (docs/loader.md, "Resume").
+    allow_data_change: bool = False
     # Per-utterance fields each batch carries in batch.extras ([build] extras of the cache, or
     # "reference"): melcache/loader/batch.py; a plug-in's melcache_contract "extras" adds its own.
     extras: tuple[str, ...] = ()
@@ -74,6 +77,12 @@ class DataConfig:
             isinstance(self.sync_buckets, bool),
             "data.sync_buckets",
             self.sync_buckets,
+            "true or false",
+        )
+        require(
+            isinstance(self.allow_data_change, bool),
+            "data.allow_data_change",
+            self.allow_data_change,
             "true or false",
         )
         require(

@@ -40,7 +40,7 @@ from melcache.loader.batching import (
     worker_shards,
 )
 from melcache.loader.data_config import DataConfig
-from melcache.loader.schedule import Schedule, SubStream, global_batch, locate
+from melcache.loader.schedule import FRESH, Deal, Schedule, SubStream, locate
 from melcache.loader.transport import BatchRing
 from melcache.loader.units import ranged_unit, takes_little, whole_unit
 from melcache.location import member_location
@@ -99,6 +99,13 @@ class StreamSpec:
     n_mels: int
     pad_value: float
     tokenizer: Tokenizer
+    # How the job's slots share each bucket sub-stream: fresh, or after a resume from a job of
+    # another size or mix (melcache/loader/elastic.py); empty: all fresh.
+    deals: tuple[Deal, ...] = ()
+
+    def deal(self, stream: int) -> Deal:
+        """How the job's slots share sub-stream ``stream``."""
+        return self.deals[stream] if self.deals else FRESH
 
     @property
     def workers_per_rank(self) -> int:
@@ -218,7 +225,7 @@ def whole_cache_batches(
 
 def bucket_batches(
     spec: StreamSpec,
-    sub: SubStream,
+    stream: int,
     slot: int,
     taken: int,
     check: ShardCheck,
@@ -231,6 +238,7 @@ def bucket_batches(
     (``cache``), only its batches' samples are read, else the unit's shards whole. A shard
     that cannot be read is recorded and left out: of the unit's cut when read whole, of the
     batch when read by range."""
+    sub, deal = spec.subs[stream], spec.deal(stream)
     visit: tuple[int, int] | None = None
     plan: list[list[int]] = []
     read = functools.partial(_read, spec, sub.source, check=check, skips=skips)
@@ -239,7 +247,7 @@ def bucket_batches(
         skips.record((sub.source, name), name, problem)
 
     while True:
-        number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
+        number = deal.number(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
         epoch, place, batch = locate(sub, seed=spec.seed, number=number)
         taken += 1
         unit = sub.units[place]
@@ -247,7 +255,13 @@ def bucket_batches(
             visit = (epoch, unit[0])
             source = spec.sources[sub.source]
             if cache is not None and takes_little(
-                sub, place, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken - 1
+                sub,
+                deal,
+                place,
+                seed=spec.seed,
+                slot=slot,
+                num_slots=spec.num_slots,
+                taken=taken - 1,
             ):
                 members = ranged_unit(cache, source.location, source.shards, unit, record)
             else:
@@ -275,8 +289,9 @@ def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[l
         out.append([
             p[0] + p[1] * spec.num_slots / len(sub.units)  # (epoch, shard, batch)
             if sub.bucket < 0
-            else global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=p[0]) / sub.per_epoch
-            for sub, p in zip(spec.subs, row, strict=True)
+            else spec.deal(u).number(sub, slot=slot, num_slots=spec.num_slots, taken=p[0])
+            / sub.per_epoch
+            for u, (sub, p) in enumerate(zip(spec.subs, row, strict=True))
         ])  # fmt: skip
     return out
 
@@ -296,10 +311,10 @@ def open_readers(
         for source in spec.sources
     ]
     return [
-        bucket_batches(spec, sub, slot, position[0], check, skips, caches[sub.source])
+        bucket_batches(spec, u, slot, position[0], check, skips, caches[sub.source])
         if sub.bucket >= 0
         else whole_cache_batches(spec, sub, slot, Position(*position[:3]), check, skips)
-        for sub, position in zip(spec.subs, positions, strict=True)
+        for u, (sub, position) in enumerate(zip(spec.subs, positions, strict=True))
     ]
 
 
