@@ -4,10 +4,15 @@ the real sample caches, the old job's states handed to every rank of the new one
 from __future__ import annotations
 
 import collections
+import json
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import REPO
 
 from melcache.errors import UserError
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
@@ -178,3 +183,46 @@ def test_states_of_another_job_are_refused_by_name(sample_cache: Path) -> None:
     whole = run_job(sample_cache, 2, 0, 3, sync_buckets=False)[1]
     with pytest.raises(UserError, match=r"only data\.sync_buckets = true resumes"):
         make(sample_cache, 0, 3, 0, sync_buckets=False).load_state_dict(whole)
+
+
+TODAY = """
+import json, sys, torch
+from melcache.loader import DataConfig, make_loader  # the release before elastic resumes
+data = DataConfig(batch_frames=3000, max_batch_size=3, num_workers=0)
+loaders = [make_loader(sys.argv[1], data, rank=r, world_size=2, seed=1) for r in range(2)]
+streams = [iter(loader) for loader in loaders]
+for _ in range(int(sys.argv[3])):
+    [next(stream) for stream in streams]
+torch.save([loader.state_dict() for loader in loaders], sys.argv[2])
+print(json.dumps([next(streams[0]).keys for _ in range(12)]))
+"""
+
+
+@pytest.mark.slow  # the release before this one, run from its commit in a subprocess
+def test_a_state_of_the_release_before_resumes_batch_for_batch_and_on_3_ranks(
+    sample_cache: Path, tmp_path: Path
+) -> None:
+    old = tmp_path / "before"
+    old.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "988e0ec", "melcache"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    state = tmp_path / "states.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", TODAY, str(sample_cache), str(state), "31"],
+        cwd=old, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    saved = torch.load(state, weights_only=True)
+    assert [s["version"] for s in saved] == [3, 3]
+    same = make(sample_cache, 0, 2, 0)
+    same.load_state_dict(saved[0])
+    assert [b.keys for _, b in zip(range(12), same, strict=False)] == json.loads(done.stdout)
+    same.close()
+    after, _, loaders = run_job(sample_cache, 3, 0, 60, saved)
+    assert loaders[0].resume_changes == ("world_size 2 -> 3",)
+    assert in_one_bucket(after)
+    assert all(deal.frontier > 0 for deal in loaders[0].spec.deals)  # not from the start
