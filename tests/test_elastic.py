@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -226,3 +227,63 @@ def test_a_state_of_the_release_before_resumes_batch_for_batch_and_on_3_ranks(
     assert loaders[0].resume_changes == ("world_size 2 -> 3",)
     assert in_one_bucket(after)
     assert all(deal.frontier > 0 for deal in loaders[0].spec.deals)  # not from the start
+
+
+def frames_of(steps: Steps, source: str) -> list[tuple[bool, int]]:
+    """(from ``source``, real frames) of every batch, step by step, rank by rank."""
+    return [(b.source == source, int(b.mel_lengths.sum())) for step in steps for b in step]
+
+
+def test_new_weights_hold_from_the_first_window_and_each_cache_keeps_its_place(
+    sample_cache: Path, train_cache: Path
+) -> None:
+    """0.5 / 0.5 for 300 batches, then 0.8 / 0.2: every 200 batches after the change within
+    2 % of 0.8, and no key of a cache's bucket read twice before all of it was (one rank: the
+    ranks of a mix take different caches within a step, so their reads of a bucket drift
+    apart by a batch or two even uninterrupted)."""
+    a, b = str(sample_cache), str(train_cache)
+    before, states, _ = run_job({a: 0.5, b: 0.5}, 1, 0, 300)
+    after, _, loaders = run_job({a: 0.8, b: 0.2}, 1, 0, 800, states)
+    assert loaders[0].resume_changes == (
+        "mix shares (data.mix, data.mix_temperature, the caches' hours) [0.5, 0.5] -> [0.8, 0.2]",
+    )
+    batches = frames_of(after, a)
+    for start in range(0, len(batches) - 200 + 1, 10):
+        window = batches[start : start + 200]
+        share = sum(f for mine, f in window if mine) / sum(f for _, f in window)
+        assert abs(share - 0.8) <= 0.02, (start, share)
+    assert set(early_repeats(before + after).values()) == {0}
+
+
+def test_a_cache_added_starts_at_its_epoch_0_and_one_dropped_leaves_the_rest_in_place(
+    sample_cache: Path, train_cache: Path
+) -> None:
+    a, b = str(sample_cache), str(train_cache)
+    before, states, _ = run_job(a, 1, 0, 77)
+    after, mixed, loaders = run_job({a: 0.5, b: 0.5}, 1, 0, 120, states)
+    assert f"cache {b} added: it starts at its epoch 0" in loaders[0].resume_changes
+    spec = loaders[0].spec
+    assert all(spec.deal(u).frontier == 0 for u, s in enumerate(spec.subs) if s.source == 1)
+    assert set(early_repeats(before + after).values()) == {0}
+    again, _, loaders = run_job(a, 1, 0, 100, mixed)
+    assert f"cache {b} dropped" in loaders[0].resume_changes
+    mine = [[x for x in step if x.source == a] for step in before + after]
+    assert set(early_repeats([*mine, *again]).values()) == {0}
+
+
+def test_a_cache_whose_content_changed_is_refused_unless_allowed(
+    sample_cache: Path, train_cache: Path, tmp_path: Path
+) -> None:
+    moving = tmp_path / "cache"
+    shutil.copytree(sample_cache, moving)
+    _, states, _ = run_job({str(moving): 0.5, str(train_cache): 0.5}, 2, 0, 20)
+    shutil.rmtree(moving)
+    shutil.copytree(train_cache, moving)  # another cache, rebuilt under the same location
+    caches = {str(moving): 0.5, str(train_cache): 0.5}
+    with pytest.raises(UserError, match=rf"cache {moving} changed since .*allow_data_change"):
+        run_job(caches, 2, 0, 1, states)
+    after, _, loaders = run_job(caches, 2, 0, 30, states, allow_data_change=True)
+    assert f"cache {moving} changed content: it starts again at its epoch 0" in (
+        loaders[0].resume_changes
+    )
+    assert {b.source for step in after for b in step} == set(caches)
