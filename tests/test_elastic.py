@@ -287,3 +287,25 @@ def test_a_cache_whose_content_changed_is_refused_unless_allowed(
         loaders[0].resume_changes
     )
     assert {b.source for step in after for b in step} == set(caches)
+
+
+@pytest.mark.slow  # 1,100 + 320 batches of a mix
+def test_a_mix_schedule_changes_the_weights_inside_one_run_and_resumes_exactly(
+    sample_cache: Path, train_cache: Path
+) -> None:
+    a, b = str(sample_cache), str(train_cache)
+    cache, schedule = {a: 0.5, b: 0.5}, {"300": {a: 0.8, b: 0.2}}
+    steps = run_job(cache, 1, 0, 1100, mix_schedule=schedule)[0]
+    batches = frames_of(steps, a)
+    for start, end, weight in ((0, 300, 0.5), (300, 1100, 0.8)):
+        for first in range(start, end - 200 + 1, 10):
+            window = batches[first : first + 200]
+            share = sum(f for mine, f in window if mine) / sum(f for _, f in window)
+            assert abs(share - weight) <= 0.02, (first, share, weight)
+    assert set(early_repeats(steps).values()) == {0}
+    _, states, _ = run_job(cache, 1, 0, 290, mix_schedule=schedule)
+    assert states[0]["mix_schedule"] == [[300, [0.8, 0.2]]]
+    resumed, _, _ = run_job(cache, 1, 0, 30, states[0], mix_schedule=schedule)
+    assert [b.keys for [b] in resumed] == [b.keys for [b] in steps[290:320]]
+    with pytest.raises(UserError, match=r"data\.mix_schedule\.300 names"):
+        make({a: 0.5, b: 0.5}, 0, 1, 0, mix_schedule={"300": {a: 1.0}})

@@ -162,8 +162,9 @@ def resume_elsewhere(
         deals.append(unread(sub, deal, old_slots, [int(row[0]) for row in rows]))
     # The schedule's choice of cache within a bucket follows each slot's frames per
     # sub-stream: start every slot even with the (new) weights, so no cache catches up.
-    per_slot = frames / spec.num_slots
-    row = [(0, round(target * per_slot)) for target in spec.schedule.targets]
+    per_slot, phase = frames / spec.num_slots, spec.phase(int(states[0]["batches"]))
+    schedule = spec.phases[phase - 1][1] if phase else spec.schedule
+    row = [(0, round(target * per_slot)) for target in schedule.targets]
     skipped = {k: v for state in states for k, v in state.get("skipped_shards", {}).items()}
     return Resumed(
         positions=[list(row) for _ in range(spec.workers_per_rank)],
@@ -236,8 +237,8 @@ def _job_changes(identity: Mapping[str, Any], old: Mapping[str, Any]) -> list[st
     """One line per job setting a resume changed (the caches are said by the caller)."""
     changes = [
         f"{STATE_KEYS.get(key, key)} {old.get(key)!r} -> {identity[key]!r}"
-        for key in ("world_size", "workers_per_rank", "mix")
-        if old.get(key) != identity[key]
+        for key in ("world_size", "workers_per_rank", "mix", "mix_schedule")
+        if old.get(key) != identity.get(key)
     ]
     return changes
 
@@ -278,5 +279,6 @@ STATE_KEYS = {
     "pad_multiple": "data.pad_multiple",
     "sync_buckets": "data.sync_buckets",
     "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
+    "mix_schedule": "data.mix_schedule (first batch, frame shares)",
     "cache_digest": "cache content digest",
 }

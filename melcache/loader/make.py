@@ -290,7 +290,12 @@ class StreamLoader:
             "cache_digest": digests[0] if len(digests) == 1 else digests,
             "sync_buckets": data.sync_buckets,
             "mix": [round(w, 9) for w in self.weights],
+            **({"mix_schedule": self._mix_schedule()} if self.spec.phases else {}),
         }
+
+    def _mix_schedule(self) -> list[list[Any]]:
+        """``data.mix_schedule`` as the state holds it: [first batch, frame shares] a phase."""
+        return [[start, [round(w, 9) for w in s.weights]] for start, s in self.spec.phases]
 
 
 class LoaderClosed(RuntimeError):
@@ -376,6 +381,10 @@ def make_loader(
         sources=mix.sources,
         subs=subs,
         schedule=make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),
+        phases=tuple(
+            (start, make_schedule(subs, weights, seed=seed, sync=data.sync_buckets))
+            for start, weights in mix.phases
+        ),
         data=data,
         rank=rank,
         world_size=world_size,

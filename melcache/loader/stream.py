@@ -21,6 +21,7 @@ within a bucket follows them.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -102,6 +103,25 @@ class StreamSpec:
     # How the job's slots share each bucket sub-stream: fresh, or after a resume from a job of
     # another size or mix (melcache/loader/elastic.py); empty: all fresh.
     deals: tuple[Deal, ...] = ()
+    # data.mix_schedule: (first rank-level batch, schedule) of each later phase of the mix
+    phases: tuple[tuple[int, Schedule], ...] = ()
+
+    def phase(self, rank_step: int) -> int:
+        """Phase of the mix (0: ``schedule``; i: ``phases[i - 1]``) at a rank's batch."""
+        return bisect.bisect_right([start for start, _ in self.phases], rank_step)
+
+    def pick(self, rank_step: int, slot: int, consumed: list[int]) -> int:
+        """The sub-stream of the rank's batch ``rank_step`` (see ``Schedule.pick``). The first
+        batch of a worker in a new phase of the mix starts its frames per sub-stream even
+        with the phase's weights (in place), so the shares follow them from the first window
+        instead of catching up on the past."""
+        phase = self.phase(rank_step)
+        schedule = self.phases[phase - 1][1] if phase else self.schedule
+        before = rank_step - self.workers_per_rank  # the worker's batch before
+        if phase and before >= 0 and self.phase(before) != phase:
+            total = sum(consumed)
+            consumed[:] = [round(target * total) for target in schedule.targets]
+        return schedule.pick(rank_step, slot, consumed)
 
     def deal(self, stream: int) -> Deal:
         """How the job's slots share sub-stream ``stream``."""
@@ -327,7 +347,7 @@ def planned_stream(spec: StreamSpec, worker: int) -> Iterator[Planned]:
         readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1), stack)
         consumed = [0] * len(readers)
         for step in itertools.count():
-            stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
+            stream = spec.pick(step * spec.workers_per_rank + worker, slot, consumed)
             planned = next(readers[stream])
             consumed[stream] += sum(s.frames for s in planned[2])
             yield planned
@@ -349,7 +369,7 @@ def worker_stream(
         seq = 0
         while True:
             rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
-            stream = spec.schedule.pick(rank_step, slot, consumed)
+            stream = spec.pick(rank_step, slot, consumed)
             packed, after = _collate_next(spec, readers[stream], failed, stream, skips, ring, seq)
             consumed[stream] += int(packed.mel_lengths.sum())
             ring.publish(seq)
