@@ -35,3 +35,23 @@ def test_a_run_of_4_ranks_trains_on_with_2(
     after = [loss for step, loss in losses if step > 10]
     assert after and all(math.isfinite(loss) for loss in after)
     assert max(after) < losses[0][1]  # it goes on from the trained weights, not afresh
+
+
+@pytest.mark.slow  # two torchrun jobs of 2 processes
+def test_a_run_resumed_with_new_mix_weights_follows_them(
+    train_cache: Path, sample_cache: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    entry = ("-m", "train", "--shards", str(sample_cache))  # options before the overrides
+
+    def weights(a: float, b: float) -> str:
+        return f'data.mix={{"{train_cache}" = {a}, "{sample_cache}" = {b}}}'
+
+    budget = "data.batch_frames=3000"  # the sample cache's longest utterance: 871 frames
+    run_ok(train_cmd(train_cache, out, weights(0.7, 0.3), budget, entry=entry, max_steps=10))
+    done = run_ok(train_cmd(train_cache, out, weights(0.3, 0.7), budget, entry=entry, max_steps=20))
+    assert "resumed with changes: mix shares" in done.stderr
+    changed = [r for r in metrics(out) if r.get("event") == "resumed_changed"]
+    assert (
+        len(changed) == 1 and "[0.3, 0.7] -> [0.7, 0.3]" in changed[0]["changes"][0]
+    )  # sample first

@@ -166,26 +166,32 @@ class Checkpointer:
         if world_size == self.env.world_size:
             state = shared, _load(path / rank_file(self.env.rank))
         else:
-            state = shared, self._resized(path, world_size)
+            state = shared, self._resized(path, world_size, shared["step"])
         listed = marker.get("files")
         if (path / dcp.WEIGHTS).exists() or (isinstance(listed, list) and dcp.WEIGHTS in listed):
             _check_weights(path / dcp.WEIGHTS)  # loaded later, into the sharded model
         return state
 
-    def _resized(self, path: Path, world_size: int) -> dict[str, Any]:
+    def _resized(self, path: Path, world_size: int, step: int) -> dict[str, Any]:
         """This rank's local state from checkpoint ``path`` of a job of ``world_size`` ranks:
         every old rank's loader state (the loader resumes from all of them), the RNG of the
         old rank of this number (``None`` past the old ranks: seeded afresh) and no PowerSGD
         error feedback (it is per rank and restarts at zero)."""
-        old = [_load(path / rank_file(rank)) for rank in range(world_size)]
-        mine = old[self.env.rank] if self.env.rank < world_size else None
+        mine = _load(path / rank_file(self.env.rank)) if self.env.rank < world_size else None
         return {
-            "step": old[0]["step"],
+            "step": step,
             "rank": self.env.rank,
             "rng": None if mine is None else mine["rng"],
-            "loader": [state["loader"] for state in old],
+            "loader": self.loader_states(path, world_size),
             "resized_from": world_size,
         }
+
+    def loader_states(self, path: Path, world_size: int | None = None) -> list[dict[str, Any]]:
+        """Every rank's loader state in checkpoint ``path``, in rank order (what a job of
+        another size or mix resumes its loader from)."""
+        if world_size is None:
+            world_size = _read_marker(path / MARKER)["world_size"]
+        return [_load(path / rank_file(rank))["loader"] for rank in range(world_size)]
 
     def _write(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         name = f"step-{step:08d}"

@@ -115,7 +115,13 @@ def _restore_loader(p: RunParts, latest: Path, state: dict[str, Any]) -> None:
     """The loader's position (``state``: this rank's, or every rank's of a job of another size),
     or one line in the trainer's words when it does not fit."""
     try:
-        p.loader.load_state_dict(state)
+        try:
+            p.loader.load_state_dict(state)
+        except LoaderStateError:
+            if isinstance(state, list):
+                raise
+            # Another mix (or worker count) on as many ranks: the loader needs every rank's.
+            p.loader.load_state_dict(p.ckpt.loader_states(latest))
     except LoaderStateError as exc:
         raise UserError(
             f"{latest}: {exc.problem}; rerun with the config the run was saved with, or train "
