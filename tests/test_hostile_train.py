@@ -98,12 +98,23 @@ def test_a_diverging_run_ends_in_one_line(train_cache: Path, tmp_path: Path) -> 
     )
 
 
-def test_a_resume_with_other_workers_names_the_users_key(train_cache: Path, tmp_path: Path) -> None:
+def test_a_resume_with_other_workers_goes_on_and_another_budget_names_the_users_key(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """Another worker count resumes (#39: every rank's loader state); another batch budget,
+    which would cut other batches, is one line naming the user's key."""
     tiny_fit(train_cache, tmp_path, 2, IN_PROCESS)
+    resumed = tiny_trainer(train_cache, tmp_path, [*IN_PROCESS, "data.num_workers=2"])
+    try:
+        assert resumed.parts.loader.resume_changes == (
+            "data.num_workers (workers per rank) 1 -> 2",
+        )
+    finally:
+        resumed.close()
     with pytest.raises(UserError) as error:
-        tiny_trainer(train_cache, tmp_path, [*IN_PROCESS, "data.num_workers=2"])
+        tiny_trainer(train_cache, tmp_path, [*IN_PROCESS, "data.max_batch_size=3"])
     line = one_line(error.value)
-    assert "data.num_workers (workers per rank) = 1 but this loader has" in line, line
+    assert "data.max_batch_size = 16 but this loader has data.max_batch_size = 3" in line, line
     assert "load_state_dict" not in line and "workers_per_rank" not in line
     assert "train into a new --out" in line
 

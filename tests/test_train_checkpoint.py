@@ -86,12 +86,14 @@ def test_unfinished_writes_never_count_and_are_cleaned(tmp_path: Path, monkeypat
     fresh.load(fresh.latest())
 
 
-def test_world_size_change_is_refused(tmp_path: Path) -> None:
+def test_a_checkpoint_of_another_world_size_needs_every_old_rank_file(tmp_path: Path) -> None:
+    """A job of another size reads every old rank's file (their loader states); one missing
+    is named (the 4-rank → 2-rank resume itself: tests/test_train_elastic.py)."""
     ckpt = Checkpointer(tmp_path, CPU, keep=2, async_save=False)
     ckpt.save(1, *state(1))
     marker = tmp_path / "step-00000001" / MARKER
     marker.write_text(marker.read_text().replace('"world_size": 1', '"world_size": 4'))
-    with pytest.raises(UserError, match="written by 4 ranks"):
+    with pytest.raises(UserError, match=r"rank-00001\.pt is missing"):
         ckpt.load(ckpt.latest())
 
 

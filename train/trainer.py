@@ -56,6 +56,9 @@ class Trainer:
         self.parts: RunParts = build_run_parts(cfg, shards, self.out, env)
         self.step = resume_or_start(self.parts)
         self._pending_records = self.parts.budgets.apply_pending()  # cuts a stopped run left
+        if self.parts.loader.resume_changes:  # resumed by a job of another size or mix
+            changes = list(self.parts.loader.resume_changes)
+            self._pending_records.append({"event": "resumed_changed", "changes": changes})
         self.model = wrap_for_training(self.parts)
         self.meter = Meter(env)
         self.stop = StopFlag()

@@ -54,6 +54,12 @@ class DataConfig:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
     mix_temperature: float = bounded(1.0, 0, 100)
+    # Weights that take over from a batch on, inside one run: {batch: {location: weight}},
+    # the batch counted per rank (docs/loader.md, "Mix changes"); stored in the loader state.
+    mix_schedule: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    # Resume a cache whose content (index digest) changed under the same location, from its
+    # epoch 0, rather than refuse the saved loader state (docs/loader.md, "Resume").
+    allow_data_change: bool = False
     # Per-utterance fields each batch carries in batch.extras ([build] extras of the cache, or
     # "reference"): melcache/loader/batch.py; a plug-in's melcache_contract "extras" adds its own.
     extras: tuple[str, ...] = ()
@@ -86,9 +92,16 @@ class DataConfig:
             "true or false",
         )
         require(
+            isinstance(self.allow_data_change, bool),
+            "data.allow_data_change",
+            self.allow_data_change,
+            "true or false",
+        )
+        require(
             isinstance(self.mix, Mapping), "data.mix", self.mix, "a table of locations to weights"
         )
         object.__setattr__(self, "mix", {w: _weight(w, v) for w, v in self.mix.items()})
+        object.__setattr__(self, "mix_schedule", _mix_schedule(self.mix_schedule))
         require(
             isinstance(self.extras, tuple) and all(isinstance(n, str) and n for n in self.extras),
             "data.extras",
@@ -135,6 +148,19 @@ def _weight(where: str, value: Any) -> float:
 
 
 _WEIGHT = "a finite positive weight (a share of frames, any scale)"
+
+
+def _mix_schedule(table: Any) -> dict[str, dict[str, float]]:
+    """``data.mix_schedule`` keyed by canonical batch numbers in order, each a weight table."""
+    shape = "a table of batch numbers to tables of locations to weights"
+    require(isinstance(table, Mapping), "data.mix_schedule", table, shape)
+    out: dict[str, dict[str, float]] = {}
+    for key, weights in table.items():
+        require(str(key).isdigit() and int(key) > 0, "data.mix_schedule", dict(table), shape)
+        name = f"data.mix_schedule.{key}"
+        require(isinstance(weights, Mapping) and weights, name, weights, shape)
+        out[str(int(key))] = {w: _weight(w, v) for w, v in weights.items()}
+    return dict(sorted(out.items(), key=lambda item: int(item[0])))
 
 
 def _is_count(value: Any) -> bool:

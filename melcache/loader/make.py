@@ -27,8 +27,9 @@ their weights. Each sub-stream reads every shard once per epoch across the job's
 Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
 worker's position after it in its sub-stream (``melcache/loader/stream.py``); the loader records it as
 the batch is handed to the caller. A restore re-reads at most one shard (or unit) per worker and
-sub-stream, skipping its consumed batches without decoding a mel. A state from a different
-world size, worker count, seed, cache, mix or batch budget is refused, naming the key.
+sub-stream, skipping its consumed batches without decoding a mel. The list of every rank's
+state resumes a job of another world size, worker count or mix (``melcache/loader/elastic.py``);
+a state of another seed or batch budget is refused, naming the key.
 
 Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
 ``shard_check="off"``) altered shard with a :class:`ShardError` naming it, in any epoch: every
@@ -49,18 +50,27 @@ when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.py`` me
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.loader.batch import Batch, utf8_tokens
 from melcache.loader.data_config import DataConfig
+from melcache.loader.elastic import (
+    ELASTIC_VERSIONS,
+    STATE_KEYS,
+    LoaderStateError,
+    parse_deals,
+    resume_elsewhere,
+    saved_deals,
+    stream_keys,
+)
 from melcache.loader.mix import (
     CacheArg,
     OpenedMix,
@@ -76,17 +86,19 @@ from melcache.loader.stream import Cursor, StreamSpec, progress
 from melcache.loader.workers import check_shared_memory, worker_batches
 from melcache.sections import require
 
-__all__ = ["BatchIterator", "LoaderClosed", "StreamLoader", "make_loader"]
+__all__ = ["BatchIterator", "LoaderClosed", "LoaderStateError", "StreamLoader", "make_loader"]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 # Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
 # stream of data.sync_buckets = false over one cache, which continues it exactly.
 WHOLE_CACHE_VERSION = 1
 # Version 2 (this release before units of shards and the frames each position ends with now)
 # continues exactly only where neither changed the stream: one cache, sync_buckets = false.
 NO_FRAMES_VERSION = 2
+# Version 3 (this release before resumes on another job size or mix) lacks the sub-streams'
+# names and deals: every deal fresh, the caches and mix this loader's.
 
 
 class StreamLoader:
@@ -104,6 +116,7 @@ class StreamLoader:
         self.features, self.indexes, self.weights = mix.features, mix.indexes, mix.weights
         self.index = mix.indexes[0]
         self.skipped_shards: dict[str, str] = {}
+        self.resume_changes: tuple[str, ...] = ()  # what the last load_state_dict changed
         start = [spec.start(sub) for sub in spec.subs]
         self._positions = [list(start) for _ in range(spec.workers_per_rank)]
         self._next_worker = 0  # logical worker whose batch the consumer gets next
@@ -175,17 +188,53 @@ class StreamLoader:
             "batches": self._batches,
             "positions": [[list(p) for p in worker] for worker in self._positions],
             "skipped_shards": dict(self.skipped_shards),
+            "streams": stream_keys(self.spec),
+            "deals": saved_deals(self.spec),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue exactly after the last batch the saved loader handed out.
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue after the last batch the saved loader (or job) handed out.
 
-        Call before iterating (a running iterator stops). Raises :class:`UserError` naming
-        the key when the state belongs to a different job layout, seed, cache, mix or budget.
-        A state of the previous release (version 1) continues a one-cache loader with
-        ``data.sync_buckets = false``.
+        ``state``: this rank's state of the same job (batch for batch, as before), or the
+        list of every rank's state of a job of any size, worker count or mix, in rank order
+        (``melcache/loader/elastic.py``: what the old job left unread of each sub-stream's
+        epoch in progress is read once, then epochs go on as in a fresh job; an added cache
+        starts at its epoch 0). ``resume_changes`` then says what changed. Call before
+        iterating (a running iterator stops). Raises :class:`UserError` naming the key when
+        the state cannot continue here (another seed or batch budget, a cache whose content
+        changed without ``data.allow_data_change``). A state of an earlier release (version 1
+        or 2) continues a one-cache loader with ``data.sync_buckets = false``.
         """
         self.close()
+        self.resume_changes: tuple[str, ...] = ()
+        if isinstance(state, Mapping):
+            one_rank = state.get("world_size") == 1 and state.get("version") in ELASTIC_VERSIONS
+            if not (one_rank and self._differs(state)):
+                return self._load_same_job(state)
+            state = [state]
+        states = list(state)
+        mine = states[self.spec.rank] if len(states) > self.spec.rank else {}
+        if len(states) == self.spec.world_size and not self._differs(mine):
+            return self._load_same_job(mine)
+        resumed = resume_elsewhere(
+            self.spec, self._identity(), states, self.spec.data.allow_data_change
+        )
+        self.spec = dataclasses.replace(self.spec, deals=resumed.deals)
+        self._positions = resumed.positions
+        self._batches = resumed.batches
+        self._next_worker = resumed.batches % self.spec.workers_per_rank
+        self.skipped_shards = resumed.skipped_shards
+        self.resume_changes = resumed.changes
+        return None
+
+    def _differs(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` (version 3 or 4) was saved by another job layout or mix."""
+        return state.get("version") not in ELASTIC_VERSIONS or any(
+            state.get(key) != value for key, value in self._identity().items()
+        )
+
+    def _load_same_job(self, state: Mapping[str, Any]) -> None:
+        """Continue batch for batch from this rank's state of the same job."""
         version = state.get("version")
         identity = self._identity()
         if version in (WHOLE_CACHE_VERSION, NO_FRAMES_VERSION):
@@ -199,16 +248,17 @@ class StreamLoader:
                 positions = [[[*p, 0]] for p in state["positions"]]
             else:
                 positions = [[[*p, 0] for p in worker] for worker in state["positions"]]
-        elif version == STATE_VERSION:
+        elif version in ELASTIC_VERSIONS:
             positions = state["positions"]
         else:
             raise LoaderStateError(f"loader state version {version!r}, expected {STATE_VERSION}")
         for key, value in identity.items():
             if state.get(key) != value:
-                name = _STATE_KEYS.get(key, key)
+                name = STATE_KEYS.get(key, key)
                 raise LoaderStateError(
                     f"loader state was saved with {name} = {state.get(key)!r} but this loader "
-                    f"has {name} = {value!r}"
+                    f"has {name} = {value!r} (a job of another size or mix resumes from the "
+                    "list of every rank's state)"
                 )
         shape = [[len(self.spec.start(sub)) for sub in self.spec.subs]] * len(self._positions)
         restored = [[tuple(map(int, p)) for p in worker] for worker in positions]
@@ -220,6 +270,8 @@ class StreamLoader:
                 f"loader state has positions of shape {[[len(p) for p in w] for w in restored]} "
                 f"and next_worker = {next_worker} after {batches} batches; expected {shape}"
             )
+        deals = parse_deals(state["deals"], len(self.spec.subs)) if version == 4 else ()
+        self.spec = dataclasses.replace(self.spec, deals=deals)
         self._positions = [list(worker) for worker in restored]
         self._next_worker, self._batches = next_worker, batches
         self.skipped_shards = dict(state.get("skipped_shards", {}))
@@ -239,33 +291,12 @@ class StreamLoader:
             "cache_digest": digests[0] if len(digests) == 1 else digests,
             "sync_buckets": data.sync_buckets,
             "mix": [round(w, 9) for w in self.weights],
+            **({"mix_schedule": self._mix_schedule()} if self.spec.phases else {}),
         }
 
-
-# The user's names of the state's identity keys: a trainer user sets data.num_workers, not the
-# workers per rank it gives (at least 1).
-_STATE_KEYS = {
-    "workers_per_rank": "data.num_workers (workers per rank)",
-    "batch_frames": "data.batch_frames",
-    "max_batch_size": "data.max_batch_size",
-    "pad_multiple": "data.pad_multiple",
-    "sync_buckets": "data.sync_buckets",
-    "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
-    "cache_digest": "cache content digest",
-}
-
-
-class LoaderStateError(UserError):
-    """A saved loader state that does not fit this loader. ``problem`` says what differs;
-    the message adds the fix for a caller of :meth:`StreamLoader.load_state_dict` (a
-    trainer says its own)."""
-
-    def __init__(self, problem: str) -> None:
-        self.problem = problem
-        super().__init__(
-            f"{problem}; resume with the same setting, or start the data stream afresh without "
-            "load_state_dict"
-        )
+    def _mix_schedule(self) -> list[list[Any]]:
+        """``data.mix_schedule`` as the state holds it: [first batch, frame shares] a phase."""
+        return [[start, [round(w, 9) for w in s.weights]] for start, s in self.spec.phases]
 
 
 class LoaderClosed(RuntimeError):
@@ -353,6 +384,10 @@ def make_loader(
         sources=mix.sources,
         subs=subs,
         schedule=make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),
+        phases=tuple(
+            (start, make_schedule(subs, weights, seed=seed, sync=data.sync_buckets))
+            for start, weights in mix.phases
+        ),
         data=data,
         rank=rank,
         world_size=world_size,

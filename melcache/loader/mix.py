@@ -40,6 +40,8 @@ class OpenedMix:
     indexes: tuple[dict[str, Any], ...]
     features: FeatureConfig
     weights: tuple[float, ...]
+    # data.mix_schedule: (first batch, frame shares) of each later phase
+    phases: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
 
 def open_mix(
@@ -69,10 +71,15 @@ def open_mix(
         for where, index in zip(locations, indexes, strict=True)
     )
     weights = tuple(mix_weights(hours, given, data.mix_temperature))
+    phases = tuple(
+        (int(start), tuple(mix_weights(hours, _configured_weights(locations, table, key), alpha)))
+        for start, table in data.mix_schedule.items()
+        for alpha, key in [(data.mix_temperature, f"data.mix_schedule.{start}")]
+    )
     # The indexes are all the parent reads of a store; its workers are forked after this and
     # make their own clients, so the one made here goes (it would only hold sockets open).
     objectstore.forget_clients()
-    return OpenedMix(sources, indexes, features, weights)
+    return OpenedMix(sources, indexes, features, weights, phases)
 
 
 def _locations(cache: CacheArg) -> tuple[list[str], list[float] | None]:
@@ -125,7 +132,9 @@ def _weight(name: str, value: object) -> float:
     return weight
 
 
-def _configured_weights(locations: list[str], mix: Mapping[str, Any]) -> list[float]:
+def _configured_weights(
+    locations: list[str], mix: Mapping[str, Any], key: str = "data.mix"
+) -> list[float]:
     """``data.mix``'s weight of each cache, matched by :func:`same_cache`: it must name exactly
     the caches the run reads (a weight of a cache not read would be ignored without a word)."""
     named = {same_cache(str(where)): where for where in mix}
@@ -136,10 +145,10 @@ def _configured_weights(locations: list[str], mix: Mapping[str, Any]) -> list[fl
     )
     if differs or len(named) != len(mix):
         raise UserError(
-            f"data.mix names {sorted(map(str, mix))} but the caches are {locations}: give one "
+            f"{key} names {sorted(map(str, mix))} but the caches are {locations}: give one "
             f"weight per cache, keyed by its location (differs: {differs or 'a cache named twice'})"
         )
-    return [_weight(f"data.mix.{named[n]}", mix[named[n]]) for n in mine]
+    return [_weight(f"{key}.{named[n]}", mix[named[n]]) for n in mine]
 
 
 def _check_temperature(value: object) -> None:

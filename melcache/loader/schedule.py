@@ -203,15 +203,76 @@ def global_batch(sub: SubStream, *, slot: int, num_slots: int, taken: int) -> in
     return (slot + (taken // size) * num_slots) * size + taken % size
 
 
+@dataclasses.dataclass(frozen=True)
+class Deal:
+    """How the slots of a job share one sub-stream's endless sequence of batches.
+
+    A fresh job deals the whole sequence in chunks (:func:`global_batch`). A job resumed from a
+    job of another size or mix (``melcache/loader/elastic.py``) first reads ``leftover``, the
+    batches before ``frontier`` (an epoch boundary) that the old job left unread (sorted,
+    disjoint ``[start, stop)`` runs), then deals the sequence from ``frontier`` on as a fresh
+    job of its size deals it from 0. Where the job's chunks are of several batches, each slot
+    reads a near-equal run of the leftover (the larger runs first, so the slots leave it
+    within one step of each other and a slot stays in few units); where they are of one (an
+    epoch has fewer than two batches per slot), the slots take the leftover and then the
+    sequence one batch each in turn, as a fresh job does, so no slot runs a whole turn (more
+    than an epoch) ahead of another.
+    """
+
+    frontier: int = 0
+    leftover: tuple[tuple[int, int], ...] = ()
+
+    @functools.cached_property
+    def ends(self) -> tuple[int, ...]:
+        """Running count of leftover batches at the end of each run."""
+        return tuple(itertools.accumulate(stop - start for start, stop in self.leftover))
+
+    def share(self, slot: int, num_slots: int) -> tuple[int, int]:
+        """Slot ``slot``'s part ``[first, end)`` of the leftover, counted in leftover batches:
+        near-equal and the larger parts first, so the slots leave the leftover together."""
+        total = self.ends[-1] if self.ends else 0
+        return -(-slot * total // num_slots), -(-(slot + 1) * total // num_slots)
+
+    def number(self, sub: SubStream, *, slot: int, num_slots: int, taken: int) -> int:
+        """Number, in the sub-stream's sequence, of slot ``slot``'s batch after ``taken``."""
+        if chunk_size(sub, num_slots) == 1:
+            place, total = taken * num_slots + slot, self.ends[-1] if self.ends else 0
+            return self.leftover_batch(place) if place < total else self.frontier + place - total
+        first, end = self.share(slot, num_slots)
+        if taken < end - first:
+            return self.leftover_batch(first + taken)
+        fresh = global_batch(sub, slot=slot, num_slots=num_slots, taken=taken - (end - first))
+        return self.frontier + fresh
+
+    def leftover_batch(self, place: int) -> int:
+        """The sequence number of the leftover's ``place``-th batch."""
+        run = bisect.bisect_right(self.ends, place)
+        return self.leftover[run][0] + place - (self.ends[run - 1] if run else 0)
+
+    def leftover_runs(self, first: int, end: int) -> list[tuple[int, int]]:
+        """The sequence numbers of leftover places ``first..end-1``, as runs."""
+        runs = []
+        while first < end:
+            run = bisect.bisect_right(self.ends, first)
+            start = self.leftover_batch(first)
+            length = min(end, self.ends[run]) - first
+            runs.append((start, start + length))
+            first += length
+        return runs
+
+
+FRESH = Deal()
+
+
 def visit_run(
-    sub: SubStream, *, seed: int, slot: int, num_slots: int, taken: int, limit: int
+    sub: SubStream, deal: Deal, *, seed: int, slot: int, num_slots: int, taken: int, limit: int
 ) -> int:
     """How many of slot ``slot``'s batches from its ``taken``-th on are of one visit of one
     unit (the same epoch and place), counted up to ``limit``: the share of the unit the
     slot's read is for."""
 
     def visit(t: int) -> tuple[int, int]:
-        number = global_batch(sub, slot=slot, num_slots=num_slots, taken=t)
+        number = deal.number(sub, slot=slot, num_slots=num_slots, taken=t)
         return locate(sub, seed=seed, number=number)[:2]
 
     first, run = visit(taken), 1

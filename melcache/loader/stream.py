@@ -21,6 +21,7 @@ within a bucket follows them.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -42,7 +43,7 @@ from melcache.loader.batching import (
     worker_shards,
 )
 from melcache.loader.data_config import DataConfig
-from melcache.loader.schedule import Schedule, SubStream, global_batch, locate
+from melcache.loader.schedule import FRESH, Deal, Schedule, SubStream, locate
 from melcache.loader.transport import BatchRing
 from melcache.loader.units import ranged_unit, takes_little, whole_unit
 from melcache.location import member_location
@@ -102,6 +103,32 @@ class StreamSpec:
     n_mels: int
     pad_value: float
     tokenizer: Tokenizer
+    # How the job's slots share each bucket sub-stream: fresh, or after a resume from a job of
+    # another size or mix (melcache/loader/elastic.py); empty: all fresh.
+    deals: tuple[Deal, ...] = ()
+    # data.mix_schedule: (first rank-level batch, schedule) of each later phase of the mix
+    phases: tuple[tuple[int, Schedule], ...] = ()
+
+    def phase(self, rank_step: int) -> int:
+        """Phase of the mix (0: ``schedule``; i: ``phases[i - 1]``) at a rank's batch."""
+        return bisect.bisect_right([start for start, _ in self.phases], rank_step)
+
+    def pick(self, rank_step: int, slot: int, consumed: list[int]) -> int:
+        """The sub-stream of the rank's batch ``rank_step`` (see ``Schedule.pick``). The first
+        batch of a worker in a new phase of the mix starts its frames per sub-stream even
+        with the phase's weights (in place), so the shares follow them from the first window
+        instead of catching up on the past."""
+        phase = self.phase(rank_step)
+        schedule = self.phases[phase - 1][1] if phase else self.schedule
+        before = rank_step - self.workers_per_rank  # the worker's batch before
+        if phase and before >= 0 and self.phase(before) != phase:
+            total = sum(consumed)
+            consumed[:] = [round(target * total) for target in schedule.targets]
+        return schedule.pick(rank_step, slot, consumed)
+
+    def deal(self, stream: int) -> Deal:
+        """How the job's slots share sub-stream ``stream``."""
+        return self.deals[stream] if self.deals else FRESH
 
     @property
     def workers_per_rank(self) -> int:
@@ -225,7 +252,7 @@ def whole_cache_batches(
 
 def bucket_batches(
     spec: StreamSpec,
-    sub: SubStream,
+    stream: int,
     slot: int,
     taken: int,
     check: ShardCheck,
@@ -238,6 +265,7 @@ def bucket_batches(
     (``cache``), only its batches' samples are read, else the unit's shards whole. A shard
     that cannot be read is recorded and left out: of the unit's cut when read whole, of the
     batch when read by range."""
+    sub, deal = spec.subs[stream], spec.deal(stream)
     visit: tuple[int, int] | None = None
     plan: list[list[int]] = []
     read = functools.partial(_read, spec, sub.source, check=check, skips=skips)
@@ -246,7 +274,7 @@ def bucket_batches(
         skips.record((sub.source, name), name, problem)
 
     while True:
-        number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
+        number = deal.number(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
         epoch, place, batch = locate(sub, seed=spec.seed, number=number)
         taken += 1
         unit = sub.units[place]
@@ -254,7 +282,13 @@ def bucket_batches(
             visit = (epoch, unit[0])
             source = spec.sources[sub.source]
             if cache is not None and takes_little(
-                sub, place, seed=spec.seed, slot=slot, num_slots=spec.num_slots, taken=taken - 1
+                sub,
+                deal,
+                place,
+                seed=spec.seed,
+                slot=slot,
+                num_slots=spec.num_slots,
+                taken=taken - 1,
             ):
                 members = ranged_unit(cache, source.location, source.shards, unit, record)
             else:
@@ -282,8 +316,9 @@ def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[l
         out.append([
             p[0] + p[1] * spec.num_slots / len(sub.units)  # (epoch, shard, batch)
             if sub.bucket < 0
-            else global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=p[0]) / sub.per_epoch
-            for sub, p in zip(spec.subs, row, strict=True)
+            else spec.deal(u).number(sub, slot=slot, num_slots=spec.num_slots, taken=p[0])
+            / sub.per_epoch
+            for u, (sub, p) in enumerate(zip(spec.subs, row, strict=True))
         ])  # fmt: skip
     return out
 
@@ -303,10 +338,10 @@ def open_readers(
         for source in spec.sources
     ]
     return [
-        bucket_batches(spec, sub, slot, position[0], check, skips, caches[sub.source])
+        bucket_batches(spec, u, slot, position[0], check, skips, caches[sub.source])
         if sub.bucket >= 0
         else whole_cache_batches(spec, sub, slot, Position(*position[:3]), check, skips)
-        for sub, position in zip(spec.subs, positions, strict=True)
+        for u, (sub, position) in enumerate(zip(spec.subs, positions, strict=True))
     ]
 
 
@@ -319,7 +354,7 @@ def planned_stream(spec: StreamSpec, worker: int) -> Iterator[Planned]:
         readers = open_readers(spec, slot, starts, ShardCheck("off"), SkipLog("raise", 1), stack)
         consumed = [0] * len(readers)
         for step in itertools.count():
-            stream = spec.schedule.pick(step * spec.workers_per_rank + worker, slot, consumed)
+            stream = spec.pick(step * spec.workers_per_rank + worker, slot, consumed)
             planned = next(readers[stream])
             consumed[stream] += sum(s.frames for s in planned[2])
             yield planned
@@ -342,7 +377,7 @@ def worker_stream(
         seq = 0
         while True:
             rank_step = step * spec.workers_per_rank + worker  # the rank's batch number
-            stream = spec.schedule.pick(rank_step, slot, consumed)
+            stream = spec.pick(rank_step, slot, consumed)
             packed, after = _collate_next(
                 spec, readers[stream], failed, stream, skips, ring, seq, fields
             )

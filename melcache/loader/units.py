@@ -18,7 +18,7 @@ from typing import Any
 
 from melcache.access import Cache
 from melcache.errors import ShardError
-from melcache.loader.schedule import SubStream, visit_run
+from melcache.loader.schedule import Deal, SubStream, visit_run
 from melcache.location import member_location
 from melcache.reader import RawSample
 from melcache.table import TABLE_NAME
@@ -43,12 +43,12 @@ class UnitMembers:
 
 
 def takes_little(
-    sub: SubStream, place: int, *, seed: int, slot: int, num_slots: int, taken: int
+    sub: SubStream, deal: Deal, place: int, *, seed: int, slot: int, num_slots: int, taken: int
 ) -> bool:
     """Whether the slot's run of batches of one visit of unit ``place``, from its ``taken``-th
     batch, is under :data:`RANGED_BELOW` of the unit's (it shares the unit with others)."""
     limit = math.ceil(RANGED_BELOW * sub.batches[place])
-    run = visit_run(sub, seed=seed, slot=slot, num_slots=num_slots, taken=taken, limit=limit)
+    run = visit_run(sub, deal, seed=seed, slot=slot, num_slots=num_slots, taken=taken, limit=limit)
     return run < limit
 
 

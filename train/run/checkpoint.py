@@ -4,7 +4,8 @@ Layout of ``OUT/checkpoints``::
 
     step-00001000/        a complete checkpoint (it holds COMPLETE.json)
       shared.pt           rank 0: model, optimizer, scheduler, scaler, EMA, step, config
-      rank-00000.pt       each rank: its RNG states and its loader's exact-resume state
+      rank-00000.pt       each rank: its RNG states and its loader's exact-resume state (a job
+                          of another size reads them all: its loader resumes from every one)
       rank-00001.pt
       weights/            FSDP2 runs: every rank's shards of model, optimizer and EMA (DCP),
                           which shared.pt then lacks (``train/run/dcp.py``)
@@ -161,18 +162,36 @@ class Checkpointer:
         :class:`CorruptCheckpoint` naming the file that cannot be read."""
         marker = _read_marker(path / MARKER)
         world_size = marker["world_size"]
-        if world_size != self.env.world_size:
-            raise UserError(
-                f"{path} was written by {world_size} ranks but this job has "
-                f"{self.env.world_size}: each rank resumes its own loader position, so restart "
-                f"with --nproc-per-node/--nnodes giving {world_size} processes, or "
-                "start a new --out"
-            )
-        state = _load(path / SHARED), _load(path / rank_file(self.env.rank))
+        shared = _load(path / SHARED)
+        if world_size == self.env.world_size:
+            state = shared, _load(path / rank_file(self.env.rank))
+        else:
+            state = shared, self._resized(path, world_size, shared["step"])
         listed = marker.get("files")
         if (path / dcp.WEIGHTS).exists() or (isinstance(listed, list) and dcp.WEIGHTS in listed):
             _check_weights(path / dcp.WEIGHTS)  # loaded later, into the sharded model
         return state
+
+    def _resized(self, path: Path, world_size: int, step: int) -> dict[str, Any]:
+        """This rank's local state from checkpoint ``path`` of a job of ``world_size`` ranks:
+        every old rank's loader state (the loader resumes from all of them), the RNG of the
+        old rank of this number (``None`` past the old ranks: seeded afresh) and no PowerSGD
+        error feedback (it is per rank and restarts at zero)."""
+        mine = _load(path / rank_file(self.env.rank)) if self.env.rank < world_size else None
+        return {
+            "step": step,
+            "rank": self.env.rank,
+            "rng": None if mine is None else mine["rng"],
+            "loader": self.loader_states(path, world_size),
+            "resized_from": world_size,
+        }
+
+    def loader_states(self, path: Path, world_size: int | None = None) -> list[dict[str, Any]]:
+        """Every rank's loader state in checkpoint ``path``, in rank order (what a job of
+        another size or mix resumes its loader from)."""
+        if world_size is None:
+            world_size = _read_marker(path / MARKER)["world_size"]
+        return [_load(path / rank_file(rank))["loader"] for rank in range(world_size)]
 
     def _write(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         name = f"step-{step:08d}"

@@ -77,6 +77,8 @@ def resume_or_start(parts: RunParts) -> int:
     if restored is not None:
         step = _restore(p, *restored, rewinding=False)
         log.info("resumed from %s", restored[0])
+        if p.loader.resume_changes:
+            log.info("resumed with changes: %s", "; ".join(p.loader.resume_changes))
         return step
     if p.cfg.data.mel_stats and hasattr(p.raw_model, "set_mel_stats"):
         stats = mel_stats(p.shards, p.loader.features.n_mels, p.loader.weights)
@@ -105,13 +107,21 @@ def rewind(parts: RunParts) -> tuple[int, int]:
     counts = spikes.skipped, spikes.rewinds  # what happened in the run: not undone
     step = _restore(p, *restored, rewinding=True)
     spikes.rewound(*counts)
-    return step, int(restored[2]["loader"]["batches"])
+    loader = restored[2]["loader"]  # every old rank's, where a job of another size saved it
+    return step, int((loader[0] if isinstance(loader, list) else loader)["batches"])
 
 
 def _restore_loader(p: RunParts, latest: Path, state: dict[str, Any]) -> None:
-    """The loader's position, or one line in the trainer's words when it does not fit."""
+    """The loader's position (``state``: this rank's, or every rank's of a job of another size),
+    or one line in the trainer's words when it does not fit."""
     try:
-        p.loader.load_state_dict(state)
+        try:
+            p.loader.load_state_dict(state)
+        except LoaderStateError:
+            if isinstance(state, list):
+                raise
+            # Another mix (or worker count) on as many ranks: the loader needs every rank's.
+            p.loader.load_state_dict(p.ckpt.loader_states(latest))
     except LoaderStateError as exc:
         raise UserError(
             f"{latest}: {exc.problem}; rerun with the config the run was saved with, or train "
@@ -145,7 +155,10 @@ def _restore(
             _restore_loader(p, latest, local["loader"])
         if p.powersgd is not None and "powersgd" in local:
             p.powersgd.load_state_dict(local["powersgd"])
-        set_rng_state(local["rng"], p.env.device)
+        if local["rng"] is None:  # a rank the job that saved had not: its own stream
+            seed_all(derive_seed(p.cfg.train.seed, "train", p.env.rank))
+        else:
+            set_rng_state(local["rng"], p.env.device)
         return int(shared["step"])
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         detail = " ".join(str(exc).split())  # torch's messages span lines

@@ -1,0 +1,284 @@
+"""Resuming from a job of another size or mix: which batches the old job left unread.
+
+A bucket sub-stream's batches are numbered in one endless sequence that does not depend on
+the job reading it (``melcache/loader/schedule.py``: the units, their order per epoch and
+their cuts come from the index, the seed and the budget), and each slot of a job reads a
+known part of it (a :class:`Deal`). So the set an old job has read is known from every old
+slot's count of batches taken, and what it left unread before the end of the epoch its
+furthest slot is in is a few runs of batch numbers: a new job of any size reads those first
+(:meth:`Deal.share`), then deals the epochs after as a fresh job of its size would. Nothing
+is replayed: the runs are found per slot and chunk, ``O(slots)``, not per batch or shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from melcache.errors import UserError
+from melcache.loader.mix import same_cache, shards_digest
+from melcache.loader.schedule import FRESH, Deal, SubStream, chunk_size
+from melcache.loader.stream import StreamSpec
+
+
+def unread(sub: SubStream, deal: Deal, num_slots: int, taken: Sequence[int]) -> Deal:
+    """The deal a new job of any size continues ``sub`` with, after a job of ``num_slots``
+    slots that shared it by ``deal`` and whose slot ``s`` took ``taken[s]`` of its batches:
+    every batch before the end of the epoch the furthest slot was in that no slot took,
+    then the epochs after, from that end."""
+    last = max(
+        (
+            deal.number(sub, slot=slot, num_slots=num_slots, taken=count - 1)
+            for slot, count in enumerate(taken)
+            if count
+        ),
+        default=-1,
+    )
+    frontier = max(deal.frontier, -(-(last + 1) // sub.per_epoch) * sub.per_epoch)
+    runs: list[tuple[int, int]] = []
+    for slot, count in enumerate(taken):
+        runs += _slot_runs(sub, deal, slot, num_slots, count, frontier)
+    return Deal(frontier, tuple(_merged(runs)))
+
+
+def _slot_runs(
+    sub: SubStream, deal: Deal, slot: int, num_slots: int, taken: int, frontier: int
+) -> list[tuple[int, int]]:
+    """The runs of batch numbers below ``frontier`` that slot ``slot`` of the old job would
+    have read after its ``taken`` batches: the rest of its leftover share, then its chunks
+    (one batch each in turn where chunks are of one: fewer than two epochs' worth per slot)."""
+    if chunk_size(sub, num_slots) == 1:
+        runs, number = [], deal.number(sub, slot=slot, num_slots=num_slots, taken=taken)
+        while number < frontier:
+            runs.append((number, number + 1))
+            taken += 1
+            number = deal.number(sub, slot=slot, num_slots=num_slots, taken=taken)
+        return runs
+    first, end = deal.share(slot, num_slots)
+    runs = deal.leftover_runs(first + min(taken, end - first), end)
+    size = chunk_size(sub, num_slots)
+    fresh = max(0, taken - (end - first))  # batches taken after the leftover
+    chunk, offset = divmod(fresh, size)
+    while True:
+        start = deal.frontier + (slot + chunk * num_slots) * size
+        if start + offset >= frontier:
+            return runs
+        runs.append((start + offset, min(start + size, frontier)))
+        chunk, offset = chunk + 1, 0
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted disjoint runs, touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(runs):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        elif start < stop:
+            out.append((start, stop))
+    return out
+
+
+class LoaderStateError(UserError):
+    """A saved loader state that does not fit this loader. ``problem`` says what differs;
+    the message adds the fix for a caller of ``StreamLoader.load_state_dict`` (a trainer says
+    its own)."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        super().__init__(
+            f"{problem}; resume with the same setting, or start the data stream afresh without "
+            "load_state_dict"
+        )
+
+
+# What a resume on another job size or mix may not change: the batches themselves.
+SAME_BATCHES = ("seed", "batch_frames", "max_batch_size", "pad_multiple", "sync_buckets")
+# Saved states that hold a bucket sub-stream's position as batches taken (3: before deals).
+ELASTIC_VERSIONS = (3, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """Where a loader of a new job continues: its workers' positions, the job's deals, its
+    batches so far, the shards skipped before and one line per thing that changed."""
+
+    positions: list[list[tuple[int, ...]]]
+    deals: tuple[Deal, ...]
+    batches: int
+    skipped_shards: dict[str, str]
+    changes: tuple[str, ...]
+
+
+def stream_keys(spec: StreamSpec) -> list[list[Any]]:
+    """Each sub-stream's ``[cache, content digest, bucket]``: what a state's positions are of."""
+    digests = [shards_digest(source.shards) for source in spec.sources]
+    return [
+        [same_cache(spec.sources[sub.source].location), digests[sub.source], sub.bucket]
+        for sub in spec.subs
+    ]
+
+
+def resume_elsewhere(
+    spec: StreamSpec,
+    identity: Mapping[str, Any],
+    states: Sequence[Mapping[str, Any]],
+    allow_data_change: bool,
+) -> Resumed:
+    """Continue from every rank's state of a job of another size or mix (``states``, in rank
+    order): each kept sub-stream from what that job left unread, an added cache (or one whose
+    content changed, when ``allow_data_change``) from its epoch 0; :class:`LoaderStateError`
+    when the states are not one job's or would change the batches themselves."""
+    _check_states(identity, states)
+    old_keys = _old_keys(identity, states, stream_keys(spec))
+    old = {(key[0], key[2]): u for u, key in enumerate(old_keys)}
+    old_digests = {key[0]: key[1] for key in old_keys}
+    new_keys = stream_keys(spec)
+    changes = _job_changes(identity, states[0])
+    for where, digest in dict.fromkeys((k[0], k[1]) for k in new_keys):
+        if where not in old_digests:
+            changes.append(f"cache {where} added: it starts at its epoch 0")
+        elif old_digests[where] != digest:
+            if not allow_data_change:
+                raise LoaderStateError(
+                    f"cache {where} changed since the loader state was saved (index digest "
+                    f"{old_digests[where]}, now {digest}); data.allow_data_change = true reads "
+                    "it afresh from its epoch 0"
+                )
+            changes.append(f"cache {where} changed content: it starts again at its epoch 0")
+    kept = {k[0] for k in new_keys}
+    changes += [f"cache {w} dropped" for w in old_digests if w not in kept]
+    old_slots = len(states) * int(states[0]["workers_per_rank"])
+    deals, frames = [], 0
+    for u, sub in enumerate(spec.subs):
+        where, digest, bucket = new_keys[u]
+        match = old.get((where, bucket)) if old_digests.get(where) == digest else None
+        if match is None:
+            deals.append(FRESH)
+            continue
+        rows = [worker[match] for state in states for worker in state["positions"]]
+        frames += sum(int(row[-1]) for row in rows)
+        deal = _saved_deals(states[0], len(old_keys))[match]
+        deals.append(unread(sub, deal, old_slots, [int(row[0]) for row in rows]))
+    # The schedule's choice of cache within a bucket follows each slot's frames per
+    # sub-stream: start every slot even with the (new) weights, so no cache catches up.
+    per_slot, phase = frames / spec.num_slots, spec.phase(int(states[0]["batches"]))
+    schedule = spec.phases[phase - 1][1] if phase else spec.schedule
+    row = [(0, round(target * per_slot)) for target in schedule.targets]
+    skipped = {k: v for state in states for k, v in state.get("skipped_shards", {}).items()}
+    return Resumed(
+        positions=[list(row) for _ in range(spec.workers_per_rank)],
+        deals=tuple(deals),
+        batches=int(states[0]["batches"]),
+        skipped_shards=skipped,
+        changes=tuple(changes),
+    )
+
+
+def _check_states(identity: Mapping[str, Any], states: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse states that are not every rank's of one job at one step, in rank order, or
+    whose batches this loader would cut otherwise."""
+    if not states:
+        raise LoaderStateError("no loader state given (an empty list)")
+    for rank, state in enumerate(states):
+        if not isinstance(state, Mapping) or state.get("version") not in ELASTIC_VERSIONS:
+            version = state.get("version") if isinstance(state, Mapping) else state
+            raise LoaderStateError(
+                f"loader state {rank} of {len(states)} has version {version!r}: only the "
+                f"states of bucket streams (versions {ELASTIC_VERSIONS}) resume on another "
+                "job size or mix"
+            )
+        if state.get("rank") != rank or state.get("world_size") != len(states):
+            raise LoaderStateError(
+                f"loader state {rank} of the {len(states)} given was saved by rank "
+                f"{state.get('rank')!r} of {state.get('world_size')!r}: give every rank's "
+                "state of the old job, in rank order"
+            )
+        for key in (*SAME_BATCHES, "workers_per_rank", "batches"):
+            if state.get(key) != states[0].get(key):
+                raise LoaderStateError(
+                    f"loader states of ranks 0 and {rank} differ in {key} "
+                    f"({states[0].get(key)!r}, {state.get(key)!r}): not one job at one step"
+                )
+    for key in SAME_BATCHES:
+        if states[0].get(key) != identity[key]:
+            name = STATE_KEYS.get(key, key)
+            raise LoaderStateError(
+                f"loader state was saved with {name} = {states[0].get(key)!r} but this loader "
+                f"has {name} = {identity[key]!r}, which cuts other batches"
+            )
+    if not identity["sync_buckets"]:
+        raise LoaderStateError("only data.sync_buckets = true resumes on another job size or mix")
+
+
+def _old_keys(
+    identity: Mapping[str, Any], states: Sequence[Mapping[str, Any]], mine: list[list[Any]]
+) -> list[list[Any]]:
+    """The old job's sub-streams: saved with the state, or (version 3, which does not save
+    them) this loader's own when the caches and mix are the same."""
+    first = states[0]
+    if first["version"] == 3:
+        if (
+            first.get("cache_digest") != identity["cache_digest"]
+            or first.get("mix") != (identity["mix"])
+        ):
+            raise LoaderStateError(
+                "a loader state of version 3 resumes on another job size only with the same "
+                "caches and mix"
+            )
+        return mine
+    keys = first.get("streams")
+    if not (isinstance(keys, list) and all(isinstance(k, list) and len(k) == 3 for k in keys)):
+        raise LoaderStateError(f"loader state has no list of sub-streams: {keys!r}")
+    return keys
+
+
+def _job_changes(identity: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
+    """One line per job setting a resume changed (the caches are said by the caller)."""
+    changes = [
+        f"{STATE_KEYS.get(key, key)} {old.get(key)!r} -> {identity[key]!r}"
+        for key in ("world_size", "workers_per_rank", "mix", "mix_schedule")
+        if old.get(key) != identity.get(key)
+    ]
+    return changes
+
+
+def _saved_deals(state: Mapping[str, Any], count: int) -> tuple[Deal, ...]:
+    """The deals a state holds (none before version 4: all fresh)."""
+    if state["version"] == 3:
+        return (FRESH,) * count
+    return parse_deals(state.get("deals"), count)
+
+
+def parse_deals(saved: Any, count: int) -> tuple[Deal, ...]:
+    """``[[frontier, [[start, stop], ...]], ...]`` (a state's ``deals``) as ``count`` deals."""
+    try:
+        deals = tuple(
+            Deal(int(frontier), tuple((int(a), int(b)) for a, b in runs))
+            for frontier, runs in saved
+        )
+    except (TypeError, ValueError) as exc:
+        raise LoaderStateError(f"loader state has unreadable deals ({exc})") from None
+    if len(deals) != count:
+        raise LoaderStateError(f"loader state has {len(deals)} deals for {count} sub-streams")
+    return deals
+
+
+def saved_deals(spec: StreamSpec) -> list[list[Any]]:
+    """The job's deals as plain lists, for a state."""
+    deals = spec.deals or (FRESH,) * len(spec.subs)
+    return [[deal.frontier, [list(run) for run in deal.leftover]] for deal in deals]
+
+
+# The user's names of the state's identity keys: a trainer user sets data.num_workers, not the
+# workers per rank it gives (at least 1).
+STATE_KEYS = {
+    "workers_per_rank": "data.num_workers (workers per rank)",
+    "batch_frames": "data.batch_frames",
+    "max_batch_size": "data.max_batch_size",
+    "pad_multiple": "data.pad_multiple",
+    "sync_buckets": "data.sync_buckets",
+    "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
+    "mix_schedule": "data.mix_schedule (first batch, frame shares)",
+    "cache_digest": "cache content digest",
+}
