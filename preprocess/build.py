@@ -97,11 +97,12 @@ def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -
         )
     k, n = options.part
     whole = "the whole corpus" if n == 1 else f"part {k}/{n} (0-based)"
+    if options.store is not None:
+        options.store.check()  # a store that cannot be reached: one line, before any other
     where = options.out if options.store is None else options.store.destination
     staged = "" if options.store is None else f" (staged in {options.out})"
     log.info("building %s of %s into %s%s: %s", whole, options.src, where, staged, options.said)
     if options.store is not None:
-        options.store.check()  # a store that cannot be reached: one line, before any work
         options.store.pull_state()  # a rerun on another host finds its scan and receipts
     state = options.out / RECEIPTS
     state.mkdir(parents=True, exist_ok=True)
