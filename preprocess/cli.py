@@ -298,7 +298,7 @@ def _add_build(commands: argparse._SubParsersAction, pool: argparse.ArgumentPars
         type=_part,
         metavar="K/N",
         help="scan 1/N of the corpus and write 1/N of the shards, meeting the other parts in a "
-        "shared OUT (default: the rank under torchrun, else the whole corpus); see shards/README.md",
+        "shared OUT or store (default: the rank under torchrun, else the whole corpus); see shards/README.md",
     )
     build.add_argument(
         "--storage",
