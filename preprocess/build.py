@@ -251,7 +251,7 @@ def _complete(options: BuildOptions, plan: Plan, made_by: str) -> dict[str, dict
     """The receipts of the shards already complete: in ``OUT``, or in the store."""
     if options.store is None:
         return valid_receipts(options.out, plan, made_by)
-    return options.store.complete(plan, made_by)
+    return options.store.complete(plan, made_by, options.part)
 
 
 def _write_shards(

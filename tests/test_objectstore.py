@@ -29,6 +29,7 @@ from helpers import (
     run_preprocess,
     same_ddp_run,
     started,
+    torchrun,
     train_cmd,
     wait_for,
 )
@@ -296,11 +297,7 @@ def test_two_parts_into_the_store_one_killed_and_rerun_make_the_local_builds_obj
     assert sum(log.count("wrote index.json") for log in logs) == 1, logs
     assert "index.json was already written, with these bytes" in again.stderr
     # Every object but the build's shared state is the local build's file, byte for byte.
-    present = objectstore.list_sizes(location)
-    objects = sorted(name for name in present if not name.startswith(".build/"))
-    assert objects == sorted([*cache_files(sample_cache), INDEX_NAME])
-    for name in objects:
-        assert objectstore.read_object(f"{location}/{name}") == (sample_cache / name).read_bytes()
+    same_objects(location, sample_cache)
     listed = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="built/")["Contents"]
     written = {o["Key"].removeprefix("built/"): o["LastModified"] for o in listed}
     assert written[INDEX_NAME] == max(written.values())  # the index last
@@ -312,6 +309,35 @@ def test_two_parts_into_the_store_one_killed_and_rerun_make_the_local_builds_obj
     )
     assert run_preprocess("verify", location).stdout.strip().endswith(f"{location}: OK")
     assert_same(batches(location, 24), batches(sample_cache, 24))
+
+
+def same_objects(location: str, cache: Path) -> None:
+    """Every object under ``location`` but the build's shared state is ``cache``'s file."""
+    objects = sorted(
+        name for name in objectstore.list_sizes(location) if not name.startswith(".build/")
+    )
+    assert objects == sorted([*cache_files(cache), INDEX_NAME])
+    for name in objects:
+        assert objectstore.read_object(f"{location}/{name}") == (cache / name).read_bytes()
+
+
+@pytest.mark.slow  # a two-rank torchrun build
+def test_torchrun_ranks_sharing_one_staging_folder_build_the_local_builds_objects(
+    endpoint: str, sample_cache: Path, small_shards_config: Path, tmp_path: Path
+) -> None:
+    location = f"s3://{BUCKET}/ranks"
+    command = store_build(location, small_shards_config, tmp_path / "staging")
+    done = run_ok(torchrun(*command[1:]))  # [python] -m preprocess build …
+    assert "part 1/2 done" in done.stderr and done.stderr.count("wrote index.json") == 1
+    same_objects(location, sample_cache)
+
+
+def test_a_conditional_put_writes_once(endpoint: str) -> None:
+    location = f"s3://{BUCKET}/once/index.json"
+    objectstore.put_object(location, b"first", if_absent=True)
+    with pytest.raises(FileExistsError, match="already there"):
+        objectstore.put_object(location, b"second", if_absent=True)
+    assert objectstore.read_object(location) == b"first"
 
 
 @pytest.mark.slow  # three build processes

@@ -98,12 +98,19 @@ class StoreOut:
             publish(self.staging / relative, self._at(relative), None)
         (self.staging / name).unlink(missing_ok=True)
 
-    def complete(self, plan: Plan, made_by: str) -> dict[str, dict[str, Any]]:
-        """The receipts of the planned shards that are in the store, after uploading those
-        complete in the staging folder only (written by a run killed before it uploaded)."""
+    def complete(
+        self, plan: Plan, made_by: str, part: tuple[int, int]
+    ) -> dict[str, dict[str, Any]]:
+        """The receipts of the planned shards that are in the store, after uploading this
+        part's shards complete in the staging folder only (a run killed before it uploaded
+        them). Other parts' are theirs to upload: they may share this staging folder."""
         self.pull_state()
         present = listing(self.destination)
+        k, n = part
+        own = {plan.name(i) for i in range(len(plan)) if i % n == k}
         for receipt in valid_receipts(self.staging, plan, made_by).values():
+            if receipt["name"] not in own:
+                continue
             if _in_store(receipt, present):
                 (self.staging / receipt["name"]).unlink(missing_ok=True)
             else:
