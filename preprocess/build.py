@@ -5,7 +5,9 @@ the scans and saved beside them (:mod:`preprocess.plan.shards`). Each shard is w
 acknowledged by a receipt (:mod:`preprocess.write.shard`). A rerun reuses the scans and the plan of
 an unchanged corpus and skips every shard with a valid receipt, so a build killed at any
 moment resumes where it was and ends byte-identical to an uninterrupted one. The index is
-written last, from the receipts, by the part that finds them all.
+written last, from the receipts, by the part that finds them all. With ``--out s3://…`` the
+build is staged in a local folder and each shard published as it is finished; the parts then
+meet through the store (:mod:`preprocess.write.staged`).
 """
 
 from __future__ import annotations

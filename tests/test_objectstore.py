@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,7 @@ from melcache.index import read_index
 from melcache.loader import Batch, DataConfig, make_loader
 from melcache.reader import ShardCheck, read_shard
 from preprocess.write.push import cache_files
+from preprocess.write.staged import default_staging
 
 BUCKET = "caches"
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
@@ -329,7 +331,17 @@ def test_torchrun_ranks_sharing_one_staging_folder_build_the_local_builds_object
     command = store_build(location, small_shards_config, tmp_path / "staging")
     done = run_ok(torchrun(*command[1:]))  # [python] -m preprocess build …
     assert "part 1/2 done" in done.stderr and done.stderr.count("wrote index.json") == 1
+    assert f"into {location} (staged in {tmp_path / 'staging'})" in done.stderr  # first line
     same_objects(location, sample_cache)
+
+
+def test_the_default_staging_folder_is_named_after_the_destination(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # what $TMPDIR sets
+    staging = default_staging("s3://caches/a/b")
+    assert staging.parent == tmp_path and "caches-a-b" in staging.name
+    assert staging == default_staging("s3://caches/a/b") != default_staging("s3://caches/a-b")
 
 
 def test_a_conditional_put_writes_once(endpoint: str) -> None:
