@@ -87,7 +87,7 @@ class StoreOut:
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
             name = path.relative_to(self.staging).as_posix()
             if _shared(name.removeprefix(f"{RECEIPTS}/")):
-                publish(path, self._at(name), present.get(name))
+                self._publish(name, present.get(name))
 
     def publish_shard(self, receipt: dict[str, Any]) -> None:
         """Upload a shard just written, its table rows, then its receipt (each read back),
@@ -95,7 +95,7 @@ class StoreOut:
         name = receipt["name"]
         held = [name, f"{RECEIPTS}/{ROWS_FOLDER}/{name}.json"] if receipt["samples"] else []
         for relative in [*held, f"{RECEIPTS}/{name}.json"]:
-            publish(self.staging / relative, self._at(relative), None)
+            self._publish(relative, None)
         (self.staging / name).unlink(missing_ok=True)
 
     def complete(
@@ -128,7 +128,7 @@ class StoreOut:
         present = listing(self.destination)
         for name in cache_files(self.staging):
             if name not in shards:
-                publish(self.staging / name, self._at(name), present.get(name))
+                self._publish(name, present.get(name))
         index = (self.staging / INDEX_NAME).read_bytes()
         try:
             objectstore.put_object(self._at(INDEX_NAME), index, if_absent=True)
@@ -146,6 +146,14 @@ class StoreOut:
 
     def _at(self, name: str) -> str:
         return member_location(self.destination, name)
+
+    def _publish(self, name: str, remote_size: int | None) -> None:
+        """Upload the staged file ``name`` (read back); a store that fails past its retries
+        is one line naming the object, and a rerun resumes."""
+        try:
+            publish(self.staging / name, self._at(name), remote_size)
+        except OSError as exc:
+            raise UserError(f"{exc}; rerun the same command to resume") from None
 
 
 def _shared(name: str) -> bool:
