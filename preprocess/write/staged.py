@@ -108,7 +108,14 @@ class StoreOut:
         present = listing(self.destination)
         k, n = part
         own = {plan.name(i) for i in range(len(plan)) if i % n == k}
-        for receipt in valid_receipts(self.staging, plan, made_by).values():
+        try:
+            staged = valid_receipts(self.staging, plan, made_by)
+        except UserError:  # receipts of another plan, downloaded from the store or staged
+            raise UserError(
+                f"{self.destination} (staged in {self.staging}) holds a build of a different "
+                "corpus or config; build to another prefix with another --staging"
+            ) from None
+        for receipt in staged.values():
             if receipt["name"] not in own:
                 continue
             if _in_store(receipt, present):
