@@ -39,7 +39,8 @@ BACKOFF_CAP_S = 5.0
 CHUNK = 1 << 20  # a body is read in pieces: what arrived before a reset is kept
 
 # Error codes worth another attempt: the store is busy or failed, not the request wrong.
-_RETRY_CODES = {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable"}
+_RETRY_CODES = {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "ServiceUnavailable",
+                "ConditionalRequestConflict"}  # fmt: skip
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 
 _clients: dict[int, Any] = {}  # pid → client: a forked child makes its own
@@ -150,10 +151,34 @@ def download_prefix(prefix: str, folder: Path) -> None:
         path.write_bytes(read_object(f"{prefix.rstrip('/')}/{name}"))
 
 
-def put_object(location: str, data: bytes) -> None:
-    """Write ``data`` as the object at ``location`` (retried as reads are)."""
+def put_object(location: str, data: bytes, *, if_absent: bool = False) -> None:
+    """Write ``data`` as the object at ``location`` (retried as reads are). With ``if_absent``
+    the write is conditional (``If-None-Match: *``): ``FileExistsError`` when an object is
+    already there, so of two writers racing for one name only the first writes it. A store
+    that does not implement the condition gets a plain write after a check for the object,
+    which leaves a window of one round trip."""
     bucket, key = split(location)
-    _retrying(location, lambda c: c.put_object(Bucket=bucket, Key=key, Body=data))
+    if not if_absent:
+        _retrying(location, lambda c: c.put_object(Bucket=bucket, Key=key, Body=data))
+        return
+    try:
+        _retrying(
+            location, lambda c: c.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        )
+    except _Unconditional:
+        if key_exists(location):
+            raise FileExistsError(f"{location}: already there") from None
+        _retrying(location, lambda c: c.put_object(Bucket=bucket, Key=key, Body=data))
+
+
+def key_exists(location: str) -> bool:
+    """Whether an object is at ``location``."""
+    bucket, key = split(location)
+    try:
+        _retrying(location, lambda c: c.head_object(Bucket=bucket, Key=key))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _retrying(location: str, request: Any) -> Any:
@@ -204,6 +229,10 @@ class _Retry(Exception):
     """A failure worth another attempt (the store busy, the connection lost)."""
 
 
+class _Unconditional(StoreError):
+    """The store does not implement conditional writes (``If-None-Match``)."""
+
+
 def _get_into(location: str, at: int, stop: int | None, got: bytearray) -> int | None:
     """One GET of bytes ``at`` to ``stop`` appended to ``got`` piece by piece; the object's
     whole size (``None``: the range starts past its end, nothing to read)."""
@@ -246,6 +275,10 @@ def _call(location: str, request: Any, *, retry: bool = False) -> Any:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if code in _MISSING_CODES:
             raise FileNotFoundError(f"{location}: no such object") from None
+        if code == "PreconditionFailed" or status == 412:
+            raise FileExistsError(f"{location}: already there") from None
+        if code == "NotImplemented" or status == 501:
+            raise _Unconditional(f"{location}: the store has no conditional writes") from None
         if retry and code == "InvalidRange":
             raise
         message = _client_problem(location, code, status, exc)

@@ -5,7 +5,9 @@ the scans and saved beside them (:mod:`preprocess.plan.shards`). Each shard is w
 acknowledged by a receipt (:mod:`preprocess.write.shard`). A rerun reuses the scans and the plan of
 an unchanged corpus and skips every shard with a valid receipt, so a build killed at any
 moment resumes where it was and ends byte-identical to an uninterrupted one. The index is
-written last, from the receipts, by the part that finds them all.
+written last, from the receipts, by the part that finds them all. With ``--out s3://…`` the
+build is staged in a local folder and each shard published as it is finished; the parts then
+meet through the store (:mod:`preprocess.write.staged`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from preprocess.write.shard import (
     recipe,
     valid_receipts,
 )
+from preprocess.write.staged import StoreOut
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,7 @@ class BuildOptions:
     where: str | None = None
     columns: str | None = None
     said: str = ""  # where the part and the worker count came from, for the first line
+    store: StoreOut | None = None  # --out s3://…: ``out`` is then the staging folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +99,13 @@ def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -
         )
     k, n = options.part
     whole = "the whole corpus" if n == 1 else f"part {k}/{n} (0-based)"
-    log.info("building %s of %s into %s: %s", whole, options.src, options.out, options.said)
+    if options.store is not None:
+        options.store.check()  # a store that cannot be reached: one line, before any other
+    where = options.out if options.store is None else options.store.destination
+    staged = "" if options.store is None else f" (staged in {options.out})"
+    log.info("building %s of %s into %s%s: %s", whole, options.src, where, staged, options.said)
+    if options.store is not None:
+        options.store.pull_state()  # a rerun on another host finds its scan and receipts
     state = options.out / RECEIPTS
     state.mkdir(parents=True, exist_ok=True)
     meeting = Meeting(*options.part)
@@ -111,7 +121,7 @@ def build(options: BuildOptions, features: FeatureConfig, config: BuildConfig) -
             if options.dry_run:
                 return Outcome(plan=plan, scan=scan)
             made_by = recipe(corpus, features, config, options.keep_audio)
-            receipts = valid_receipts(options.out, plan, made_by)
+            receipts = _complete(options, plan, made_by)
             todo = [i for i in range(len(plan)) if i % n == k and plan.name(i) not in receipts]
             _write_shards(run, todo, plan, scan, corpus, options, features, config, receipts)
         meeting.barrier()  # under torchrun: every rank's shards are written
@@ -138,9 +148,13 @@ def _scan_and_plan(
     else:
         shutil.rmtree(own, ignore_errors=True)
         scan_part(corpus, own, k, n, rate, run, options.workers)
+    if options.store is not None:
+        options.store.push_folder(own)
     listing = (scan_meta(own) or {}).get("listing")
 
     def scanned() -> int:  # parts whose scan saw the corpus as this one's did
+        if options.store is not None:  # the parts meet through the store
+            options.store.pull_state()
         metas = (scan_meta(part_folder(state, j, n)) for j in range(n))
         return sum(1 for m in metas if m is not None and m.get("listing") == listing)
 
@@ -154,12 +168,16 @@ def _scan_and_plan(
         )
         return None
     meeting.wait("scans", scanned)
+    if options.store is not None and meeting.collective:  # the barrier counted nothing here
+        options.store.pull_state()
     scan = Scan(scan_folder(state, n), n)
     if not scan.has_inputs():
         raise UserError(f"--src {options.src} holds no audio files")
     inputs = _plan_inputs(scan, features, config, options.keep_audio)
     folder = scan_folder(state, n) / "plan"
-    planner = not meeting.collective or k == 0  # under torchrun, rank 0 plans for all
+    # Under torchrun rank 0 plans for all, unless their staging folders may be on other hosts
+    # (each part makes the same plan from the same scans).
+    planner = not meeting.collective or k == 0 or options.store is not None
     plan = load_plan(folder, inputs) if planner else None
     if planner and plan is None:
         plan = make_plan(scan, features, config, options.keep_audio)
@@ -189,7 +207,7 @@ def _finish(
     meeting: Meeting,
 ) -> Outcome:
     """Write the index if every shard is complete (by rank 0 under torchrun)."""
-    receipts = valid_receipts(options.out, plan, made_by)
+    receipts = _complete(options, plan, made_by)
     k, n = options.part
     remaining = len(plan) - len(receipts)
     if remaining or (meeting.collective and k != 0):
@@ -219,7 +237,23 @@ def _finish(
         options.keep_audio,
         scan.filtered,
     )
+    if options.store is not None:
+        wrote = options.store.publish_cache(plan)
+        log.info(
+            "part %d/%d: every shard is in %s; %s",
+            k,
+            n,
+            options.store.destination,
+            "wrote index.json" if wrote else "index.json was already written, with these bytes",
+        )
     return Outcome(index=index)
+
+
+def _complete(options: BuildOptions, plan: Plan, made_by: str) -> dict[str, dict[str, Any]]:
+    """The receipts of the shards already complete: in ``OUT``, or in the store."""
+    if options.store is None:
+        return valid_receipts(options.out, plan, made_by)
+    return options.store.complete(plan, made_by, options.part)
 
 
 def _write_shards(
@@ -249,6 +283,8 @@ def _write_shards(
     seconds = 0.0
     with tqdm(total=total, desc="build", unit="utt", disable=None) as bar:
         for receipt in run(build_shard_job, jobs):
+            if options.store is not None:
+                options.store.publish_shard(receipt)
             receipts[receipt["name"]] = receipt
             seconds += receipt["seconds"]
             bar.set_postfix(hours=f"{seconds / 3600:.2f}", refresh=False)

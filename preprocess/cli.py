@@ -8,12 +8,16 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from melcache.cpus import allotment
 from melcache.errors import UserError
 from melcache.location import is_url
 from melcache.storage import STORAGES
 from preprocess.config import load_config
+
+if TYPE_CHECKING:  # the build's modules import torch: only when a command needs them
+    from preprocess.write.staged import StoreOut
 
 log = logging.getLogger("preprocess")
 
@@ -45,9 +49,10 @@ def _build(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, storage=args.storage)
     part, part_from = choose_part(args.part)
     workers, workers_from = _resolve_workers(args.workers)
+    out, store = _build_out(args.out, args.staging)
     options = BuildOptions(
         args.src,
-        args.out,
+        out,
         workers,
         part,
         args.keep_audio,
@@ -56,6 +61,7 @@ def _build(args: argparse.Namespace) -> int:
         args.where,
         args.columns,
         said=f"{part_from}; workers {workers} ({workers_from})",
+        store=store,
     )
     started = time.perf_counter()
     outcome = build(options, features, config)
@@ -156,6 +162,23 @@ def _index_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_out(out: Path | str, staging: Path | None) -> tuple[Path, StoreOut | None]:
+    """Where ``build`` writes: ``--out`` itself, or for ``s3://`` its staging folder and the
+    store it publishes to."""
+    from melcache import objectstore
+    from preprocess.write.staged import StoreOut, default_staging
+
+    if isinstance(out, Path):
+        if staging is not None:
+            raise UserError(f"--staging {staging}: only for --out s3://…; --out {out} is a folder")
+        return out, None
+    if not objectstore.is_store(out):
+        raise UserError(f"--out {out}: build writes to a folder or to s3://bucket/prefix")
+    objectstore.split(out)  # no bucket named: one line now
+    staging = staging if staging is not None else default_staging(out)
+    return staging, StoreOut(out, staging)
+
+
 def _push(args: argparse.Namespace) -> int:
     from preprocess.write.push import push
 
@@ -252,7 +275,17 @@ def _add_build(commands: argparse._SubParsersAction, pool: argparse.ArgumentPars
         "--src", type=Path, required=True, help="corpus folder, .jsonl manifest, tars or Parquet"
     )
     build.add_argument(
-        "--out", type=Path, default=Path("shards"), help="output folder (default: shards)"
+        "--out",
+        type=_cache,
+        default=Path("shards"),
+        help="output folder (default: shards), or s3://bucket/prefix: built in --staging and "
+        "each shard uploaded as it is finished",
+    )
+    build.add_argument(
+        "--staging",
+        type=Path,
+        help="with --out s3://…: the local folder the build is staged in (default: one under "
+        "$TMPDIR named after the destination, so a rerun finds it)",
     )
     build.add_argument(
         "--config",
@@ -265,7 +298,7 @@ def _add_build(commands: argparse._SubParsersAction, pool: argparse.ArgumentPars
         type=_part,
         metavar="K/N",
         help="scan 1/N of the corpus and write 1/N of the shards, meeting the other parts in a "
-        "shared OUT (default: the rank under torchrun, else the whole corpus); see shards/README.md",
+        "shared OUT or store (default: the rank under torchrun, else the whole corpus); see shards/README.md",
     )
     build.add_argument(
         "--storage",

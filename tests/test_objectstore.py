@@ -1,14 +1,17 @@
 """Caches in an object store: the sample cache pushed to a real S3 server (moto's standalone
 server on loopback, started for this module and stopped after) and read back by the loader,
-``melcache.open``, ``CacheDataset``, ``verify`` and ``inspect``; the failures a user meets
-(a wrong bucket, no credentials, no server, a cache half pushed) as one line each."""
+``melcache.open``, ``CacheDataset``, ``verify`` and ``inspect``; built into the store by two
+parts, one killed and rerun; the failures a user meets (a wrong bucket, no credentials, no
+server, a cache half pushed) as one line each."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,20 @@ import boto3
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, checkpoint, metrics, run_ok, run_preprocess, same_ddp_run, train_cmd
+from helpers import (
+    REPO,
+    SAMPLE_CORPUS,
+    checkpoint,
+    metrics,
+    receipts,
+    run_ok,
+    run_preprocess,
+    same_ddp_run,
+    started,
+    torchrun,
+    train_cmd,
+    wait_for,
+)
 from torch.utils.data import DataLoader
 
 import melcache
@@ -30,6 +46,8 @@ from melcache.format import INDEX_NAME
 from melcache.index import read_index
 from melcache.loader import Batch, DataConfig, make_loader
 from melcache.reader import ShardCheck, read_shard
+from preprocess.write.push import cache_files
+from preprocess.write.staged import default_staging
 
 BUCKET = "caches"
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
@@ -250,3 +268,101 @@ def test_the_store_benchmarks_print_their_rows_side_by_side() -> None:
     faults = bench_rows("s3_faults", "--batches", "20", "--rounds", "1", "--workers", "2")
     assert faults["ratio"]["same_batches"] is True
     assert faults["loader through the proxy, faults"]["samples_per_s"] > 0
+
+
+def store_build(location: str, config: Path, staging: Path, *extra: str) -> list[str]:
+    """``build`` of the sample corpus into ``location``, staged in ``staging``, one worker."""
+    command = [sys.executable, "-m", "preprocess", "build", "--src", str(SAMPLE_CORPUS)]
+    command += ["--out", location, "--config", str(config), "--workers", "1"]
+    return [*command, "--staging", str(staging), *extra]
+
+
+@pytest.mark.slow  # four build processes against the moto server
+def test_two_parts_into_the_store_one_killed_and_rerun_make_the_local_builds_objects(
+    endpoint: str, sample_cache: Path, small_shards_config: Path, tmp_path: Path
+) -> None:
+    location = f"s3://{BUCKET}/built"
+    part = {k: store_build(location, small_shards_config, tmp_path / f"staging-{k}",
+                           "--part", f"{k}/2") for k in (0, 1)}  # fmt: skip
+    with (
+        started(part[0], tmp_path / "part0.log") as first,
+        started(part[1], tmp_path / "part1.log") as second,
+    ):
+        assert wait_for(lambda: receipts(tmp_path / "staging-0") >= 1, first, 240)
+        assert first.poll() is None  # killed mid-build: a shard written, others to come
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        rerun = run_ok(part[0])
+        assert second.wait(timeout=300) == 0
+    again = run_ok(part[1])  # a part that finds the cache complete: the index is there
+    logs = [(tmp_path / "part1.log").read_text(), rerun.stderr, again.stderr]
+    assert sum(log.count("wrote index.json") for log in logs) == 1, logs
+    assert "index.json was already written, with these bytes" in again.stderr
+    # Every object but the build's shared state is the local build's file, byte for byte.
+    same_objects(location, sample_cache)
+    listed = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="built/")["Contents"]
+    written = {o["Key"].removeprefix("built/"): o["LastModified"] for o in listed}
+    assert written[INDEX_NAME] == max(written.values())  # the index last
+    with pytest.raises(FileExistsError):  # and once: a second index is refused
+        objectstore.put_object(f"{location}/{INDEX_NAME}", b"{}", if_absent=True)
+    assert (
+        objectstore.read_object(f"{location}/{INDEX_NAME}")
+        == (sample_cache / INDEX_NAME).read_bytes()
+    )
+    assert run_preprocess("verify", location).stdout.strip().endswith(f"{location}: OK")
+    assert_same(batches(location, 24), batches(sample_cache, 24))
+
+
+def same_objects(location: str, cache: Path) -> None:
+    """Every object under ``location`` but the build's shared state is ``cache``'s file."""
+    objects = sorted(
+        name for name in objectstore.list_sizes(location) if not name.startswith(".build/")
+    )
+    assert objects == sorted([*cache_files(cache), INDEX_NAME])
+    for name in objects:
+        assert objectstore.read_object(f"{location}/{name}") == (cache / name).read_bytes()
+
+
+@pytest.mark.slow  # a two-rank torchrun build
+def test_torchrun_ranks_sharing_one_staging_folder_build_the_local_builds_objects(
+    endpoint: str, sample_cache: Path, small_shards_config: Path, tmp_path: Path
+) -> None:
+    location = f"s3://{BUCKET}/ranks"
+    command = store_build(location, small_shards_config, tmp_path / "staging")
+    done = run_ok(torchrun(*command[1:]))  # [python] -m preprocess build …
+    assert "part 1/2 done" in done.stderr and done.stderr.count("wrote index.json") == 1
+    assert f"into {location} (staged in {tmp_path / 'staging'})" in done.stderr  # first line
+    same_objects(location, sample_cache)
+
+
+def test_the_default_staging_folder_is_named_after_the_destination(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # what $TMPDIR sets
+    staging = default_staging("s3://caches/a/b")
+    assert staging.parent == tmp_path and "caches-a-b" in staging.name
+    assert staging == default_staging("s3://caches/a/b") != default_staging("s3://caches/a-b")
+
+
+def test_a_conditional_put_writes_once(endpoint: str) -> None:
+    location = f"s3://{BUCKET}/once/index.json"
+    objectstore.put_object(location, b"first", if_absent=True)
+    with pytest.raises(FileExistsError, match="already there"):
+        objectstore.put_object(location, b"second", if_absent=True)
+    assert objectstore.read_object(location) == b"first"
+
+
+@pytest.mark.slow  # three build processes
+def test_a_build_into_a_wrong_bucket_without_credentials_or_server_is_one_line(
+    endpoint: str, small_shards_config: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+    build = store_build("s3://nowhere/x", small_shards_config, tmp_path / "staging")[3:]
+    assert "no bucket 'nowhere'" in one_line_error(*build, env=env)
+    bare = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    bare |= {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+             "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    build = store_build(f"s3://{BUCKET}/x", small_shards_config, tmp_path / "staging")[3:]
+    assert "no S3 credentials" in one_line_error(*build, env=bare)
+    closed = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    assert "giving up after" in one_line_error(*build, env=closed)

@@ -33,19 +33,19 @@ def push(cache: Path, destination: str, threads: int = PUSH_THREADS) -> dict[str
         raise UserError(f"{destination}: push publishes to an object store (s3://bucket/prefix)")
     read_index(cache)  # a finished, sound index, or one line saying why not
     index_bytes = (cache / INDEX_NAME).read_bytes()
-    remote_index = _remote_bytes(member_location(destination, INDEX_NAME))
+    remote_index = remote_bytes(member_location(destination, INDEX_NAME))
     if remote_index is not None and remote_index != index_bytes:
         raise UserError(
             f"{member_location(destination, INDEX_NAME)} exists and is another cache's index; "
             "push to an empty prefix"
         )
-    present = _listing(destination)
+    present = listing(destination)
 
     def publish_file(name: str) -> bool:
         return publish(cache / name, member_location(destination, name), present.get(name))
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        uploaded = list(pool.map(publish_file, _cache_files(cache)))
+        uploaded = list(pool.map(publish_file, cache_files(cache)))
     uploaded.append(publish_file(INDEX_NAME))  # the commit marker, once all others read back
     return {"uploaded": sum(uploaded), "kept": len(uploaded) - sum(uploaded)}
 
@@ -64,11 +64,11 @@ def publish(path: Path, location: str, remote_size: int | None) -> bool:
 
 
 def _digest_at(location: str) -> str | None:
-    data = _remote_bytes(location)
+    data = remote_bytes(location)
     return None if data is None else xxhash.xxh3_128_hexdigest(data)
 
 
-def _remote_bytes(location: str) -> bytes | None:
+def remote_bytes(location: str) -> bytes | None:
     """The object's bytes, ``None`` when absent; a store that refuses is one line."""
     try:
         return objectstore.read_object(location)
@@ -78,14 +78,15 @@ def _remote_bytes(location: str) -> bytes | None:
         raise UserError(str(exc)) from None
 
 
-def _listing(destination: str) -> dict[str, int]:
+def listing(destination: str) -> dict[str, int]:
+    """Name → size of every object under ``destination``; a store that refuses is one line."""
     try:
         return objectstore.list_sizes(destination)
     except OSError as exc:
         raise UserError(str(exc)) from None
 
 
-def _cache_files(cache: Path) -> list[str]:
+def cache_files(cache: Path) -> list[str]:
     """The cache's files to publish, relative to it, in order: all but ``index.json``, the
     build's own state (``.build/``, lock files) and another writer's temporary files."""
     names = []

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,10 +208,16 @@ def recipe(corpus: Corpus, features: FeatureConfig, config: BuildConfig, keep_au
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def valid_receipts(out: Path, plan: Plan, made_by: str) -> dict[str, dict[str, Any]]:
-    """Receipts of shards already complete for this very plan. Receipts of an earlier plan of
-    the same corpus and config (the corpus changed since) are dropped with their shards, to
-    be written again; another corpus's or config's are refused."""
+def valid_receipts(
+    out: Path,
+    plan: Plan,
+    made_by: str,
+    complete: Callable[[dict[str, Any]], bool] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Receipts of shards already complete for this very plan (by default: the shard is in
+    ``out`` at its size; ``complete`` judges otherwise, e.g. by a store's listing). Receipts
+    of an earlier plan of the same corpus and config (the corpus changed since) are dropped
+    with their shards, to be written again; another corpus's or config's are refused."""
     done: dict[str, dict[str, Any]] = {}
     planned = {plan.name(i) for i in range(len(plan))}
     stale = 0
@@ -231,12 +238,20 @@ def valid_receipts(out: Path, plan: Plan, made_by: str) -> dict[str, dict[str, A
                 f"({path.name} has plan {receipt.get('plan')}, this build is {plan.digest}); "
                 "use another --out or delete that folder"
             )
-        shard = out / receipt["name"]
-        if receipt["name"] in planned and (
-            receipt["samples"] == 0
-            or (shard.is_file() and shard.stat().st_size == receipt["bytes"])
-        ):
+        if receipt["name"] in planned and (complete or _shard_here(out))(receipt):
             done[receipt["name"]] = receipt
     if stale:
         log.info("%d shards of an earlier scan of this corpus are written again", stale)
     return done
+
+
+def _shard_here(out: Path) -> Callable[[dict[str, Any]], bool]:
+    """Whether a receipt's shard is complete in ``out`` (none is written when it is empty)."""
+
+    def complete(receipt: dict[str, Any]) -> bool:
+        shard = out / receipt["name"]
+        return receipt["samples"] == 0 or (
+            shard.is_file() and shard.stat().st_size == receipt["bytes"]
+        )
+
+    return complete
