@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from melcache.cpus import allotment
 from melcache.errors import UserError
 from melcache.location import is_url
 from melcache.storage import STORAGES
-from preprocess.config import load_config
-
-if TYPE_CHECKING:  # the build's modules import torch: only when a command needs them
-    from preprocess.write.staged import StoreOut
-
-log = logging.getLogger("preprocess")
+from preprocess.commands import (
+    resolve_workers,
+    run_build,
+    run_derive,
+    run_index_table,
+    run_inspect,
+    run_push,
+    run_verify,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,161 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # disk full or gone while writing the index: say which file
-        print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else ""  # a store's error names its object
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume", file=sys.stderr)
         return 130
-
-
-def _build(args: argparse.Namespace) -> int:
-    from preprocess.build import BuildOptions, build
-    from preprocess.check.inspect import describe_plan
-    from preprocess.job.part import choose_part
-
-    features, config = load_config(args.config)
-    if args.storage is not None:
-        config = dataclasses.replace(config, storage=args.storage)
-    part, part_from = choose_part(args.part)
-    workers, workers_from = _resolve_workers(args.workers)
-    out, store = _build_out(args.out, args.staging)
-    options = BuildOptions(
-        args.src,
-        out,
-        workers,
-        part,
-        args.keep_audio,
-        args.dry_run,
-        args.rescan,
-        args.where,
-        args.columns,
-        said=f"{part_from}; workers {workers} ({workers_from})",
-        store=store,
-    )
-    started = time.perf_counter()
-    outcome = build(options, features, config)
-    if args.dry_run and outcome.plan is not None and outcome.scan is not None:
-        print(describe_plan(outcome.plan, outcome.scan, features, config))
-    if outcome.index is None:
-        return 0
-    totals = outcome.index["totals"]
-    if totals["utterances"] == 0:  # a cache to inspect, but nothing to train on: not success
-        reasons = ", ".join(f"{n} {r}" for r, n in totals["rejected_by_reason"].items())
-        raise UserError(
-            f"nothing left to build in {args.out}: of {totals['discovered']} inputs "
-            f"{totals['rejected']} were rejected ({reasons or 'none'}) and "
-            f"{totals['filtered_out']} left out by --where; see {args.out}/rejected.jsonl, "
-            f"or python -m preprocess inspect {args.out}"
-        )
-    wall = time.perf_counter() - started
-    left_out = f"; {totals['filtered_out']} left out by --where" if args.where else ""
-    print(
-        f"{args.out}: {totals['utterances']} utterances, {totals['hours']:.3f} h in "
-        f"{totals['shards']} shards; {totals['rejected']} rejected (see {args.out}/rejected.jsonl)"
-        f"{left_out}; {wall:.1f} s wall, {totals['seconds'] / max(wall, 1e-9):.0f}x real time"
-    )
-    return 0
-
-
-def _derive(args: argparse.Namespace) -> int:
-    from preprocess.derive import DeriveOptions, default_device, derive
-    from preprocess.job.part import choose_part
-
-    part, part_from = choose_part(args.part)
-    workers, workers_from = _resolve_workers(args.workers)
-    device = args.device or default_device()
-    log.info(
-        "deriving %s of %s: part %d/%d (%s); workers %d (%s); device %s",
-        args.field, args.cache, *part, part_from, workers, workers_from, device,
-    )  # fmt: skip
-    options = DeriveOptions(
-        args.cache, args.field, args.encoder, args.checkpoint, part, workers, device, args.replace
-    )
-    started = time.perf_counter()
-    entry = derive(options)
-    if entry is not None:
-        totals = entry["totals"]
-        print(
-            f"{args.cache}: field {args.field} in {len(entry['shards'])} shards, "
-            f"{totals['frames']} frames, {totals['bytes']} bytes; "
-            f"{time.perf_counter() - started:.1f} s wall"
-        )
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from preprocess.check.verify import verify
-
-    problems = verify(args.cache, workers=_resolve_workers(args.workers)[0])
-    for problem in problems:
-        print(problem)
-    if problems:
-        print(f"{args.cache}: {len(problems)} problem(s)", file=sys.stderr)
-        return 1
-    print(f"{args.cache}: OK")
-    return 0
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from preprocess.check.inspect import plot_cache, summarize
-
-    if args.key is not None:
-        return _inspect_key(args)
-    print(summarize(args.cache))
-    if args.png is not None:
-        paths = plot_cache(
-            args.cache, args.png, batch_frames=args.batch_frames, max_batch_size=args.max_batch_size
-        )
-        for path in paths:
-            print(f"wrote {path}")
-    return 0
-
-
-def _inspect_key(args: argparse.Namespace) -> int:
-    from preprocess.check.show import show_utterance
-
-    print(show_utterance(args.cache, args.key, args.png))
-    return 0
-
-
-def _index_table(args: argparse.Namespace) -> int:
-    from preprocess.write.index_table import index_table
-
-    index = index_table(args.cache, workers=_resolve_workers(args.workers)[0])
-    table = index["table"]
-    rows = index["totals"]["utterances"]
-    print(
-        f"{args.cache}: wrote {table['name']}, {rows} utterances, {table['bytes']} bytes "
-        f"({table['bytes'] / max(rows, 1):.1f} per utterance); index.json lists it"
-    )
-    return 0
-
-
-def _build_out(out: Path | str, staging: Path | None) -> tuple[Path, StoreOut | None]:
-    """Where ``build`` writes: ``--out`` itself, or for ``s3://`` its staging folder and the
-    store it publishes to."""
-    from melcache import objectstore
-    from preprocess.write.staged import StoreOut, default_staging
-
-    if isinstance(out, Path):
-        if staging is not None:
-            raise UserError(f"--staging {staging}: only for --out s3://…; --out {out} is a folder")
-        return out, None
-    if not objectstore.is_store(out):
-        raise UserError(f"--out {out}: build writes to a folder or to s3://bucket/prefix")
-    objectstore.split(out)  # no bucket named: one line now
-    staging = staging if staging is not None else default_staging(out)
-    return staging, StoreOut(out, staging)
-
-
-def _push(args: argparse.Namespace) -> int:
-    from preprocess.write.push import push
-
-    counts = push(args.cache, args.destination)
-    print(
-        f"{args.destination}: {counts['uploaded']} objects uploaded, {counts['kept']} already there"
-    )
-    return 0
 
 
 def _cache(text: str) -> Path | str:
@@ -215,15 +65,6 @@ def _workers(text: str) -> int:
     return workers
 
 
-def _resolve_workers(asked: int | None) -> tuple[int, str]:
-    """``--workers``, or the CPUs this process may use (its affinity mask and cgroup quota:
-    a Slurm or container job gets fewer than the machine has); and which it was."""
-    if asked is not None:
-        return asked, "--workers"
-    cpus = allotment()
-    return cpus.cpus, f"the CPUs this process may use: {cpus.describe()}"
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m preprocess",
@@ -237,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         "--workers",
         type=_workers,
         default=None,
-        help=f"processes (default: the CPUs this process may use, here {_resolve_workers(None)[0]})",
+        help=f"processes (default: the CPUs this process may use, here {resolve_workers(None)[0]})",
     )
 
     _add_build(commands, pool)
@@ -317,7 +158,7 @@ def _add_build(commands: argparse._SubParsersAction, pool: argparse.ArgumentPars
         "expected size; the scan and plan are kept, so the real build starts writing at once",
     )
     _add_corpus_selection(build)
-    build.set_defaults(run=_build)
+    build.set_defaults(run=run_build)
 
 
 def _add_corpus_selection(build: argparse.ArgumentParser) -> None:
@@ -371,7 +212,7 @@ def _add_derive(commands: argparse._SubParsersAction, pool: argparse.ArgumentPar
         "--replace", action="store_true",
         help="derive a field that exists with another provenance again, replacing it",
     )  # fmt: skip
-    derive.set_defaults(run=_derive)
+    derive.set_defaults(run=run_derive)
 
 
 def _add_verify(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:
@@ -385,7 +226,7 @@ def _add_verify(commands: argparse._SubParsersAction, pool: argparse.ArgumentPar
         "check totals, rejected.jsonl and stats.zarr; exit 1 listing each problem.",
     )
     verify.add_argument("cache", type=_cache, help="cache folder (OUT of build) or s3://…")
-    verify.set_defaults(run=_verify)
+    verify.set_defaults(run=run_verify)
 
 
 def _add_inspect(commands: argparse._SubParsersAction) -> None:
@@ -419,7 +260,7 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
         help="print this one utterance (text, speaker, source, mel statistics), found through "
         "the cache's table in one read; with --png, draw its mel into DIR/KEY.png",
     )
-    inspect.set_defaults(run=_inspect)
+    inspect.set_defaults(run=run_inspect)
 
 
 def _add_index_table(commands: argparse._SubParsersAction, pool: argparse.ArgumentParser) -> None:
@@ -434,7 +275,7 @@ def _add_index_table(commands: argparse._SubParsersAction, pool: argparse.Argume
         "writes it itself; this is for older caches, or to rewrite a damaged table.",
     )
     table.add_argument("cache", type=Path, help="cache folder (OUT of build)")
-    table.set_defaults(run=_index_table)
+    table.set_defaults(run=run_index_table)
 
 
 def _add_push(commands: argparse._SubParsersAction) -> None:
@@ -449,4 +290,4 @@ def _add_push(commands: argparse._SubParsersAction) -> None:
     )
     push.add_argument("cache", type=Path, help="cache folder (OUT of build)")
     push.add_argument("destination", help="s3://bucket/prefix")
-    push.set_defaults(run=_push)
+    push.set_defaults(run=run_push)
