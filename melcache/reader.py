@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 import mmap
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -35,6 +35,9 @@ from melcache.format import (
 )
 from melcache.location import read_bytes
 from melcache.storage import STORAGE_OF_MEMBER
+
+if TYPE_CHECKING:
+    from melcache.disk_cache import DiskCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,17 +196,23 @@ def raw_sample(sample: dict[str, Any], location: str) -> RawSample:
     )
 
 
-def read_shard(location: str, entry: dict[str, Any], check: ShardCheck) -> list[RawSample]:
-    """Every sample of one shard, in tar order, checked against its index entry.
+def read_shard(
+    location: str, entry: dict[str, Any], check: ShardCheck, disk: DiskCache | None = None
+) -> list[RawSample]:
+    """Every sample of one shard, in tar order, checked against its index entry (read through
+    ``disk``'s local copies when given: :mod:`melcache.disk_cache`).
 
     Raises :class:`ShardError` naming the shard when it is missing, unreadable, not the size
     the index gives, fails its digest (as ``check`` says), holds another number of samples
     than the index says, or a sample lacks a member or has bad metadata.
     """
-    data = load_shard(location)
-    problems = check.problems(data, entry, location)
-    if problems:
-        raise ShardError(problems[0])
+    if disk is not None and entry.get("sha256"):  # a remote cache read through a local copy
+        data = disk.read(location, entry, lambda d: check.problems(d, entry, location))
+    else:
+        data = load_shard(location)
+        problems = check.problems(data, entry, location)
+        if problems:
+            raise ShardError(problems[0])
     samples = [raw_sample(sample, location) for sample in shard_samples(data, location)]
     low, high = entry["min_frames"], entry["max_frames"]
     for sample in samples:  # batching relies on the index's bounds

@@ -1,15 +1,18 @@
-"""Shared fixtures: the committed sample corpus built by the real build, once per session, and
-ChatTTS's codes derived into it."""
+"""Shared fixtures: the committed sample corpus built by the real build, once per session;
+ChatTTS's codes derived into it; a real S3 server (moto) per module, the sample cache pushed."""
 
 from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 from helpers import (
     REPO,
+    S3_BUCKET,
     SMALL_SHARDS_TOML,
     TRAIN_CACHE_TOML,
     build_cache,
@@ -17,6 +20,8 @@ from helpers import (
     run_ok,
     run_preprocess,
 )
+
+from benchmarks.s3_server import moto_server, s3_environment
 
 
 @pytest.fixture(scope="session")
@@ -63,3 +68,20 @@ def derived(train_cache: Path, dvae_run: Path, tmp_path_factory: pytest.TempPath
     shutil.copytree(train_cache, cache)
     run_preprocess(*derive_args(cache, dvae_run))
     return cache
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    """A moto S3 server for this module, the standard environment pointing at it."""
+    with moto_server() as url, s3_environment(url):
+        boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def pushed(endpoint: str, sample_cache: Path) -> str:
+    """The sample cache published with ``python -m preprocess push``."""
+    location = f"s3://{S3_BUCKET}/sample"
+    done = run_preprocess("push", str(sample_cache), location)
+    assert "objects uploaded" in done.stdout
+    return location

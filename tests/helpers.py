@@ -464,3 +464,6 @@ def derive_args(cache: Path, run: Path, *extra: str) -> list[str]:
     """``preprocess derive`` of ChatTTS's codes into ``cache`` with the DVAE run ``run``."""
     return ["derive", str(cache), "--field", "codes", "--encoder", DVAE_ENCODER, "--checkpoint",
             str(run), "--workers", "1", *extra]  # fmt: skip
+
+
+S3_BUCKET = "caches"  # the bucket conftest's endpoint fixture makes on its S3 server

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -22,6 +21,7 @@ import pytest
 import torch
 from helpers import (
     REPO,
+    S3_BUCKET,
     SAMPLE_CORPUS,
     checkpoint,
     metrics,
@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 
 import melcache
 from benchmarks.s3_faults import ISSUE_FAULTS, NO_FAULTS, fault_proxy
-from benchmarks.s3_server import CREDENTIALS, free_port, moto_server, s3_environment
+from benchmarks.s3_server import CREDENTIALS, free_port, s3_environment
 from melcache import objectstore
 from melcache.dataset import CacheDataset
 from melcache.errors import ShardError, UserError
@@ -49,25 +49,7 @@ from melcache.reader import ShardCheck, read_shard
 from preprocess.write.push import cache_files
 from preprocess.write.staged import default_staging
 
-BUCKET = "caches"
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    """A moto S3 server for this module, the standard environment pointing at it."""
-    with moto_server() as url, s3_environment(url):
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
-        yield url
-
-
-@pytest.fixture(scope="module")
-def pushed(endpoint: str, sample_cache: Path) -> str:
-    """The sample cache published with ``python -m preprocess push``."""
-    location = f"s3://{BUCKET}/sample"
-    done = run_preprocess("push", str(sample_cache), location)
-    assert "objects uploaded" in done.stdout
-    return location
 
 
 def data(workers: int = 2) -> DataConfig:
@@ -137,12 +119,12 @@ def test_the_loaders_parent_holds_no_client_once_four_workers_run(pushed: str) -
 
 @pytest.mark.slow  # subprocesses or eight loaders of 2 workers
 def test_push_resumes_and_refuses_another_cache(endpoint: str, sample_cache: Path) -> None:
-    location = f"s3://{BUCKET}/resume"
+    location = f"s3://{S3_BUCKET}/resume"
     first = run_preprocess("push", str(sample_cache), location)
     s3 = boto3.client("s3")
     key = next(k for k in objectstore.list_sizes(location) if k.endswith(".tar"))
-    s3.put_object(Bucket=BUCKET, Key=f"resume/{key}", Body=b"damaged")  # then a killed push
-    s3.delete_object(Bucket=BUCKET, Key=f"resume/{INDEX_NAME}")
+    s3.put_object(Bucket=S3_BUCKET, Key=f"resume/{key}", Body=b"damaged")  # then a killed push
+    s3.delete_object(Bucket=S3_BUCKET, Key=f"resume/{INDEX_NAME}")
     again = run_preprocess("push", str(sample_cache), location)
     assert "objects uploaded" in first.stdout
     assert again.stdout.strip().endswith("2 objects uploaded, 16 already there"), again.stdout
@@ -189,10 +171,12 @@ def test_a_wrong_bucket_no_credentials_no_server_and_half_a_cache_are_one_line_e
     s3 = boto3.client("s3")
     for name in objectstore.list_sizes(pushed):
         if name.endswith(".tar") or name == "utterances.table":
-            s3.copy_object(Bucket=BUCKET, Key=f"half/{name}", CopySource=f"{BUCKET}/sample/{name}")
-    assert "has not finished" in one_line_error("verify", f"s3://{BUCKET}/half", env=env)
+            s3.copy_object(
+                Bucket=S3_BUCKET, Key=f"half/{name}", CopySource=f"{S3_BUCKET}/sample/{name}"
+            )
+    assert "has not finished" in one_line_error("verify", f"s3://{S3_BUCKET}/half", env=env)
     with pytest.raises(UserError, match="has not finished"):
-        melcache.open(f"s3://{BUCKET}/half")
+        melcache.open(f"s3://{S3_BUCKET}/half")
 
 
 def test_a_flaky_store_loses_and_changes_no_sample(pushed: str, endpoint: str) -> None:
@@ -213,7 +197,7 @@ def test_a_flaky_store_loses_and_changes_no_sample(pushed: str, endpoint: str) -
 def test_the_trainer_reads_train_and_validation_caches_from_the_store(
     endpoint: str, train_cache: Path, tmp_path: Path
 ) -> None:
-    location = f"s3://{BUCKET}/train"
+    location = f"s3://{S3_BUCKET}/train"
     run_preprocess("push", str(train_cache), location)
     validation = ("train.validation.every=4",)
     for cache, out in ((train_cache, tmp_path / "local"), (location, tmp_path / "store")):
@@ -236,12 +220,12 @@ def test_a_read_that_fails_past_its_budget_names_the_object_and_on_error_handles
         with pytest.raises(ShardError, match=rf"{location}: giving up after 3 .*503 SlowDown"):
             read_shard(location, first, ShardCheck())
     objectstore.forget_clients()
-    copy = f"s3://{BUCKET}/one-shard-gone"  # the index there, a shard missing
+    copy = f"s3://{S3_BUCKET}/one-shard-gone"  # the index there, a shard missing
     s3 = boto3.client("s3")
     for name in objectstore.list_sizes(pushed):
         if name != first["name"]:
-            s3.copy_object(Bucket=BUCKET, Key=f"one-shard-gone/{name}",
-                           CopySource=f"{BUCKET}/sample/{name}")  # fmt: skip
+            s3.copy_object(Bucket=S3_BUCKET, Key=f"one-shard-gone/{name}",
+                           CopySource=f"{S3_BUCKET}/sample/{name}")  # fmt: skip
     loader = make_loader(copy, DataConfig(batch_frames=3000, num_workers=0, on_error="skip"))
     keys = {key for _, batch in zip(range(30), loader, strict=False) for key in batch.keys}
     assert list(loader.skipped_shards) == [first["name"]]
@@ -281,7 +265,7 @@ def store_build(location: str, config: Path, staging: Path, *extra: str) -> list
 def test_two_parts_into_the_store_one_killed_and_rerun_make_the_local_builds_objects(
     endpoint: str, sample_cache: Path, small_shards_config: Path, tmp_path: Path
 ) -> None:
-    location = f"s3://{BUCKET}/built"
+    location = f"s3://{S3_BUCKET}/built"
     part = {k: store_build(location, small_shards_config, tmp_path / f"staging-{k}",
                            "--part", f"{k}/2") for k in (0, 1)}  # fmt: skip
     with (
@@ -300,7 +284,7 @@ def test_two_parts_into_the_store_one_killed_and_rerun_make_the_local_builds_obj
     assert "index.json was already written, with these bytes" in again.stderr
     # Every object but the build's shared state is the local build's file, byte for byte.
     same_objects(location, sample_cache)
-    listed = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="built/")["Contents"]
+    listed = boto3.client("s3").list_objects_v2(Bucket=S3_BUCKET, Prefix="built/")["Contents"]
     written = {o["Key"].removeprefix("built/"): o["LastModified"] for o in listed}
     assert written[INDEX_NAME] == max(written.values())  # the index last
     with pytest.raises(FileExistsError):  # and once: a second index is refused
@@ -327,7 +311,7 @@ def same_objects(location: str, cache: Path) -> None:
 def test_torchrun_ranks_sharing_one_staging_folder_build_the_local_builds_objects(
     endpoint: str, sample_cache: Path, small_shards_config: Path, tmp_path: Path
 ) -> None:
-    location = f"s3://{BUCKET}/ranks"
+    location = f"s3://{S3_BUCKET}/ranks"
     command = store_build(location, small_shards_config, tmp_path / "staging")
     done = run_ok(torchrun(*command[1:]))  # [python] -m preprocess build …
     assert "part 1/2 done" in done.stderr and done.stderr.count("wrote index.json") == 1
@@ -345,7 +329,7 @@ def test_the_default_staging_folder_is_named_after_the_destination(
 
 
 def test_a_conditional_put_writes_once(endpoint: str) -> None:
-    location = f"s3://{BUCKET}/once/index.json"
+    location = f"s3://{S3_BUCKET}/once/index.json"
     objectstore.put_object(location, b"first", if_absent=True)
     with pytest.raises(FileExistsError, match="already there"):
         objectstore.put_object(location, b"second", if_absent=True)
@@ -362,7 +346,7 @@ def test_a_build_into_a_wrong_bucket_without_credentials_or_server_is_one_line(
     bare = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     bare |= {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
              "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
-    build = store_build(f"s3://{BUCKET}/x", small_shards_config, tmp_path / "staging")[3:]
+    build = store_build(f"s3://{S3_BUCKET}/x", small_shards_config, tmp_path / "staging")[3:]
     assert "no S3 credentials" in one_line_error(*build, env=bare)
     closed = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
     assert "giving up after" in one_line_error(*build, env=closed)

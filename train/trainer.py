@@ -357,6 +357,8 @@ class Trainer:
         values.update(self.parts.measures.summary())  # the noise scale: a few more values
         for where, epochs in self.parts.loader.epochs().items():  # per cache of the mix
             values[f"epochs {where}"] = epochs
+        for name, count in (self.parts.loader.disk_cache or {}).items():  # data.cache_dir
+            values[f"disk_cache_{name}"] = count
         if values.get("amp_skip_rate", 0.0) > HIGH_SKIP_RATE:
             log.warning(
                 "%.0f %% of the steps logged at step %d skipped for fp16 overflow (scale now %g); "

@@ -71,6 +71,10 @@ class DataConfig:
     # False (a model's melcache_contract "mel": False): read the field shards alone, no mel
     # byte; batch.mel is [B, T, 0] and every frame count is the first field's.
     read_mel: bool = True
+    # A node's local copies of a remote cache's shards (s3://, http(s)://), for jobs that read
+    # it more than once per node: a folder melcache owns, bounded by bytes (melcache/disk_cache.py).
+    cache_dir: str = ""
+    cache_bytes: int = bounded(0, 0, 1 << 60)
 
     def __post_init__(self) -> None:
         check_numbers(self, "data")
@@ -113,6 +117,13 @@ class DataConfig:
             "data.fields",
             self.fields,
             'a list of derived field names such as ["codes"]',
+        )
+        require(isinstance(self.cache_dir, str), "data.cache_dir", self.cache_dir, "a folder")
+        require(
+            not self.cache_dir or self.cache_bytes > 0,
+            "data.cache_bytes",
+            self.cache_bytes,
+            "the bytes data.cache_dir may hold (> 0)",
         )
         require(
             isinstance(self.read_mel, bool) and (self.read_mel or bool(self.fields)),

@@ -74,6 +74,7 @@ from melcache.loader.elastic import (
 from melcache.loader.mix import (
     CacheArg,
     OpenedMix,
+    check_disk_cache,
     check_extras,
     check_layout,
     open_mix,
@@ -108,7 +109,8 @@ class StreamLoader:
     given, the :class:`DataConfig` included), ``features`` (the caches' one
     :class:`FeatureConfig`), ``index`` (the first cache's parsed ``index.json``; ``indexes``:
     all), ``weights`` (each cache's share of the frames), ``skipped_shards`` (shard name →
-    reason, each logged once, under ``on_error="skip"``).
+    reason, each logged once, under ``on_error="skip"``), ``disk_cache`` (``data.cache_dir``'s
+    hits and misses, or ``None``).
     """
 
     def __init__(self, spec: StreamSpec, mix: OpenedMix, pin_memory: bool) -> None:
@@ -116,6 +118,8 @@ class StreamLoader:
         self.features, self.indexes, self.weights = mix.features, mix.indexes, mix.weights
         self.index = mix.indexes[0]
         self.skipped_shards: dict[str, str] = {}
+        # data.cache_dir's hits and misses by this rank's workers (None: no disk cache)
+        self.disk_cache = {"hits": 0, "misses": 0} if spec.data.cache_dir else None
         self.resume_changes: tuple[str, ...] = ()  # what the last load_state_dict changed
         start = [spec.start(sub) for sub in spec.subs]
         self._positions = [list(start) for _ in range(spec.workers_per_rank)]
@@ -172,6 +176,9 @@ class StreamLoader:
         self._positions[cursor.worker][cursor.stream] = cursor.after
         self._next_worker = (cursor.worker + 1) % self.spec.workers_per_rank
         self._batches += 1
+        if self.disk_cache is not None:
+            self.disk_cache["hits"] += cursor.disk[0]
+            self.disk_cache["misses"] += cursor.disk[1]
         for name, reason in cursor.skipped:
             if name not in self.skipped_shards:
                 logger.warning("skipping shard %s: %s", name, reason)
@@ -377,6 +384,7 @@ def make_loader(
     num_slots = world_size * max(1, data.num_workers)
     check_layout(mix.sources, data, num_slots)
     subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+    check_disk_cache(mix.sources, subs, data)
     if rank == 0:  # one line per job, not per rank
         for line in whole_shared_reads(mix.sources, subs, data, num_slots):
             logger.warning(line)

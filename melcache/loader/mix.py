@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from melcache import objectstore
+from melcache.disk_cache import check_bound, check_folder
 from melcache.errors import UserError
 from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
@@ -278,3 +279,21 @@ def shards_digest(shards: tuple[dict[str, Any], ...]) -> str:
     """A short digest of a cache's content as its index lists it."""
     blob = json.dumps([[s["name"], s["samples"], s.get("sha256")] for s in shards]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_disk_cache(
+    sources: Sequence[Source], subs: Sequence[SubStream], data: DataConfig
+) -> None:
+    """``data.cache_dir`` usable and ``data.cache_bytes`` able to hold the shards a rank's
+    workers read at once (every worker up to two shards of each sub-stream); one line if not."""
+    if not data.cache_dir:
+        return
+    remote = [s for s in sources if is_url(s.location)]
+    if not remote:
+        raise UserError(
+            f"data.cache_dir = {data.cache_dir!r} keeps copies of caches in a store (s3://, "
+            "http(s)://); every cache of this job is a local folder"
+        )
+    check_folder(data.cache_dir)
+    largest = max(int(shard["bytes"]) for s in remote for shard in s.shards)
+    check_bound(data.cache_bytes, largest, 2 * len(subs) * max(1, data.num_workers))

@@ -30,6 +30,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 from melcache.access import Cache
+from melcache.disk_cache import DiskCache, for_process
 from melcache.errors import ShardError
 from melcache.field_store import read_field_shard
 from melcache.loader.batch import PackedBatch, Tokenizer, collate
@@ -46,7 +47,7 @@ from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import FRESH, Deal, Schedule, SubStream, locate
 from melcache.loader.transport import BatchRing
 from melcache.loader.units import ranged_unit, takes_little, whole_unit
-from melcache.location import member_location
+from melcache.location import is_url, member_location
 from melcache.reader import RawSample, ShardCheck, read_shard
 
 # A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
@@ -68,13 +69,14 @@ class Position:
 @dataclasses.dataclass(frozen=True)
 class Cursor:
     """Travels with each batch: who made it, from which sub-stream, where that worker stands
-    in it after the batch, and the shards it skipped since its previous batch (``(name,
-    reason)`` pairs)."""
+    in it after the batch, the shards it skipped since its previous batch (``(name, reason)``
+    pairs) and its disk cache's counts."""
 
     worker: int
     stream: int
     after: tuple[int, ...]
     skipped: tuple[tuple[str, str], ...] = ()
+    disk: tuple[int, int] = (0, 0)  # data.cache_dir's hits and misses since its previous batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +211,24 @@ def _read(
         if not spec.data.read_mel:  # the sources are the first field's shards (mix.with_fields)
             name = spec.data.fields[0]
             return read_field_shard(location, entry, check, name, where.fields[name])
-        return read_shard(location, entry, check)
+        return read_shard(location, entry, check, _disk_cache(spec, where.location))
     except ShardError as exc:
         skips.record((source, entry["name"]), entry["name"], exc)
         return None
+
+
+def _disk_cache(spec: StreamSpec, location: str) -> DiskCache | None:
+    """This process's copies of remote shards (``data.cache_dir``), for a cache in a store."""
+    if not spec.data.cache_dir or not is_url(location):
+        return None
+    return for_process(spec.data.cache_dir, spec.data.cache_bytes)
+
+
+def _disk_counts(spec: StreamSpec) -> tuple[int, int]:
+    """This process's disk cache hits and misses since its previous batch."""
+    if not spec.data.cache_dir:
+        return (0, 0)
+    return for_process(spec.data.cache_dir, spec.data.cache_bytes).take_counts()
 
 
 def whole_cache_batches(
@@ -385,7 +401,8 @@ def worker_stream(
             ring.publish(seq)
             seq += 1
             step += 1
-            yield packed, Cursor(worker, stream, (*after, consumed[stream]), skips.take())
+            position = (*after, consumed[stream])
+            yield packed, Cursor(worker, stream, position, skips.take(), _disk_counts(spec))
 
 
 def _collate_next(
