@@ -25,6 +25,7 @@ import torch
 from helpers import REPO, group_gone, recorded
 
 import melcache.loader.batch
+import melcache.loader.shard_reads
 import melcache.loader.stream
 from melcache.access import Cache
 from melcache.errors import ShardError, UserError
@@ -305,11 +306,11 @@ def test_resume_continues_with_exactly_the_next_batches(
 def test_resume_reads_only_the_partial_shard(sample_cache: Path, monkeypatch, sync: bool) -> None:
     reads, decodes = [], []
     real_read, real_decode = (
-        melcache.loader.stream.read_shard,
+        melcache.loader.shard_reads.read_shard,
         melcache.loader.batch.decode_mel_into,
     )
     monkeypatch.setattr(
-        melcache.loader.stream,
+        melcache.loader.shard_reads,
         "read_shard",
         lambda *a, **k: reads.append(a[0]) or real_read(*a, **k),
     )

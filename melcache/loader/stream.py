@@ -30,9 +30,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 from melcache.access import Cache
-from melcache.disk_cache import DiskCache, for_process
 from melcache.errors import ShardError
-from melcache.field_store import read_field_shard
 from melcache.loader.batch import PackedBatch, Tokenizer, collate
 from melcache.loader.batch_fields import BatchFields
 from melcache.loader.batching import (
@@ -45,10 +43,11 @@ from melcache.loader.batching import (
 )
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import FRESH, Deal, Schedule, SubStream, locate
+from melcache.loader.shard_reads import SkipLog, disk_counts, read_checked
 from melcache.loader.transport import BatchRing
 from melcache.loader.units import ranged_unit, takes_little, whole_unit
-from melcache.location import is_url, member_location
-from melcache.reader import RawSample, ShardCheck, read_shard
+from melcache.location import member_location
+from melcache.reader import RawSample, ShardCheck
 
 # A planned batch: the shard visit it belongs to (a failed visit loses its other batches),
 # the reader's position after it, its samples, their source and their shards' index entries
@@ -168,69 +167,6 @@ class ShardVisit:
         return Position(self.epoch + 1, 0, 0)
 
 
-class SkipLog:
-    """The ``on_error`` policy of one worker: re-raise, or note the shard and go on.
-
-    Skipping must not hang: when every shard of the mix has failed (or three times as many
-    shards as the mix holds) with no batch in between, it raises after all.
-    """
-
-    def __init__(self, on_error: str, num_shards: int) -> None:
-        self.on_error = on_error
-        self.num_shards = num_shards
-        self.pending: list[tuple[str, str]] = []
-        self.failed: set[tuple[int, str]] = set()  # distinct (source, shard) failed lately
-        self.streak = 0  # shards failed since the last batch
-
-    def record(self, shard: tuple[int, str], name: str, exc: ShardError) -> None:
-        if self.on_error == "raise":
-            raise exc
-        self.pending.append((name, str(exc)))
-        self.failed.add(shard)
-        self.streak += 1
-        if len(self.failed) == self.num_shards or self.streak >= 3 * self.num_shards:
-            raise ShardError(
-                f"{self.streak} shards in a row failed, {len(self.failed)} of the cache's "
-                f"{self.num_shards} distinct; the last: {exc}"
-            )
-
-    def take(self) -> tuple[tuple[str, str], ...]:
-        """Skips to report with the batch about to be yielded; progress resets the watchdog."""
-        pending, self.pending = tuple(self.pending), []
-        self.failed, self.streak = set(), 0
-        return pending
-
-
-def _read(
-    spec: StreamSpec, source: int, shard_id: int, *, check: ShardCheck, skips: SkipLog
-) -> list[RawSample] | None:
-    """One shard's samples, or ``None`` when it is bad and the policy is to skip it."""
-    where, entry = spec.sources[source], spec.sources[source].shards[shard_id]
-    location = member_location(where.location, entry["name"])
-    try:
-        if not spec.data.read_mel:  # the sources are the first field's shards (mix.with_fields)
-            name = spec.data.fields[0]
-            return read_field_shard(location, entry, check, name, where.fields[name])
-        return read_shard(location, entry, check, _disk_cache(spec, where.location))
-    except ShardError as exc:
-        skips.record((source, entry["name"]), entry["name"], exc)
-        return None
-
-
-def _disk_cache(spec: StreamSpec, location: str) -> DiskCache | None:
-    """This process's copies of remote shards (``data.cache_dir``), for a cache in a store."""
-    if not spec.data.cache_dir or not is_url(location):
-        return None
-    return for_process(spec.data.cache_dir, spec.data.cache_bytes)
-
-
-def _disk_counts(spec: StreamSpec) -> tuple[int, int]:
-    """This process's disk cache hits and misses since its previous batch."""
-    if not spec.data.cache_dir:
-        return (0, 0)
-    return for_process(spec.data.cache_dir, spec.data.cache_bytes).take_counts()
-
-
 def whole_cache_batches(
     spec: StreamSpec, sub: SubStream, slot: int, start: Position, check: ShardCheck, skips: SkipLog
 ) -> Iterator[Planned]:
@@ -246,7 +182,7 @@ def whole_cache_batches(
         )  # fmt: skip
         for pos in range(first, len(ids)):
             visit = ShardVisit(epoch, pos, len(ids), ids[pos], skip)
-            skip, samples = 0, _read(spec, source, visit.shard_id, check=check, skips=skips)
+            skip, samples = 0, read_checked(spec, source, visit.shard_id, check=check, skips=skips)
             if samples is None:
                 continue
             entry = shards[visit.shard_id]
@@ -284,7 +220,7 @@ def bucket_batches(
     sub, deal = spec.subs[stream], spec.deal(stream)
     visit: tuple[int, int] | None = None
     plan: list[list[int]] = []
-    read = functools.partial(_read, spec, sub.source, check=check, skips=skips)
+    read = functools.partial(read_checked, spec, sub.source, check=check, skips=skips)
 
     def record(name: str, problem: ShardError) -> None:
         skips.record((sub.source, name), name, problem)
@@ -402,7 +338,7 @@ def worker_stream(
             seq += 1
             step += 1
             position = (*after, consumed[stream])
-            yield packed, Cursor(worker, stream, position, skips.take(), _disk_counts(spec))
+            yield packed, Cursor(worker, stream, position, skips.take(), disk_counts(spec))
 
 
 def _collate_next(
