@@ -26,14 +26,14 @@ import argparse
 import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.trainer_bench import build_sample_cache
 
 REPO = Path(__file__).resolve().parents[1]
 ENCODER = "examples.chattts_dvae.adapter:encoder"
@@ -135,17 +135,7 @@ def main() -> None:
     if cache is None:
         cache = args.data / "cache"
         if not (cache / "index.json").exists():
-            config = REPO / "examples" / "sample_corpus.toml"
-            command = [
-                sys.executable,
-                "-m",
-                "preprocess",
-                "build",
-                "--src",
-                str(REPO / "examples" / "wavs"),
-            ]
-            command += ["--out", str(cache), "--config", str(config), "--workers", "1"]
-            subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+            build_sample_cache(cache, REPO / "examples" / "sample_corpus.toml")
     weights = weights_file(args.size, args.data)
     torch.set_num_threads(1)  # as derive's workers run; the step's forward on one thread too
     devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]

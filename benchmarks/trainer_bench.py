@@ -162,19 +162,11 @@ def data_wait(shards: str, steps: int) -> dict:
     }
 
 
-def build_sample_cache(folder: Path) -> str:
-    cmd = [
-        sys.executable,
-        "-m",
-        "preprocess",
-        "build",
-        "--src",
-        str(REPO / "examples" / "wavs"),
-        "--out",
-        str(folder),
-        "--workers",
-        "1",
-    ]
+def build_sample_cache(folder: Path, config: Path | None = None) -> str:
+    """The committed sample corpus built into ``folder`` (with the build ``config`` if given)."""
+    cmd = [sys.executable, "-m", "preprocess", "build", "--src", str(REPO / "examples" / "wavs")]
+    cmd += ["--out", str(folder), "--workers", "1"]
+    cmd += ["--config", str(config)] if config else []
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     return str(folder)
 
