@@ -305,3 +305,32 @@ def test_a_version_2_state_resumes_one_whole_cache_and_is_refused_otherwise(
     assert [b.keys for b in take(resumed, 5)] == expected
     with pytest.raises(UserError, match=r"version 2.*sync_buckets = false"):
         make(sample_cache, num_workers=2).load_state_dict(old)
+
+
+@pytest.mark.parametrize(("world_size", "workers"), [(4, 0), (2, 2)])
+def test_epochs_count_the_batches_the_job_consumed(
+    sample_cache: Path, world_size: int, workers: int
+) -> None:
+    """``epochs()`` is, per bucket, the job's batches of it consumed ÷ its batches per epoch
+    (every rank takes the bucket of each step, so the job's are ``world_size`` × this rank's,
+    counted here from the batches themselves), frame-weighted over the buckets; not one
+    slot's place in the sequence, which stays behind through an epoch's first chunk (0.45
+    at 92 % of an epoch of a 50 h cache, ``benchmarks.schedule_bench --parts synthetic``)."""
+    loader = make(
+        sample_cache,
+        world_size=world_size,
+        num_workers=workers,
+        sync_buckets=True,
+        max_batch_size=1,
+    )
+    subs = {sub.bucket: sub for sub in loader.spec.subs}
+    frames = sum(sub.frames for sub in subs.values())
+    taken = Counter()
+    stream = iter(loader)
+    for _ in range(3 * sum(sub.per_epoch for sub in subs.values()) // world_size):
+        taken[next(stream).bucket] += 1
+        consumed = sum(
+            world_size * taken[b] / sub.per_epoch * sub.frames for b, sub in subs.items()
+        )
+        assert loader.epochs()[str(sample_cache)] == pytest.approx(consumed / frames, abs=1e-4)
+    loader.close()

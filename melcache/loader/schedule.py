@@ -244,6 +244,11 @@ class Deal:
         fresh = global_batch(sub, slot=slot, num_slots=num_slots, taken=taken - (end - first))
         return self.frontier + fresh
 
+    def read_by_job(self, num_slots: int, taken: float) -> float:
+        """Batches of the sequence a job of ``num_slots`` slots has read when each has taken
+        ``taken``: what the old job read before ``frontier``, then the slots' own."""
+        return self.frontier - (self.ends[-1] if self.ends else 0) + num_slots * taken
+
     def leftover_batch(self, place: int) -> int:
         """The sequence number of the leftover's ``place``-th batch."""
         run = bisect.bisect_right(self.ends, place)
