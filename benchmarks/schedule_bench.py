@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import subprocess
@@ -199,13 +200,18 @@ def plan_rows(
 
 
 def measure_synthetic(
-    hours: float, data: DataConfig, ranks: Sequence[int], steps: int, timed: tuple[str, int] | None
+    hours: float,
+    data: DataConfig,
+    ranks: Sequence[int],
+    steps: int,
+    timed: tuple[str, int] | None,
+    splits: Sequence[int] = (1,),
 ) -> Iterator[dict]:
     """Part 5: a drawn cache of ``hours`` at the default shard size
     (``benchmarks/synthetic_cache.py``): the plans' rows at each rank count (``steps`` steps,
     fewer at many ranks: each rank re-plans a unit per batch there; ``timed``: the preset and
     repeats of the timed cost model), then ``epochs()`` of rank 0 of 8 against the batches the
-    job has consumed."""
+    job has consumed; the plans at each ``data.sync_split`` of ``splits``, side by side."""
     measured: CostModel | None = None
     cache = draw_cache(hours)
     options = dataclasses.replace(data, sync_buckets=True, num_workers=0)
@@ -216,14 +222,17 @@ def measure_synthetic(
             shapes = typical_shapes(synthetic_spec(cache, options, rank=0, world_size=8), steps)
             measured, described = timed_cost_model(shapes, *timed)
             yield {**head, **described}
-        for world in ranks:
+        for world, split in itertools.product(ranks, splits):
+            split_options = dataclasses.replace(options, sync_split=split)
 
-            def spec_of(rank: int, world: int = world) -> StreamSpec:
-                return synthetic_spec(cache, options, rank=rank, world_size=world)
+            def spec_of(
+                rank: int, world: int = world, at: DataConfig = split_options
+            ) -> StreamSpec:
+                return synthetic_spec(cache, at, rank=rank, world_size=world)
 
-            row = plan_rows("synthetic plans", spec_of, world, max(8, steps * 8 // world), False,
+            row = plan_rows("synthetic plans", spec_of, world, max(30, steps * 8 // world), False,
                             measured)  # fmt: skip
-            yield {**head, **row}
+            yield {**head, "sync_split": split, **row}
         yield {**head, **epochs_against_batches(synthetic_spec(cache, options, rank=0,
                                                                world_size=8))}  # fmt: skip
 
@@ -351,7 +360,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--read-slots", type=int, nargs="*", default=[1, 2, 8, 64])
     p.add_argument("--cost-preset", default="tiny", help="trainer preset timed, or none")
     p.add_argument("--cost-repeats", type=int, default=3)
-    p.add_argument("--synthetic-hours", type=float, nargs="*", default=[50.0])
+    p.add_argument("--synthetic-hours", type=float, nargs="*", default=[3.0, 50.0, 200.0])
+    p.add_argument("--sync-split", type=int, nargs="*", default=[1, 4], help="synthetic part")
     p.add_argument(
         "--parts",
         nargs="*",
@@ -386,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "synthetic" in args.parts:
         for hours in args.synthetic_hours:
             timed = None if args.cost_preset == "none" else (args.cost_preset, args.cost_repeats)
-            for row in measure_synthetic(hours, data, args.ranks, args.steps, timed):
+            rows = measure_synthetic(hours, data, args.ranks, args.steps, timed, args.sync_split)
+            for row in rows:
                 print(json.dumps(row), flush=True)
     loader_data = dataclasses.replace(data, num_workers=2, shard_check="fast")
     if "throughput" in args.parts:

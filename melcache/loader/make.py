@@ -299,6 +299,8 @@ class StreamLoader:
             "sync_buckets": data.sync_buckets,
             "mix": [round(w, 9) for w in self.weights],
             **({"mix_schedule": self._mix_schedule()} if self.spec.phases else {}),
+            # None where 1: the states of earlier releases hold no such key, and match it.
+            "sync_split": data.sync_split if data.sync_split != 1 else None,
         }
 
     def _mix_schedule(self) -> list[list[Any]]:
