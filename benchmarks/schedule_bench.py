@@ -22,6 +22,11 @@ Makes (or reuses) an espeak-ng corpus with ``benchmarks.speech`` and its cache w
    alternating turns of ``--steps`` batches (``--rounds`` each): CPU time per sample and shard
    bytes read per sample (a slot that shares a unit of shards with
    others reads only its batches' samples, by the cache's table, where the cache has one).
+5. ``synthetic`` (not run by default): caches of ``--synthetic-hours`` drawn without audio at
+   the default shard size (``benchmarks/synthetic_cache.py``), planned by the loader's own
+   code at ``--ranks``, for each ``data.sync_split`` of ``--sync-split``: efficiency (FLOP
+   model and the cost model timed on that cache's shapes), padding, and ``loader.epochs()``
+   against the job's batches consumed.
 
 The FLOP model is ``configs/base.toml``'s transformer (d 512, 12 layers, a prefix LM over
 text + mel): per utterance slot ``24·d²·S + 4·d·S²`` with ``S`` = padded text + mel length.
@@ -361,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--cost-preset", default="tiny", help="trainer preset timed, or none")
     p.add_argument("--cost-repeats", type=int, default=3)
     p.add_argument("--synthetic-hours", type=float, nargs="*", default=[3.0, 50.0, 200.0])
-    p.add_argument("--sync-split", type=int, nargs="*", default=[1, 4], help="synthetic part")
+    p.add_argument("--sync-split", type=int, nargs="*", default=[1, 4, 6], help="synthetic part")
     p.add_argument(
         "--parts",
         nargs="*",
