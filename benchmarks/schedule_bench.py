@@ -22,6 +22,11 @@ Makes (or reuses) an espeak-ng corpus with ``benchmarks.speech`` and its cache w
    alternating turns of ``--steps`` batches (``--rounds`` each): CPU time per sample and shard
    bytes read per sample (a slot that shares a unit of shards with
    others reads only its batches' samples, by the cache's table, where the cache has one).
+5. ``synthetic`` (not run by default): caches of ``--synthetic-hours`` drawn without audio at
+   the default shard size (``benchmarks/synthetic_cache.py``), planned by the loader's own
+   code at ``--ranks``, for each ``data.sync_split`` of ``--sync-split``: efficiency (FLOP
+   model and the cost model timed on that cache's shapes), padding, and ``loader.epochs()``
+   against the job's batches consumed.
 
 The FLOP model is ``configs/base.toml``'s transformer (d 512, 12 layers, a prefix LM over
 text + mel): per utterance slot ``24·d²·S + 4·d·S²`` with ``S`` = padded text + mel length.
@@ -32,11 +37,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -46,11 +53,12 @@ import torch
 import melcache.access as access_module
 import melcache.loader.stream as stream_module
 from benchmarks.speech import make_corpus
+from benchmarks.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.batch import BYTE_VOCAB_SIZE, utf8_tokens
-from melcache.loader.batching import round_up
+from melcache.loader.batching import padding_fraction, round_up
 from melcache.loader.schedule import make_schedule
-from melcache.loader.stream import planned_stream
+from melcache.loader.stream import StreamSpec, planned_stream
 from melcache.reader import RawSample
 from melcache.sections import find_config
 from train.config.tables import load_config
@@ -120,13 +128,12 @@ def timed_cost_model(
     return (lambda mel, text, batch: batch * (a * (mel + text) + b * (mel + text) ** 2)), row
 
 
-def typical_shapes(cache: Path, data: DataConfig, steps: int) -> dict[int, Shape]:
+def typical_shapes(spec: StreamSpec, steps: int) -> dict[int, Shape]:
     """Each bucket's median batch shape over one rank's first ``steps`` planned batches."""
-    options = dataclasses.replace(data, num_workers=0)
-    stream = planned(make_loader(cache, options, rank=0, world_size=8), False)
+    stream = planned(spec, False)
     by_bucket: dict[int, list[Shape]] = {}
     for _, (bucket, samples) in zip(range(steps), stream, strict=False):
-        by_bucket.setdefault(bucket, []).append(shape_of(samples, data.pad_multiple))
+        by_bucket.setdefault(bucket, []).append(shape_of(samples, spec.data.pad_multiple))
     stream.close()
     return {b: tuple(int(np.median(c)) for c in zip(*v, strict=True))  # type: ignore[misc]
             for b, v in by_bucket.items()}  # fmt: skip
@@ -145,11 +152,10 @@ def measure_loaders(cache: Path, data: DataConfig, ranks: int, steps: int) -> di
     return summary(f"loader sync_buckets={data.sync_buckets}", ranks, buckets, costs)
 
 
-def planned(loader: StreamLoader, unsynced: bool) -> Iterator[tuple[int, list[RawSample]]]:
+def planned(spec: StreamSpec, unsynced: bool) -> Iterator[tuple[int, list[RawSample]]]:
     """One rank's batches (bucket, samples) from the loader's readers, no mel decoded."""
-    spec = loader.spec
     if unsynced:  # the same sub-streams, each rank choosing among all of them by itself
-        schedule = make_schedule(spec.subs, loader.weights, seed=spec.seed, sync=False)
+        schedule = make_schedule(spec.subs, spec.schedule.weights, seed=spec.seed, sync=False)
         spec = dataclasses.replace(spec, schedule=schedule)
     for _, _, samples, _, entries in planned_stream(spec, 0):
         yield entries[0]["bucket"], samples
@@ -158,25 +164,104 @@ def planned(loader: StreamLoader, unsynced: bool) -> Iterator[tuple[int, list[Ra
 def measure_plans(
     cache: Path, data: DataConfig, ranks: int, steps: int, how: str, measured: CostModel | None
 ) -> dict:
-    """Part 2: the same from plans, at any number of ranks: one rank's plan after the other
-    (ranks plan independently), so only one rank's shards are open at a time; the efficiency
-    by the FLOP model and (``efficiency_measured``) by the cost model timed on the device."""
+    """Part 2: the same from plans, at any number of ranks, by :func:`plan_rows`."""
     sync = how != "previous"
     options = dataclasses.replace(data, sync_buckets=sync, num_workers=0)
-    per_rank = []
+
+    def spec_of(rank: int) -> StreamSpec:
+        return make_loader(cache, options, rank=rank, world_size=ranks).spec
+
+    return plan_rows(f"plans {how}", spec_of, ranks, steps, how == "unsynced", measured)
+
+
+SpecOf = Callable[[int], StreamSpec]
+
+
+def plan_rows(
+    name: str, spec_of: SpecOf, ranks: int, steps: int, unsynced: bool, measured: CostModel | None
+) -> dict:
+    """One rank's plan after the other (ranks plan independently, so only one rank's shards
+    are open at a time): the efficiency by the FLOP model and (``efficiency_measured``) by the
+    cost model timed on the device; the padding of the mel frames (``padding_pct``: padded
+    ``B × T`` against real frames, ``T`` rounded up to ``pad_multiple``)."""
+    per_rank, real, padded = [], 0, 0
     for r in range(ranks):
-        stream = planned(make_loader(cache, options, rank=r, world_size=ranks), how == "unsynced")
+        spec = spec_of(r)
+        stream = planned(spec, unsynced)
         batches = [next(stream) for _ in range(steps)]
-        per_rank.append([(b, shape_of(samples, data.pad_multiple)) for b, samples in batches])
+        per_rank.append([(b, shape_of(samples, spec.data.pad_multiple)) for b, samples in batches])
+        real += sum(s.frames for _, samples in batches for s in samples)
+        padded += sum(shape[0] * shape[2] for _, shape in per_rank[-1])
         stream.close()
     steps_of = list(zip(*per_rank, strict=True))
     buckets = [[b for b, _ in step] for step in steps_of]
-    row = summary(f"plans {how}", ranks, buckets,
+    row = summary(name, ranks, buckets,
                   [[step_cost(*shape) for _, shape in step] for step in steps_of])  # fmt: skip
+    row["padding_pct"] = round(100 * padding_fraction(real, padded), 2)
     if measured is not None:
         costs = [[measured(*shape) for _, shape in step] for step in steps_of]
         row["efficiency_measured"] = round(efficiency(costs), 3)
     return row
+
+
+def measure_synthetic(
+    hours: float,
+    data: DataConfig,
+    ranks: Sequence[int],
+    steps: int,
+    timed: tuple[str, int] | None,
+    splits: Sequence[int] = (1,),
+) -> Iterator[dict]:
+    """Part 5: a drawn cache of ``hours`` at the default shard size
+    (``benchmarks/synthetic_cache.py``): the plans' rows at each rank count (``steps`` steps,
+    fewer at many ranks: each rank re-plans a unit per batch there; ``timed``: the preset and
+    repeats of the timed cost model), then ``epochs()`` of rank 0 of 8 against the batches the
+    job has consumed; the plans at each ``data.sync_split`` of ``splits``, side by side."""
+    measured: CostModel | None = None
+    cache = draw_cache(hours)
+    options = dataclasses.replace(data, sync_buckets=True, num_workers=0)
+    head = {"hours": round(cache.hours, 1), "shards": len(cache.shards),
+            "utterances": sum(s["samples"] for s in cache.shards)}  # fmt: skip
+    with reading(cache):
+        if timed is not None:  # timed on this cache's shapes (buckets up to 32 s)
+            shapes = typical_shapes(synthetic_spec(cache, options, rank=0, world_size=8), steps)
+            measured, described = timed_cost_model(shapes, *timed)
+            yield {**head, **described}
+        for world, split in itertools.product(ranks, splits):
+            split_options = dataclasses.replace(options, sync_split=split)
+
+            def spec_of(
+                rank: int, world: int = world, at: DataConfig = split_options
+            ) -> StreamSpec:
+                return synthetic_spec(cache, at, rank=rank, world_size=world)
+
+            row = plan_rows("synthetic plans", spec_of, world, max(30, steps * 8 // world), False,
+                            measured)  # fmt: skip
+            yield {**head, "sync_split": split, **row}
+        yield {**head, **epochs_against_batches(synthetic_spec(cache, options, rank=0,
+                                                               world_size=8))}  # fmt: skip
+
+
+def epochs_against_batches(spec: StreamSpec) -> dict:
+    """``loader.epochs()`` of one rank (its positions set from the planned stream, as its
+    consumer's would be) at a quarter, a half and 92 % of an epoch of the job's batches."""
+    mix = types.SimpleNamespace(features=None, indexes=[{}], weights=[1.0])
+    loader = StreamLoader(spec, mix, pin_memory=False)  # type: ignore[arg-type]
+    per_epoch = sum(sub.per_epoch for sub in spec.subs)
+    of_bucket = {sub.bucket: u for u, sub in enumerate(spec.subs)}
+    marks = {round(share * per_epoch / spec.world_size): share for share in (0.25, 0.5, 0.92)}
+    consumed, said = [0] * len(spec.subs), {}
+    for step, (_, after, samples, _, entries) in enumerate(planned_stream(spec, 0), 1):
+        stream = of_bucket[entries[0]["bucket"]]
+        consumed[stream] += sum(s.frames for s in samples)
+        loader._positions[0][stream] = (*after, consumed[stream])
+        if step in marks:
+            said[f"at {marks[step]:.2f} of an epoch ({step * spec.world_size} batches)"] = (
+                loader.epochs()[LOCATION]
+            )
+        if step >= max(marks):
+            break
+    return {"measure": "epochs() of rank 0 of 8", "batches_per_epoch": per_epoch, **said}
 
 
 def shape_of(samples: list[RawSample], pad_multiple: int) -> Shape:
@@ -280,9 +365,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--read-slots", type=int, nargs="*", default=[1, 2, 8, 64])
     p.add_argument("--cost-preset", default="tiny", help="trainer preset timed, or none")
     p.add_argument("--cost-repeats", type=int, default=3)
-    p.add_argument("--parts", nargs="*", default=["loader", "plans", "throughput", "reads"])
+    p.add_argument("--synthetic-hours", type=float, nargs="*", default=[3.0, 50.0, 200.0])
+    p.add_argument("--sync-split", type=int, nargs="*", default=[1, 4, 6], help="synthetic part")
+    p.add_argument(
+        "--parts",
+        nargs="*",
+        default=["loader", "plans", "throughput", "reads"],
+        help="also: synthetic (drawn caches of --synthetic-hours, no audio)",
+    )
     args = p.parse_args(argv)
-    cache = args.cache or ensure_cache(args.data, args.hours)
+    real_parts = {"loader", "plans", "throughput", "reads"} & set(args.parts)
+    cache = args.cache or (ensure_cache(args.data, args.hours) if real_parts else Path())
     data = DataConfig(batch_frames=BATCH_FRAMES, num_workers=0, shard_check="off")
     if "loader" in args.parts:
         for sync in (True, False):
@@ -291,7 +384,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "plans" in args.parts:
         measured = None
         if args.cost_preset != "none":
-            shapes = typical_shapes(cache, data, args.steps)
+            options = dataclasses.replace(data, num_workers=0)
+            spec = make_loader(cache, options, rank=0, world_size=8).spec
+            shapes = typical_shapes(spec, args.steps)
             measured, described = timed_cost_model(shapes, args.cost_preset, args.cost_repeats)
             print(json.dumps(described), flush=True)
         shards = len(json.loads((cache / "index.json").read_text())["shards"])
@@ -302,6 +397,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       "refused": f"{shards} shards < {ranks} workers"}))  # fmt: skip
                     continue
                 row = measure_plans(cache, data, ranks, args.steps, how, measured)
+                print(json.dumps(row), flush=True)
+    if "synthetic" in args.parts:
+        for hours in args.synthetic_hours:
+            timed = None if args.cost_preset == "none" else (args.cost_preset, args.cost_repeats)
+            rows = measure_synthetic(hours, data, args.ranks, args.steps, timed, args.sync_split)
+            for row in rows:
                 print(json.dumps(row), flush=True)
     loader_data = dataclasses.replace(data, num_workers=2, shard_check="fast")
     if "throughput" in args.parts:

@@ -305,3 +305,73 @@ def test_a_version_2_state_resumes_one_whole_cache_and_is_refused_otherwise(
     assert [b.keys for b in take(resumed, 5)] == expected
     with pytest.raises(UserError, match=r"version 2.*sync_buckets = false"):
         make(sample_cache, num_workers=2).load_state_dict(old)
+
+
+@pytest.mark.parametrize(("world_size", "workers"), [(4, 0), (2, 2)])
+def test_epochs_count_the_batches_the_job_consumed(
+    sample_cache: Path, world_size: int, workers: int
+) -> None:
+    """``epochs()`` is, per bucket, the job's batches of it consumed ÷ its batches per epoch
+    (every rank takes the bucket of each step, so the job's are ``world_size`` × this rank's,
+    counted here from the batches themselves), frame-weighted over the buckets; not one
+    slot's place in the sequence, which stays behind through an epoch's first chunk (0.45
+    at 92 % of an epoch of a 50 h cache, ``benchmarks.schedule_bench --parts synthetic``)."""
+    loader = make(
+        sample_cache,
+        world_size=world_size,
+        num_workers=workers,
+        sync_buckets=True,
+        max_batch_size=1,
+    )
+    subs = {sub.bucket: sub for sub in loader.spec.subs}
+    frames = sum(sub.frames for sub in subs.values())
+    taken = Counter()
+    stream = iter(loader)
+    for _ in range(3 * sum(sub.per_epoch for sub in subs.values()) // world_size):
+        taken[next(stream).bucket] += 1
+        consumed = sum(
+            world_size * taken[b] / sub.per_epoch * sub.frames for b, sub in subs.items()
+        )
+        assert loader.epochs()[str(sample_cache)] == pytest.approx(consumed / frames, abs=1e-4)
+    loader.close()
+
+
+def test_sync_split_keeps_a_steps_ranks_in_one_length_range_and_reads_each_key_once(
+    sample_cache: Path,
+) -> None:
+    """``data.sync_split``: each bucket's units cut into runs of neighbouring lengths, drawn
+    alike on every rank, so a step's ranks read one range (not the whole bucket's); each
+    range still reads every key of it once an epoch. Its states name the key."""
+    ranks, options = 4, {"sync_buckets": True, "max_batch_size": 1, "sync_split": 2}
+    loaders = [make(sample_cache, rank=r, world_size=ranks, **options) for r in range(ranks)]
+    spec = loaders[0].spec
+    shards = spec.sources[0].shards
+    range_of = {
+        shards[i]["name"]: (sub.bucket, sub.part) for sub in spec.subs for u in sub.units for i in u
+    }
+    split = [b for b in {s.bucket for s in spec.subs} if sum(s.bucket == b for s in spec.subs) > 1]
+    assert split  # buckets of two units or more are cut in two
+    for bucket in split:  # part 0 holds the shorter units
+        low, high = (
+            [shards[i] for s in spec.subs if (s.bucket, s.part) == (bucket, part) for u in s.units
+             for i in u]
+            for part in (0, 1)
+        )  # fmt: skip
+        assert max(e["max_frames"] for e in low) <= min(e["min_frames"] for e in high)
+    streams = [planned_stream(loader.spec, 0) for loader in loaders]
+    keys: dict[tuple[int, int], list[str]] = {}
+    for _ in range(2 * sum(sub.per_epoch for sub in spec.subs) // ranks):
+        batches = [next(stream) for stream in streams]
+        ranges = {range_of[entries[0]["name"]] for *_, entries in batches}
+        assert len(ranges) == 1, ranges  # every rank in one length range of one bucket
+        for _, _, samples, _, _ in batches:
+            keys.setdefault(next(iter(ranges)), []).extend(s.key for s in samples)
+    for (bucket, part), read in keys.items():
+        sub = next(s for s in spec.subs if (s.bucket, s.part) == (bucket, part))
+        first = read[: sub.per_epoch]  # one sample a batch: an epoch is per_epoch keys
+        assert len(set(first)) == len(first) == sub.per_epoch, (bucket, part)
+    state = loaders[0].state_dict()
+    assert state["sync_split"] == 2
+    plain = make(sample_cache, rank=0, world_size=ranks, sync_buckets=True, max_batch_size=1)
+    with pytest.raises(UserError, match=r"data\.sync_split = 2"):
+        plain.load_state_dict(state)

@@ -50,6 +50,10 @@ class DataConfig:
     # Every rank's batches of a step from one length bucket (docs/loader.md, "One schedule");
     # false: the stream of earlier releases (one cache: the same batches, old states resume).
     sync_buckets: bool = True
+    # Length ranges per bucket drawn alike on every rank: each bucket's units cut into this many
+    # runs of neighbouring lengths, so one step's ranks read units of one narrower range
+    # (docs/loader.md, "Finer than a bucket"); 1: the stream of earlier releases.
+    sync_split: int = bounded(1, 1, 1_000)
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)

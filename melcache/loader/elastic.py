@@ -93,7 +93,8 @@ class LoaderStateError(UserError):
 
 
 # What a resume on another job size or mix may not change: the batches themselves.
-SAME_BATCHES = ("seed", "batch_frames", "max_batch_size", "pad_multiple", "sync_buckets")
+SAME_BATCHES = ("seed", "batch_frames", "max_batch_size", "pad_multiple", "sync_buckets",
+                "sync_split")  # fmt: skip
 # Saved states that hold a bucket sub-stream's position as batches taken (3: before deals).
 ELASTIC_VERSIONS = (3, 4)
 
@@ -115,6 +116,7 @@ def stream_keys(spec: StreamSpec) -> list[list[Any]]:
     digests = [shards_digest(source.shards) for source in spec.sources]
     return [
         [same_cache(spec.sources[sub.source].location), digests[sub.source], sub.bucket]
+        + ([sub.part] if sub.part else [])  # data.sync_split's ranges: the keys before it alone
         for sub in spec.subs
     ]
 
@@ -278,6 +280,7 @@ STATE_KEYS = {
     "max_batch_size": "data.max_batch_size",
     "pad_multiple": "data.pad_multiple",
     "sync_buckets": "data.sync_buckets",
+    "sync_split": "data.sync_split",
     "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
     "mix_schedule": "data.mix_schedule (first batch, frame shares)",
     "cache_digest": "cache content digest",

@@ -134,14 +134,21 @@ class StreamLoader:
         return min(int(e) for worker in self.progress() for e in worker)
 
     def epochs(self) -> dict[str, float]:
-        """Epochs consumed so far of each cache, by its location: the frame-weighted mean over
-        its buckets of where this rank's workers stand in them (the job's other ranks keep
-        pace, the schedule being the same)."""
-        progress = self.progress()
+        """Epochs consumed so far of each cache, by its location: per bucket sub-stream the
+        batches the job has read of it ÷ its batches per epoch (the job's other slots keep the
+        pace of this rank's workers, the schedule being the same), the frame-weighted mean
+        over the cache's sub-streams; a whole-cache stream: where the workers stand in it. Not
+        a slot's place in the sequence, which in an epoch's first chunk counts one slot's
+        batches, not the job's."""
+        progress, spec, workers = self.progress(), self.spec, len(self._positions)
         out: dict[str, list[float]] = {}
-        for u, sub in enumerate(self.spec.subs):
-            mean = sum(worker[u] for worker in progress) / len(progress)
-            share = out.setdefault(self.spec.sources[sub.source].location, [0.0, 0.0])
+        for u, sub in enumerate(spec.subs):
+            if sub.bucket >= 0:
+                taken = sum(worker[u][0] for worker in self._positions) / workers
+                mean = spec.deal(u).read_by_job(spec.num_slots, taken) / sub.per_epoch
+            else:
+                mean = sum(worker[u] for worker in progress) / workers
+            share = out.setdefault(spec.sources[sub.source].location, [0.0, 0.0])
             share[0] += mean * sub.frames
             share[1] += sub.frames
         return {where: round(total / frames, 4) for where, (total, frames) in out.items()}
@@ -299,6 +306,8 @@ class StreamLoader:
             "sync_buckets": data.sync_buckets,
             "mix": [round(w, 9) for w in self.weights],
             **({"mix_schedule": self._mix_schedule()} if self.spec.phases else {}),
+            # None where 1: the states of earlier releases hold no such key, and match it.
+            "sync_split": data.sync_split if data.sync_split != 1 else None,
         }
 
     def _mix_schedule(self) -> list[list[Any]]:

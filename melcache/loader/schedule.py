@@ -63,6 +63,7 @@ class SubStream:
     # cache's shard list): length neighbours in a bucket (melcache.loader.batching.even_units), else one
     batches: tuple[int, ...]  # batches of each unit per epoch (the even cut)
     frames: int  # real frames in one epoch
+    part: int = 0  # length range of the bucket (data.sync_split), drawn as a bucket is
 
     @property
     def per_epoch(self) -> int:
@@ -97,10 +98,31 @@ def substreams(
                 )
                 for unit in units
             ]
-            frames = sum(shards[i]["frames"] for i in ids)
-            unit_ids = tuple(tuple(unit) for unit in units)
-            out.append(SubStream(source, bucket, unit_ids, tuple(counts), frames))
+            out += _split(source, bucket, units, counts, shards, data.sync_split)
     return tuple(out)
+
+
+def _split(
+    source: int,
+    bucket: int,
+    units: Sequence[Sequence[int]],
+    counts: Sequence[int],
+    shards: Sequence[Mapping[str, Any]],
+    parts: int,
+) -> list[SubStream]:
+    """A bucket's units (in length order, as :func:`even_units` gives them) as ``parts``
+    sub-streams of neighbouring lengths and near-equal batches (one where ``parts`` is 1 or
+    the bucket is a whole cache)."""
+    parts = 1 if bucket == WHOLE else min(parts, len(units))
+    ends = list(itertools.accumulate(counts))
+    cuts = [bisect.bisect_left(ends, part * ends[-1] // parts) + 1 for part in range(1, parts)]
+    places = [0, *cuts, len(units)]
+    out = []
+    for part, (start, stop) in enumerate(itertools.pairwise(places)):
+        held = [tuple(unit) for unit in units[start:stop]]
+        frames = sum(shards[i]["frames"] for unit in held for i in unit)
+        out.append(SubStream(source, bucket, tuple(held), tuple(counts[start:stop]), frames, part))
+    return [s for s in out if s.units]
 
 
 def mix_weights(
@@ -165,9 +187,9 @@ def make_schedule(
         source_frames[sub.source] = source_frames.get(sub.source, 0) + sub.frames
     share = [weights[s.source] * s.per_epoch / source_frames[s.source] for s in subs]
     frame_share = [weights[s.source] * s.frames / source_frames[s.source] for s in subs]
-    keys = sorted({s.bucket for s in subs}) if sync else [None]
+    keys = sorted({(s.bucket, s.part) for s in subs}) if sync else [None]
     groups = tuple(
-        tuple(i for i, s in enumerate(subs) if key is None or s.bucket == key) for key in keys
+        tuple(i for i, s in enumerate(subs) if key in (None, (s.bucket, s.part))) for key in keys
     )
     mass = [sum(share[i] for i in g) for g in groups]
     rng = make_rng(seed, SCHEDULE_OFFSETS)
@@ -244,6 +266,11 @@ class Deal:
         fresh = global_batch(sub, slot=slot, num_slots=num_slots, taken=taken - (end - first))
         return self.frontier + fresh
 
+    def read_by_job(self, num_slots: int, taken: float) -> float:
+        """Batches of the sequence a job of ``num_slots`` slots has read when each has taken
+        ``taken``: what the old job read before ``frontier``, then the slots' own."""
+        return self.frontier - (self.ends[-1] if self.ends else 0) + num_slots * taken
+
     def leftover_batch(self, place: int) -> int:
         """The sequence number of the leftover's ``place``-th batch."""
         run = bisect.bisect_right(self.ends, place)
@@ -293,6 +320,7 @@ def locate(sub: SubStream, *, seed: int, number: int) -> tuple[int, int, int]:
 def _epoch_layout(sub: SubStream, seed: int, epoch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The epoch's order of ``sub.units`` places, and the running batch count at the end
     of each."""
-    rng = make_rng(seed, SUBSTREAM_ORDER, sub.source, sub.bucket + 1, epoch)
+    parts = (epoch, sub.part) if sub.part else (epoch,)  # part 0: the unsplit bucket's order
+    rng = make_rng(seed, SUBSTREAM_ORDER, sub.source, sub.bucket + 1, *parts)
     order = tuple(rng.permutation(len(sub.units)).tolist())
     return order, tuple(itertools.accumulate(sub.batches[i] for i in order))
