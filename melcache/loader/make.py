@@ -54,13 +54,14 @@ import dataclasses
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from melcache.features import FeatureConfig
-from melcache.loader.batch import Batch, utf8_tokens
+from melcache.loader.batch import utf8_tokens
+from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
 from melcache.loader.data_config import DataConfig
 from melcache.loader.elastic import (
     ELASTIC_VERSIONS,
@@ -313,45 +314,6 @@ class StreamLoader:
     def _mix_schedule(self) -> list[list[Any]]:
         """``data.mix_schedule`` as the state holds it: [first batch, frame shares] a phase."""
         return [[start, [round(w, 9) for w in s.weights]] for start, s in self.spec.phases]
-
-
-class LoaderClosed(RuntimeError):
-    """The loader's endless stream stopped: it was closed, or its workers ended."""
-
-
-class BatchIterator:
-    """One pass over a :class:`StreamLoader`: endless until closed, then raises
-    :class:`LoaderClosed` (never ``StopIteration``, which would end a training loop as if
-    it had succeeded).
-
-    It holds its loader, so ``for batch in make_loader(...)`` keeps the loader alive for as
-    long as it iterates; dropping the iterator frees the stream, whose ``finally`` stops the
-    worker processes.
-    """
-
-    def __init__(self, loader: StreamLoader, stream: Iterator[tuple[Batch, Cursor]]) -> None:
-        self.loader, self._stream = loader, stream
-        self._closed: str | None = None
-
-    def __iter__(self) -> BatchIterator:
-        return self
-
-    def __next__(self) -> Batch:
-        if self._closed is not None:
-            raise LoaderClosed(f"no more batches: {self._closed}")
-        try:
-            batch, cursor = next(self._stream)
-        except StopIteration:
-            self.close("its worker processes stopped before the endless stream could end")
-            raise LoaderClosed(f"no more batches: {self._closed}") from None
-        self.loader._consume(cursor)
-        return batch
-
-    def close(self, reason: str = "the iterator was closed") -> None:
-        """Stop the stream and its worker processes; later ``next()`` calls raise."""
-        if self._closed is None:
-            self._closed = reason
-            self._stream.close()
 
 
 def make_loader(
