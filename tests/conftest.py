@@ -22,6 +22,7 @@ from helpers import (
 )
 
 from benchmarks.s3_server import moto_server, s3_environment
+from melcache import objectstore
 
 
 @pytest.fixture(scope="session")
@@ -73,9 +74,11 @@ def derived(train_cache: Path, dvae_run: Path, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
     """A moto S3 server for this module, the standard environment pointing at it."""
+    objectstore.forget_clients()  # a client of an earlier module's server would outlive it
     with moto_server() as url, s3_environment(url):
         boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
         yield url
+    objectstore.forget_clients()
 
 
 @pytest.fixture(scope="module")
