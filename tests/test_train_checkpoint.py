@@ -13,7 +13,7 @@ from pathlib import Path, PosixPath
 
 import pytest
 import torch
-from helpers import REPO, load, run_ok, same_ddp_run, small_tmpfs, train_cmd
+from helpers import REPO, load, run_ok, same_weights, small_tmpfs, train_cmd
 from helpers import checkpoint as step_folder
 
 from melcache.errors import UserError
@@ -224,9 +224,14 @@ def test_a_run_saved_before_the_move_resumes_bitwise_after_it(train_cache: Path,
     assert "resumed from" in done.stderr
     assert "changed config" not in done.stderr  # its flat [train] keys read as today's
     want, got = step_folder(straight, 12), step_folder(resumed, 12)
-    same_ddp_run(want, got)
-    for rank in (0, 1):  # and the Python and NumPy generators, which same_ddp_run leaves out
-        theirs, mine = (load(c, f"rank-{rank:05d}.pt")["rng"] for c in (want, got))
+    same_weights(want, got)
+    for rank in (0, 1):  # every generator, and the loader where it stands (today's state
+        # holds more keys: its version's sub-stream names and deals)
+        theirs_all, mine_all = (load(c, f"rank-{rank:05d}.pt") for c in (want, got))
+        for key in ("batches", "next_worker", "positions", "skipped_shards"):
+            assert mine_all["loader"][key] == theirs_all["loader"][key], (rank, key)
+        assert torch.equal(mine_all["rng"]["torch"], theirs_all["rng"]["torch"]), rank
+        theirs, mine = theirs_all["rng"], mine_all["rng"]
         assert mine["python"] == theirs["python"], f"rank {rank} Python RNG differs"
         assert torch.equal(mine["numpy"]["keys"], theirs["numpy"]["keys"]), rank
         assert mine["numpy"] == {**theirs["numpy"], "keys": mine["numpy"]["keys"]}, rank

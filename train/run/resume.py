@@ -4,6 +4,7 @@ changed config means."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -16,6 +17,7 @@ from melcache.errors import UserError
 from melcache.index import read_stats
 from melcache.loader.make import LoaderStateError
 from train.config.renamed import move_renamed_keys
+from train.config.tables import Config
 from train.parallel.fsdp import load_weights, weights_state
 from train.parallel.rng import derive_seed, rng_state, seed_all, set_rng_state
 from train.run.parts import RunParts
@@ -186,8 +188,13 @@ def mel_stats(
 
 def warn_config_changes(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
     """Warn, naming the keys, when checkpoint ``where`` was saved under another config (one
-    saved before the ``[train]`` sub-tables is read under today's key names)."""
+    saved before the ``[train]`` sub-tables is read under today's key names, and with today's
+    defaults for keys it did not have)."""
     saved = move_renamed_keys(saved, str(where), quiet=True)
+    # Keys added since the checkpoint was saved read as their defaults, as that run ran; a
+    # config today's checks refuse is compared as it was saved.
+    with contextlib.suppress(UserError):
+        saved = Config.from_dict(saved, str(where)).to_dict()
     changed = sorted(set(_flatten(saved).items()) ^ set(_flatten(current).items()))
     keys = sorted({k for k, _ in changed} - RESUMABLE_CHANGES)
     if keys:
