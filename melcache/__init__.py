@@ -6,7 +6,7 @@ trainer (``train``), which import this package and never each other.
 - :mod:`melcache.features`: the exact mel extractor a cache was built with;
 - :mod:`melcache.format`: file and member names, dtypes, the tar writer and fast readers;
 - :mod:`melcache.location`: where a cache's files live (a folder or a URL prefix);
-- :mod:`melcache.objectstore`: ``s3://`` caches, read by retried ranged GETs;
+- :mod:`melcache.remote.objectstore`: ``s3://`` caches, read by retried ranged GETs;
 - :mod:`melcache.index`: ``index.json`` (strictly checked) and ``stats.zarr``;
 - :mod:`melcache.reader`: one shard read and checked against its index entry;
 - :mod:`melcache.table`: the per-utterance table, ``utterances.table``;

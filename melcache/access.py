@@ -26,8 +26,8 @@ import numpy as np
 from melcache.bounded import open_regular
 from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
-from melcache.field_store import FieldStore
-from melcache.fields import cache_fields
+from melcache.fields.format import cache_fields
+from melcache.fields.store import FieldStore
 from melcache.format import META_MEMBER, decode_meta, finite_mel
 from melcache.index import read_index
 from melcache.location import is_url, member_location, read_range, reads_ranges
@@ -95,7 +95,7 @@ class Cache:
         self.table = Table(cache, self.index)
         self._n_mels = int(self.index["features"]["n_mels"])
         self._shards = _Shards(cache, self.index["shards"])
-        # Every derived field of the cache (melcache/fields.py), one ranged read each per row.
+        # Every derived field of the cache (melcache/fields/format.py), one ranged read each per row.
         fields = cache_fields(self.index, str(cache))
         self.fields = FieldStore(cache, self.index, list(fields))
         self._field_shards = {

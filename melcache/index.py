@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import zarr
 
-from melcache import objectstore
 from melcache.bounded import loads_json
 from melcache.errors import UserError
 from melcache.extras import META_FIELD, name_problem
@@ -33,6 +32,7 @@ from melcache.format import (
     write_atomic,
 )
 from melcache.location import is_url, member_location, read_bytes
+from melcache.remote import objectstore
 from melcache.storage import FP16, STORAGES
 
 # Shard entry fields: type and smallest valid value; ``bytes`` and ``sha256`` may be absent

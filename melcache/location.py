@@ -1,5 +1,5 @@
 """Where a cache's files live: a local folder, an object-store prefix (``s3://bucket/cache``,
-:mod:`melcache.objectstore`) or a URL prefix webdataset's ``gopen`` opens (``http://host/cache``,
+:mod:`melcache.remote.objectstore`) or a URL prefix webdataset's ``gopen`` opens (``http://host/cache``,
 ``pipe:…``); a file's location is the prefix, a slash and its name. Local files, ``http(s)://``
 and ``s3://`` also answer ranged reads (:func:`read_range`)."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 from webdataset import gopen
 
-from melcache import objectstore
 from melcache.bounded import open_regular
 from melcache.errors import ShardError
+from melcache.remote import objectstore
 
 RANGED_SCHEMES = ("http://", "https://", *objectstore.SCHEMES)
 

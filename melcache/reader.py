@@ -37,7 +37,7 @@ from melcache.location import read_bytes
 from melcache.storage import STORAGE_OF_MEMBER
 
 if TYPE_CHECKING:
-    from melcache.disk_cache import DiskCache
+    from melcache.remote.disk_cache import DiskCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +200,7 @@ def read_shard(
     location: str, entry: dict[str, Any], check: ShardCheck, disk: DiskCache | None = None
 ) -> list[RawSample]:
     """Every sample of one shard, in tar order, checked against its index entry (read through
-    ``disk``'s local copies when given: :mod:`melcache.disk_cache`).
+    ``disk``'s local copies when given: :mod:`melcache.remote.disk_cache`).
 
     Raises :class:`ShardError` naming the shard when it is missing, unreadable, not the size
     the index gives, fails its digest (as ``check`` says), holds another number of samples

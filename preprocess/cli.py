@@ -198,7 +198,7 @@ def _add_derive(commands: argparse._SubParsersAction, pool: argparse.ArgumentPar
     derive.add_argument("--field", required=True, help="the field's name, e.g. codes")
     derive.add_argument(
         "--encoder", required=True, metavar="MODULE:FACTORY",
-        help="package.module:factory returning a melcache.fields.FieldEncoder",
+        help="package.module:factory returning a melcache.fields.format.FieldEncoder",
     )  # fmt: skip
     derive.add_argument(
         "--checkpoint", help="handed to the factory: a trainer run folder or a weights file"

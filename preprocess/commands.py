@@ -154,7 +154,7 @@ def run_index_table(args: argparse.Namespace) -> int:
 def _build_out(out: Path | str, staging: Path | None) -> tuple[Path, StoreOut | None]:
     """Where ``build`` writes: ``--out`` itself, or for ``s3://`` its staging folder and the
     store it publishes to."""
-    from melcache import objectstore
+    from melcache.remote import objectstore
     from preprocess.write.staged import StoreOut, default_staging
 
     if isinstance(out, Path):

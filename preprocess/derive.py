@@ -1,7 +1,7 @@
 """``preprocess derive``: run an encoder over every cached mel and store its output as a field.
 
 No mel shard is rewritten: each mel shard gets a field shard of the same name in the field's
-version folder (:mod:`melcache.fields`), written whole and acknowledged by a receipt in
+version folder (:mod:`melcache.fields.format`), written whole and acknowledged by a receipt in
 ``CACHE/.derive/NAME-DIGEST/``. Part K of N derives the shards whose number ≡ K mod N; the
 part that finds every receipt writes ``rows.npy`` and lists the field in ``index.json``
 (atomically), as the build's parts do. A part killed at any moment resumes when rerun and
@@ -25,7 +25,7 @@ from tqdm import tqdm
 from melcache.bounded import read_json
 from melcache.errors import UserError
 from melcache.features import features_from_dict
-from melcache.fields import (
+from melcache.fields.format import (
     FIELDS_KEY,
     ROWS_NAME,
     FieldEncoder,

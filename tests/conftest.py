@@ -22,7 +22,7 @@ from helpers import (
 )
 
 from benchmarks.s3_server import moto_server, s3_environment
-from melcache import objectstore
+from melcache.remote import objectstore
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """A node's local copies of a store's shards (``data.cache_dir``, ``data.cache_bytes``,
-``melcache/disk_cache.py``), on the sample cache pushed to a real S3 server (moto): the same
+``melcache/remote/disk_cache.py``), on the sample cache pushed to a real S3 server (moto): the same
 batches as the store, hits on a second pass, the folder bounded by bytes, a damaged copy read
 again from the store, folders and bounds that cannot work refused in one line, and the counts
 in the trainer's metrics.jsonl."""
@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers import S3_BUCKET, metrics, run_ok, run_preprocess, train_cmd
 
-from melcache.disk_cache import MARKER
 from melcache.errors import UserError
 from melcache.index import read_index
 from melcache.loader import DataConfig, make_loader
+from melcache.remote.disk_cache import MARKER
 
 DATA = DataConfig(batch_frames=1500, max_batch_size=2, num_workers=0, sync_buckets=True)
 

@@ -39,13 +39,13 @@ from torch.utils.data import DataLoader
 import melcache
 from benchmarks.s3_faults import ISSUE_FAULTS, NO_FAULTS, fault_proxy
 from benchmarks.s3_server import CREDENTIALS, free_port, s3_environment
-from melcache import objectstore
 from melcache.dataset import CacheDataset
 from melcache.errors import ShardError, UserError
 from melcache.format import INDEX_NAME
 from melcache.index import read_index
 from melcache.loader import Batch, DataConfig, make_loader
 from melcache.reader import ShardCheck, read_shard
+from melcache.remote import objectstore
 from preprocess.write.push import cache_files
 from preprocess.write.staged import default_staging
 

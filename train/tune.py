@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from melcache.errors import UserError
-from melcache.fields import cache_fields
+from melcache.fields.format import cache_fields
 from melcache.index import read_index
 from melcache.loader import bucket_lengths
 from melcache.loader.batch import Batch, stand_in_extras

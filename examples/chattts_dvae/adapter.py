@@ -35,7 +35,7 @@ from torch import nn
 
 from melcache.errors import UserError
 from melcache.features import feature_presets
-from melcache.fields import FieldEncoder
+from melcache.fields.format import FieldEncoder
 
 # What the released ChatTTS DVAE.safetensors holds: ChatTTS/config/config.py's sizes, the
 # adapter's defaults. The encoder needs these parts of it; the decoder is left out.

@@ -108,7 +108,7 @@ class Batch:
     source: str = ""  # the cache (location, as given to make_loader) it comes from
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)  # fields asked for
     # Derived fields asked for (data.fields): [B, T_field, *shape] zero-padded, integers as
-    # int64, floats as float32; and their true lengths, int64 [B] (melcache/fields.py).
+    # int64, floats as float32; and their true lengths, int64 [B] (melcache/fields/format.py).
     fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     field_lengths: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from melcache.errors import ShardError
-from melcache.field_store import FieldStore
-from melcache.fields import pad_fields
+from melcache.fields.format import pad_fields
+from melcache.fields.store import FieldStore
 from melcache.reader import RawSample
 
 # Field shards a worker keeps parsed: a unit spans two shards, and a worker alternates

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from melcache.cpus import usable_cpus
-from melcache.fields import name_problem
+from melcache.fields.format import name_problem
 from melcache.reader import SHARD_CHECKS
 from melcache.sections import Bounds, as_float, bounded, check_numbers, require
 
@@ -76,7 +76,7 @@ class DataConfig:
     # byte; batch.mel is [B, T, 0] and every frame count is the first field's.
     read_mel: bool = True
     # A node's local copies of a remote cache's shards (s3://, http(s)://), for jobs that read
-    # it more than once per node: a folder melcache owns, bounded by bytes (melcache/disk_cache.py).
+    # it more than once per node: a folder melcache owns, bounded by bytes (melcache/remote/disk_cache.py).
     cache_dir: str = ""
     cache_bytes: int = bounded(0, 0, 1 << 60)
 

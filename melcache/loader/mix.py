@@ -15,18 +15,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from melcache import objectstore
-from melcache.disk_cache import check_bound, check_folder
 from melcache.errors import UserError
 from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
-from melcache.field_store import FieldStore
+from melcache.fields.store import FieldStore
 from melcache.index import read_index
 from melcache.loader.batching import round_up
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
 from melcache.loader.stream import Source
 from melcache.location import is_url, member_location, reads_ranges
+from melcache.remote import objectstore
+from melcache.remote.disk_cache import check_bound, check_folder
 from melcache.sections import as_float
 from melcache.table import TABLE_NAME, Table
 

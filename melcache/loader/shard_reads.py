@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from melcache.disk_cache import DiskCache, for_process
 from melcache.errors import ShardError
-from melcache.field_store import read_field_shard
+from melcache.fields.store import read_field_shard
 from melcache.location import is_url, member_location
 from melcache.reader import RawSample, ShardCheck, read_shard
+from melcache.remote.disk_cache import DiskCache, for_process
 
 if TYPE_CHECKING:  # the worker's spec is stream.py's, which reads through this module
     from melcache.loader.stream import StreamSpec

@@ -12,7 +12,7 @@ import numpy as np
 from melcache.codec import decode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
-from melcache.fields import FIELDS_KEY
+from melcache.fields.format import FIELDS_KEY
 from melcache.index import index_storage, read_index
 from melcache.loader.batching import make_rng, padding_fraction, plan_batches, round_up
 from melcache.location import member_location

@@ -23,7 +23,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from melcache import objectstore
 from melcache.bounded import loads_json
 from melcache.codec import decode_mel
 from melcache.errors import ShardError, UserError
@@ -32,6 +31,7 @@ from melcache.format import AUDIO_MEMBER, REJECTED_NAME, SHARD_PATTERN, finite_m
 from melcache.index import index_storage, read_index, read_stats
 from melcache.location import member_location, read_bytes
 from melcache.reader import integrity_problems, load_shard, raw_sample, shard_samples
+from melcache.remote import objectstore
 from melcache.storage import MEL_MEMBERS, STEP, STORAGE_OF_MEMBER
 from melcache.table import Table
 from preprocess.check.verify_fields import field_problems

@@ -1,4 +1,4 @@
-"""``verify`` of a cache's derived fields (:mod:`melcache.fields`): every field shard's size and
+"""``verify`` of a cache's derived fields (:mod:`melcache.fields.format`): every field shard's size and
 digests against the index, its binding to its mel shard, its keys, dtype, shapes and frames
 against the mel's, and ``rows.npy`` (its sha256, and each row's offset, size and digest
 against the bytes), so a flipped byte is named down to the utterance whose bytes hold it."""
@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from melcache.errors import ShardError, UserError
-from melcache.fields import ROWS_NAME, binding_problem, cache_fields, field_samples, read_bound
+from melcache.fields.format import (
+    ROWS_NAME,
+    binding_problem,
+    cache_fields,
+    field_samples,
+    read_bound,
+)
 from melcache.format import INDEX_NAME, plain_tar_entries
 from melcache.reader import integrity_problems, load_shard
 from melcache.table import Table, sample_digest

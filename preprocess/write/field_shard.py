@@ -24,7 +24,7 @@ import torch
 
 from melcache.codec import decode_mel
 from melcache.errors import UserError
-from melcache.fields import BOUND_NAME, FieldEncoder, bound_member, encode_field
+from melcache.fields.format import BOUND_NAME, FieldEncoder, bound_member, encode_field
 from melcache.format import (
     META_MEMBER,
     HashingStream,

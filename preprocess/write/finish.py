@@ -13,7 +13,7 @@ import numpy as np
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
-from melcache.fields import FIELDS_KEY
+from melcache.fields.format import FIELDS_KEY
 from melcache.format import FORMAT_VERSION, INDEX_NAME, REJECTED_NAME, STATS_NAME, write_atomic
 from melcache.index import read_index, write_index, write_stats
 from preprocess.config import BuildConfig

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import xxhash
 
-from melcache import objectstore
 from melcache.errors import UserError
 from melcache.format import INDEX_NAME, temp_owner
 from melcache.index import read_index
 from melcache.location import member_location
+from melcache.remote import objectstore
 
 log = logging.getLogger(__name__)
 PUSH_THREADS = 8  # below objectstore.MAX_REQUESTS: each upload is then read back

@@ -23,10 +23,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from melcache import objectstore
 from melcache.errors import UserError
 from melcache.format import INDEX_NAME, temp_owner, write_atomic
 from melcache.location import member_location
+from melcache.remote import objectstore
 from preprocess.inputs.layout import RECEIPTS
 from preprocess.inputs.parquet import SPOOL
 from preprocess.job.owners import MARKER_PREFIX

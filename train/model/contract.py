@@ -48,7 +48,7 @@ import torch
 
 from melcache.errors import UserError
 from melcache.features import feature_presets
-from melcache.fields import name_problem as field_name_problem
+from melcache.fields.format import name_problem as field_name_problem
 from melcache.loader.batch import Batch
 from melcache.loader.data_config import DataConfig
 from train.config.tables import ModelConfig

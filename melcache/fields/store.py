@@ -1,4 +1,4 @@
-"""Reading a cache's derived fields (:mod:`melcache.fields`): a whole field shard for the
+"""Reading a cache's derived fields (:mod:`melcache.fields.format`): a whole field shard for the
 loader and ``verify``, one utterance for random access. Every read is checked first: a field
 shard against its index entry (size, xxh3_128 or sha256) and its binding to the mel shard, an
 utterance's bytes against ``rows.npy``'s digest, so a replaced or foreign field shard is one
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from melcache.errors import ShardError, UserError
-from melcache.fields import (
+from melcache.fields.format import (
     HEAD_BYTES,
     ROW_COLUMNS,
     ROWS_NAME,
