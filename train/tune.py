@@ -150,7 +150,8 @@ def _cap_probe(
 def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
     data, asked = trainer.cfg.data, trainer.parts.loader.spec.data
     index = read_index(shards)
-    fields = {name: cache_fields(index, shards)[name] for name in asked.fields}
+    listed = cache_fields(index, shards)  # checked once, then each field the model asks for
+    fields = {name: listed[name] for name in asked.fields}
     # A model of fields alone is batched, bucket by bucket, in its first field's frames.
     counted = index["shards"] if asked.read_mel else fields[asked.fields[0]]["shards"]
     n_mels = trainer.parts.loader.features.n_mels if asked.read_mel else 0
