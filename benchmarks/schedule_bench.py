@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 import melcache.access as access_module
-import melcache.loader.stream as stream_module
+import melcache.loader.shard_reads as shard_reads
 from benchmarks.speech import make_corpus
 from benchmarks.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
 from melcache.loader import DataConfig, StreamLoader, make_loader
@@ -304,17 +304,17 @@ def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int, turns
     sample (the median turn's, and the median ratio within a round) and shard bytes read per
     sample (whole shards and ranged reads counted where they happen)."""
     read = {"bytes": 0}
-    whole, ranged = stream_module.read_shard, access_module._Shards.read
+    whole, ranged = shard_reads.read_shard, access_module._Shards.read
 
-    def count_whole(location: str, entry: dict, check: object) -> list:
+    def count_whole(location: str, entry: dict, *rest: object) -> list:
         read["bytes"] += entry["bytes"]
-        return whole(location, entry, check)
+        return whole(location, entry, *rest)
 
     def count_ranged(self: object, name: str, offset: int, length: int) -> bytes:
         read["bytes"] += length
         return ranged(self, name, offset, length)
 
-    stream_module.read_shard, access_module._Shards.read = count_whole, count_ranged
+    shard_reads.read_shard, access_module._Shards.read = count_whole, count_ranged
     row: dict = {"measure": "reads per slot", "slots": slots}
     try:
         streams = {}
@@ -335,7 +335,7 @@ def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int, turns
         for stream in streams.values():
             stream.close()
     finally:
-        stream_module.read_shard, access_module._Shards.read = whole, ranged
+        shard_reads.read_shard, access_module._Shards.read = whole, ranged
     for sync, name in ((False, "off"), (True, "on")):
         row[f"sync_{name}_samples_per_cpu_s"] = round(statistics.median(rates[sync]))
         row[f"sync_{name}_kb_read_per_sample"] = round(bytes_read[sync] / samples[sync] / 1e3, 1)

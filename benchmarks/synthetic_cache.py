@@ -6,7 +6,7 @@ utterances is drawn (durations 0.8–32 s, log-normal around 3.75 s, texts at th
 second of ``benchmarks.speech``'s espeak-ng pool), bucketed and cut into shards by the build's
 own planner (``preprocess.plan.shards``: default buckets, 128 MB shards at fp16 storage), and
 the loader's real planning code runs over index entries made from it, with
-``melcache.loader.stream.read_shard`` answering from the table (empty mels: nothing decodes).
+``melcache.loader.shard_reads.read_shard`` answering from the table (empty mels: nothing decodes).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-import melcache.loader.stream as stream_module
+import melcache.loader.shard_reads as shard_reads
 from benchmarks.speech import plan_pool
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
@@ -93,9 +93,9 @@ def synthetic_spec(
 @contextlib.contextmanager
 def reading(cache: SyntheticCache) -> Iterator[None]:
     """Within it the loader's shard reads answer from ``cache``'s table."""
-    real = stream_module.read_shard
-    stream_module.read_shard = lambda location, entry, check: cache.samples[entry["name"]]
+    real = shard_reads.read_shard
+    shard_reads.read_shard = lambda location, entry, *_: cache.samples[entry["name"]]
     try:
         yield
     finally:
-        stream_module.read_shard = real
+        shard_reads.read_shard = real

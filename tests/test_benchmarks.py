@@ -191,6 +191,19 @@ def test_schedule_bench_prints_the_timed_cost_model_and_reads_per_slot(
     assert all(r["sync_on_kb_read_per_sample"] > 0 for r in reads)
 
 
+def test_schedule_bench_plans_a_drawn_cache_at_each_split(tmp_path: Path) -> None:
+    """The synthetic part (no audio): the loader's own planning over a drawn 3 h cache."""
+    args = ["--parts", "synthetic", "--synthetic-hours", "3", "--ranks", "8", "--sync-split",
+            "1", "4", "--cost-preset", "none", "--steps", "30"]  # fmt: skip
+    rows = bench_rows("schedule_bench", tmp_path / "data", *args)
+    plans = [r for r in rows if r.get("measure") == "synthetic plans"]
+    assert [r["sync_split"] for r in plans] == [1, 4]
+    assert all(0.5 < r["efficiency"] <= 1 and 0 < r["padding_pct"] < 20 for r in plans), plans
+    epochs = next(r for r in rows if r.get("measure") == "epochs() of rank 0 of 8")
+    quarter = next(v for k, v in epochs.items() if k.startswith("at 0.25 of an epoch"))
+    assert 0.2 < quarter < 0.3, epochs
+
+
 @pytest.mark.slow
 def test_allreduce_bench_prints_the_wait_share_of_each_setting(
     sample_cache: Path, tmp_path: Path
