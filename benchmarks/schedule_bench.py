@@ -56,7 +56,7 @@ from benchmarks.speech import make_corpus
 from benchmarks.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.batch import BYTE_VOCAB_SIZE, utf8_tokens
-from melcache.loader.batching import padding_fraction, round_up
+from melcache.loader.batching import BATCH_PLAN_VERSION, padding_fraction, round_up
 from melcache.loader.schedule import make_schedule
 from melcache.loader.stream import StreamSpec, planned_stream
 from melcache.reader import RawSample
@@ -211,12 +211,14 @@ def measure_synthetic(
     steps: int,
     timed: tuple[str, int] | None,
     splits: Sequence[int] = (1,),
+    plans: Sequence[int] = (BATCH_PLAN_VERSION,),
 ) -> Iterator[dict]:
     """Part 5: a drawn cache of ``hours`` at the default shard size
     (``benchmarks/synthetic_cache.py``): the plans' rows at each rank count (``steps`` steps,
     fewer at many ranks: each rank re-plans a unit per batch there; ``timed``: the preset and
     repeats of the timed cost model), then ``epochs()`` of rank 0 of 8 against the batches the
-    job has consumed; the plans at each ``data.sync_split`` of ``splits``, side by side."""
+    job has consumed; the plans at each ``data.sync_split`` of ``splits`` and batch plan of
+    ``plans`` (1: this release before), side by side."""
     measured: CostModel | None = None
     cache = draw_cache(hours)
     options = dataclasses.replace(data, sync_buckets=True, num_workers=0)
@@ -227,17 +229,17 @@ def measure_synthetic(
             shapes = typical_shapes(synthetic_spec(cache, options, rank=0, world_size=8), steps)
             measured, described = timed_cost_model(shapes, *timed)
             yield {**head, **described}
-        for world, split in itertools.product(ranks, splits):
+        for world, split, plan in itertools.product(ranks, splits, plans):
             split_options = dataclasses.replace(options, sync_split=split)
 
             def spec_of(
-                rank: int, world: int = world, at: DataConfig = split_options
+                rank: int, world: int = world, at: DataConfig = split_options, plan: int = plan
             ) -> StreamSpec:
-                return synthetic_spec(cache, at, rank=rank, world_size=world)
+                return synthetic_spec(cache, at, rank=rank, world_size=world, plan=plan)
 
             row = plan_rows("synthetic plans", spec_of, world, max(30, steps * 8 // world), False,
                             measured)  # fmt: skip
-            yield {**head, "sync_split": split, **row}
+            yield {**head, "sync_split": split, "batch_plan": plan, **row}
         yield {**head, **epochs_against_batches(synthetic_spec(cache, options, rank=0,
                                                                world_size=8))}  # fmt: skip
 
@@ -248,11 +250,12 @@ def epochs_against_batches(spec: StreamSpec) -> dict:
     mix = types.SimpleNamespace(features=None, indexes=[{}], weights=[1.0])
     loader = StreamLoader(spec, mix, pin_memory=False)  # type: ignore[arg-type]
     per_epoch = sum(sub.per_epoch for sub in spec.subs)
-    of_bucket = {sub.bucket: u for u, sub in enumerate(spec.subs)}
+    of_shard = {spec.sources[sub.source].shards[i]["name"]: u
+                for u, sub in enumerate(spec.subs) for unit in sub.units for i in unit}  # fmt: skip
     marks = {round(share * per_epoch / spec.world_size): share for share in (0.25, 0.5, 0.92)}
     consumed, said = [0] * len(spec.subs), {}
     for step, (_, after, samples, _, entries) in enumerate(planned_stream(spec, 0), 1):
-        stream = of_bucket[entries[0]["bucket"]]
+        stream = of_shard[entries[0]["name"]]
         consumed[stream] += sum(s.frames for s in samples)
         loader._positions[0][stream] = (*after, consumed[stream])
         if step in marks:
@@ -367,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--cost-repeats", type=int, default=3)
     p.add_argument("--synthetic-hours", type=float, nargs="*", default=[3.0, 50.0, 200.0])
     p.add_argument("--sync-split", type=int, nargs="*", default=[1, 4, 6], help="synthetic part")
+    p.add_argument("--batch-plan", type=int, nargs="*", default=[1, BATCH_PLAN_VERSION],
+                   help="synthetic part: the even cut's sorts (1: this release before)")  # fmt: skip
     p.add_argument(
         "--parts",
         nargs="*",
@@ -401,7 +406,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "synthetic" in args.parts:
         for hours in args.synthetic_hours:
             timed = None if args.cost_preset == "none" else (args.cost_preset, args.cost_repeats)
-            rows = measure_synthetic(hours, data, args.ranks, args.steps, timed, args.sync_split)
+            rows = measure_synthetic(hours, data, args.ranks, args.steps, timed, args.sync_split,
+                                     args.batch_plan)  # fmt: skip
             for row in rows:
                 print(json.dumps(row), flush=True)
     loader_data = dataclasses.replace(data, num_workers=2, shard_check="fast")

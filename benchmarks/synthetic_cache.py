@@ -22,6 +22,7 @@ import melcache.loader.shard_reads as shard_reads
 from benchmarks.speech import plan_pool
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
+from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import make_schedule, substreams
 from melcache.loader.stream import Source, StreamSpec
@@ -79,15 +80,22 @@ def draw_cache(hours: float, seed: int = 0) -> SyntheticCache:
 
 
 def synthetic_spec(
-    cache: SyntheticCache, data: DataConfig, *, rank: int, world_size: int, seed: int = 0
+    cache: SyntheticCache,
+    data: DataConfig,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int = 0,
+    plan: int = BATCH_PLAN_VERSION,
 ) -> StreamSpec:
-    """The spec ``make_loader`` would give rank ``rank`` of ``world_size`` over the cache."""
+    """The spec ``make_loader`` would give rank ``rank`` of ``world_size`` over the cache
+    (``plan``: the even cut's sort, ``melcache.loader.batching.sort_order``)."""
     sources = (Source(LOCATION, cache.shards),)
     subs = substreams([cache.shards], data, data.sync_buckets)
     schedule = make_schedule(subs, [1.0], seed=seed, sync=data.sync_buckets)
     return StreamSpec(sources=sources, subs=subs, schedule=schedule, data=data, rank=rank,
                       world_size=world_size, seed=seed, n_mels=FeatureConfig().n_mels,
-                      pad_value=0.0, tokenizer=utf8_tokens)  # fmt: skip
+                      pad_value=0.0, tokenizer=utf8_tokens, plan=plan)  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ class InMemory:
 
     def __init__(self, batches: list) -> None:
         self.batches = batches
+        self.disk_cache = None  # no data.cache_dir: nothing read from a store
 
     def __iter__(self):
         while True:

@@ -194,11 +194,12 @@ def test_schedule_bench_prints_the_timed_cost_model_and_reads_per_slot(
 def test_schedule_bench_plans_a_drawn_cache_at_each_split(tmp_path: Path) -> None:
     """The synthetic part (no audio): the loader's own planning over a drawn 3 h cache."""
     args = ["--parts", "synthetic", "--synthetic-hours", "3", "--ranks", "8", "--sync-split",
-            "1", "4", "--cost-preset", "none", "--steps", "30"]  # fmt: skip
+            "1", "4", "--batch-plan", "1", "2", "--cost-preset", "none", "--steps", "30"]  # fmt: skip
     rows = bench_rows("schedule_bench", tmp_path / "data", *args)
     plans = [r for r in rows if r.get("measure") == "synthetic plans"]
-    assert [r["sync_split"] for r in plans] == [1, 4]
+    assert [(r["sync_split"], r["batch_plan"]) for r in plans] == [(1, 1), (1, 2), (4, 1), (4, 2)]
     assert all(0.5 < r["efficiency"] <= 1 and 0 < r["padding_pct"] < 20 for r in plans), plans
+    assert plans[1]["padding_pct"] <= plans[0]["padding_pct"]  # the sort by padded length
     epochs = next(r for r in rows if r.get("measure") == "epochs() of rank 0 of 8")
     quarter = next(v for k, v in epochs.items() if k.startswith("at 0.25 of an epoch"))
     assert 0.2 < quarter < 0.3, epochs

@@ -31,6 +31,7 @@ from melcache.loader.batching import (
     plan_even_batches,
     round_up,
 )
+from melcache.loader.data_config import SYNC_SPLIT
 from melcache.loader.schedule import global_batch, locate
 from melcache.loader.stream import planned_stream
 
@@ -111,6 +112,24 @@ def test_even_cut_keeps_the_budget_with_no_small_remainder() -> None:
     assert sorted(len(b) for b in batches) == [6] * 6
     for b in batches:
         assert len(b) * round_up(max(frames[i] for i in b), 8) <= 4000
+
+
+def test_the_even_cut_pads_alike_every_epoch_while_its_batches_change() -> None:
+    """Batch plan 2 sorts by padded length with ties at random: each epoch's cut costs the
+    same, less than plan 1's (its jitter crossed padded lengths), and the samples of one padded
+    length change batches from one epoch (rng) to the next."""
+    frames = np.random.default_rng(3).integers(300, 420, size=400).tolist()
+    cut = {"count": 12, "max_batch_size": 64, "pad_multiple": 8}
+
+    def padding(batches: list[list[int]]) -> int:
+        return sum(len(b) * round_up(max(frames[i] for i in b), 8) for b in batches) - sum(frames)
+
+    epochs = [plan_even_batches(frames, rng=make_rng(0, 4, epoch), **cut) for epoch in (0, 1)]
+    older = plan_even_batches(frames, rng=make_rng(0, 4, 0), plan=1, **cut)
+    assert padding(epochs[0]) == padding(epochs[1]) < padding(older)
+    for batches in epochs:
+        assert sorted(i for b in batches for i in b) == list(range(len(frames)))
+    assert {frozenset(b) for b in epochs[0]} != {frozenset(b) for b in epochs[1]}
 
 
 def test_even_cut_balances_padded_frames_not_counts() -> None:
@@ -315,12 +334,15 @@ def test_epochs_count_the_batches_the_job_consumed(
     (every rank takes the bucket of each step, so the job's are ``world_size`` × this rank's,
     counted here from the batches themselves), frame-weighted over the buckets; not one
     slot's place in the sequence, which stays behind through an epoch's first chunk (0.45
-    at 92 % of an epoch of a 50 h cache, ``benchmarks.schedule_bench --parts synthetic``)."""
+    at 92 % of an epoch of a 50 h cache, ``benchmarks.schedule_bench --parts synthetic``).
+    One length range per bucket (``sync_split = 1``), so that a batch's bucket names its
+    sub-stream; the synthetic part counts ranges by their shards."""
     loader = make(
         sample_cache,
         world_size=world_size,
         num_workers=workers,
         sync_buckets=True,
+        sync_split=1,
         max_batch_size=1,
     )
     subs = {sub.bucket: sub for sub in loader.spec.subs}
@@ -370,8 +392,18 @@ def test_sync_split_keeps_a_steps_ranks_in_one_length_range_and_reads_each_key_o
         sub = next(s for s in spec.subs if (s.bucket, s.part) == (bucket, part))
         first = read[: sub.per_epoch]  # one sample a batch: an epoch is per_epoch keys
         assert len(set(first)) == len(first) == sub.per_epoch, (bucket, part)
+    stream = iter(loaders[0])
+    next(stream)
     state = loaders[0].state_dict()
     assert state["sync_split"] == 2
-    plain = make(sample_cache, rank=0, world_size=ranks, sync_buckets=True, max_batch_size=1)
+    expected = [next(stream).keys for _ in range(4)]
+    loaders[0].close()
+    left = make(sample_cache, rank=0, world_size=ranks, sync_buckets=True, max_batch_size=1)
+    assert left.spec.data.split == SYNC_SPLIT  # 0, the default: a fresh stream's ranges
+    left.load_state_dict(state)  # and a resumed one's own
+    assert left.spec.data.split == 2
+    assert [b.keys for b in take(left, 4)] == expected
+    other = make(sample_cache, rank=0, world_size=ranks, sync_buckets=True, max_batch_size=1,
+                 sync_split=1)  # fmt: skip
     with pytest.raises(UserError, match=r"data\.sync_split = 2"):
-        plain.load_state_dict(state)
+        other.load_state_dict(state)

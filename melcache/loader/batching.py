@@ -17,10 +17,13 @@ SHARD_ORDER = 1
 BATCH_PLAN = 2
 SUBSTREAM_ORDER = 3  # shard order of one length bucket of one cache (melcache/loader/schedule.py)
 EVEN_PLAN = 4  # even cut of one shard into a count of batches known from the index
-# Length jitter of the sort inside a shard, as a fraction of the length (at least one frame,
-# which only breaks ties): neighbours stay within about 1 % of each other (little padding)
+# Length jitter of the sort inside a shard in batch plan 1, as a fraction of the length (at
+# least one frame, which only breaks ties): neighbours stay within about 1 % of each other
 # while batch membership changes every epoch (static batches give a cyclic loss).
 SORT_JITTER = 0.01
+# The even cut's sort (sort_order): 2, by padded length with ties in random order; 1, by
+# length with SORT_JITTER (the batches of earlier releases, which their loader states resume).
+BATCH_PLAN_VERSION = 2
 # Batches of a unit of shards (even_units) hold at least this share of what fits: ranks in one
 # bucket then cost within about 10 % of each other.
 UNIT_FILL = 0.9
@@ -142,6 +145,27 @@ def even_units(
     return units
 
 
+def sort_order(
+    frames: Sequence[int], *, rng: np.random.Generator, pad_multiple: int, plan: int
+) -> np.ndarray:
+    """Places of the samples, longest first, as the even cut takes them.
+
+    Plan 2: by length rounded up to ``pad_multiple``, ties in random order. A batch costs its
+    longest sample's padded length, so every cut costs what an exact sort's would: the padding
+    is the least the cut can reach, while the members of one padded length (a few to hundreds
+    of samples) change batches every epoch. Plan 1 (:data:`SORT_JITTER`, earlier releases)
+    jittered the lengths themselves, so neighbours of unlike padded lengths swapped places and
+    batches padded more: 1.26 % against 1.00 % on a drawn 50 h cache at 8 ranks.
+    """
+    lengths = np.asarray(frames, dtype=np.float64)
+    if plan == 1:
+        jitter = rng.random(len(lengths)) * np.maximum(1.0, lengths * SORT_JITTER)
+    else:  # a tie-breaker below 1: never past the next padded length
+        lengths = -(-lengths // pad_multiple) * pad_multiple
+        jitter = rng.random(len(lengths))
+    return np.argsort(-(lengths + jitter), kind="stable")
+
+
 def plan_even_batches(
     frames: Sequence[int],
     *,
@@ -149,9 +173,10 @@ def plan_even_batches(
     count: int,
     max_batch_size: int,
     pad_multiple: int,
+    plan: int = BATCH_PLAN_VERSION,
 ) -> list[list[int]]:
     """Cut one shard's (or unit's) samples into ``count`` batches of near-equal padded frames
-    (``B × round_up(longest)``), neighbours in length (sorted with :data:`SORT_JITTER`), in
+    (``B × round_up(longest)``), neighbours in length (:func:`sort_order` of ``plan``), in
     shuffled order: batches of shorter utterances hold more of them, so ranks cost alike.
 
     The cut is the least largest padded size that ``count`` runs of the sorted samples reach
@@ -160,9 +185,7 @@ def plan_even_batches(
     is known before the shard is read, which is what lets workers share a shard and a schedule
     locate any batch of an epoch in O(1).
     """
-    lengths = np.asarray(frames, dtype=np.float64)
-    jitter = rng.random(len(lengths)) * np.maximum(1.0, lengths * SORT_JITTER)
-    order = np.argsort(-(lengths + jitter), kind="stable")
+    order = sort_order(frames, rng=rng, pad_multiple=pad_multiple, plan=plan)
     padded = -(-np.asarray(frames, dtype=np.int64)[order] // pad_multiple) * pad_multiple
     greedy = _GreedyRuns(padded, max_batch_size)
     equal = np.array_split(padded, count)

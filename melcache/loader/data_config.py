@@ -17,6 +17,10 @@ from melcache.reader import SHARD_CHECKS
 from melcache.sections import Bounds, as_float, bounded, check_numbers, require
 
 ON_ERROR = ("raise", "skip")
+# Length ranges per bucket of a fresh stream (data.sync_split = 0): on drawn 50 h and 200 h
+# caches 6 ranges keep 0.97 of a step's compute at 8-512 ranks, against 0.88-0.91 with 1 and
+# 0.96 with 4 (benchmarks/schedule_bench.py --parts synthetic, docs/results.md).
+SYNC_SPLIT = 6
 # Reading and decoding a shard is cheap: two workers stream ~9,700 samples/s (docs/results.md).
 MOST_DEFAULT_WORKERS = 2
 
@@ -52,8 +56,9 @@ class DataConfig:
     sync_buckets: bool = True
     # Length ranges per bucket drawn alike on every rank: each bucket's units cut into this many
     # runs of neighbouring lengths, so one step's ranks read units of one narrower range
-    # (docs/loader.md, "Finer than a bucket"); 1: the stream of earlier releases.
-    sync_split: int = bounded(1, 1, 1_000)
+    # (docs/loader.md, "Finer than a bucket"). 0: SYNC_SPLIT for a fresh stream, and a resumed
+    # one keeps its own (1, the stream of earlier releases, for their loader states).
+    sync_split: int = bounded(0, 0, 1_000)
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -142,6 +147,11 @@ class DataConfig:
             self.field_provenance,
             "a table of field names to tables of provenance keys",
         )
+
+    @property
+    def split(self) -> int:
+        """``sync_split`` in effect: :data:`SYNC_SPLIT` where it is 0 (the default)."""
+        return self.sync_split or SYNC_SPLIT
 
     def budget(self, bucket: int) -> int:
         """Padded frames per micro-batch in length bucket ``bucket`` (the loader checks at start

@@ -94,7 +94,7 @@ class LoaderStateError(UserError):
 
 # What a resume on another job size or mix may not change: the batches themselves.
 SAME_BATCHES = ("seed", "batch_frames", "max_batch_size", "pad_multiple", "sync_buckets",
-                "sync_split")  # fmt: skip
+                "sync_split", "batch_plan")  # fmt: skip
 # Saved states that hold a bucket sub-stream's position as batches taken (3: before deals).
 ELASTIC_VERSIONS = (3, 4)
 
@@ -133,7 +133,7 @@ def resume_elsewhere(
     when the states are not one job's or would change the batches themselves."""
     _check_states(identity, states)
     old_keys = _old_keys(identity, states, stream_keys(spec))
-    old = {(key[0], key[2]): u for u, key in enumerate(old_keys)}
+    old = {_place(key): u for u, key in enumerate(old_keys)}
     old_digests = {key[0]: key[1] for key in old_keys}
     new_keys = stream_keys(spec)
     changes = _job_changes(identity, states[0])
@@ -153,8 +153,8 @@ def resume_elsewhere(
     old_slots = len(states) * int(states[0]["workers_per_rank"])
     deals, frames = [], 0
     for u, sub in enumerate(spec.subs):
-        where, digest, bucket = new_keys[u]
-        match = old.get((where, bucket)) if old_digests.get(where) == digest else None
+        where, digest = new_keys[u][:2]
+        match = old.get(_place(new_keys[u])) if old_digests.get(where) == digest else None
         if match is None:
             deals.append(FRESH)
             continue
@@ -230,9 +230,14 @@ def _old_keys(
             )
         return mine
     keys = first.get("streams")
-    if not (isinstance(keys, list) and all(isinstance(k, list) and len(k) == 3 for k in keys)):
+    if not (isinstance(keys, list) and all(isinstance(k, list) and len(k) in (3, 4) for k in keys)):
         raise LoaderStateError(f"loader state has no list of sub-streams: {keys!r}")
     return keys
+
+
+def _place(key: Sequence[Any]) -> tuple[Any, ...]:
+    """A sub-stream's cache, bucket and length range from its :func:`stream_keys` entry."""
+    return key[0], key[2], key[3] if len(key) > 3 else 0
 
 
 def _job_changes(identity: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
@@ -281,6 +286,7 @@ STATE_KEYS = {
     "pad_multiple": "data.pad_multiple",
     "sync_buckets": "data.sync_buckets",
     "sync_split": "data.sync_split",
+    "batch_plan": "batch plan (melcache.loader.batching.sort_order)",
     "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
     "mix_schedule": "data.mix_schedule (first batch, frame shares)",
     "cache_digest": "cache content digest",

@@ -115,7 +115,7 @@ class StreamLoader:
     """
 
     def __init__(self, spec: StreamSpec, mix: OpenedMix, pin_memory: bool) -> None:
-        self.spec, self.pin_memory = spec, pin_memory
+        self.spec, self.pin_memory, self._mix = spec, pin_memory, mix
         self.features, self.indexes, self.weights = mix.features, mix.indexes, mix.weights
         self.index = mix.indexes[0]
         self.skipped_shards: dict[str, str] = {}
@@ -222,6 +222,8 @@ class StreamLoader:
         """
         self.close()
         self.resume_changes: tuple[str, ...] = ()
+        first = state if isinstance(state, Mapping) else next(iter(state), {})
+        self._make_batches_of(first)
         if isinstance(state, Mapping):
             one_rank = state.get("world_size") == 1 and state.get("version") in ELASTIC_VERSIONS
             if not (one_rank and self._differs(state)):
@@ -241,6 +243,22 @@ class StreamLoader:
         self.skipped_shards = resumed.skipped_shards
         self.resume_changes = resumed.changes
         return None
+
+    def _make_batches_of(self, state: Mapping[str, Any]) -> None:
+        """Cut batches as ``state``'s loader did: its batch plan, and its length ranges where
+        ``data.sync_split`` is left at 0, so a state of an earlier release (plan 1, one range)
+        still continues batch for batch. A ``sync_split`` set otherwise is checked as any key."""
+        data = self.spec.data
+        plan = int(state.get("batch_plan") or 1)
+        split = data.sync_split or int(state.get("sync_split") or 1)
+        if (plan, split) == (self.spec.plan, data.split):
+            return
+        data = dataclasses.replace(data, sync_split=split)
+        self.spec = dataclasses.replace(
+            self.spec, data=data, plan=plan, **schedules(self._mix, data, self.spec.seed)
+        )
+        start = [self.spec.start(sub) for sub in self.spec.subs]
+        self._positions = [list(start) for _ in range(self.spec.workers_per_rank)]
 
     def _differs(self, state: Mapping[str, Any]) -> bool:
         """Whether ``state`` (version 3 or 4) was saved by another job layout or mix."""
@@ -307,8 +325,9 @@ class StreamLoader:
             "sync_buckets": data.sync_buckets,
             "mix": [round(w, 9) for w in self.weights],
             **({"mix_schedule": self._mix_schedule()} if self.spec.phases else {}),
-            # None where 1: the states of earlier releases hold no such key, and match it.
-            "sync_split": data.sync_split if data.sync_split != 1 else None,
+            # None where 1: the states of earlier releases hold no such keys, and match them.
+            "sync_split": data.split if data.split != 1 else None,
+            "batch_plan": spec.plan if spec.plan != 1 else None,
         }
 
     def _mix_schedule(self) -> list[list[Any]]:
@@ -361,12 +380,7 @@ def make_loader(
             logger.warning(line)
     spec = StreamSpec(
         sources=mix.sources,
-        subs=subs,
-        schedule=make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),
-        phases=tuple(
-            (start, make_schedule(subs, weights, seed=seed, sync=data.sync_buckets))
-            for start, weights in mix.phases
-        ),
+        **schedules(mix, data, seed),
         data=data,
         rank=rank,
         world_size=world_size,
@@ -377,6 +391,20 @@ def make_loader(
     )
     check_shared_memory(spec)
     return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
+
+
+def schedules(mix: OpenedMix, data: DataConfig, seed: int) -> dict[str, Any]:
+    """A stream's sub-streams and the schedules of its mix's phases, as ``StreamSpec`` takes
+    them."""
+    subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+    return {
+        "subs": subs,
+        "schedule": make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),
+        "phases": tuple(
+            (start, make_schedule(subs, weights, seed=seed, sync=data.sync_buckets))
+            for start, weights in mix.phases
+        ),
+    }
 
 
 def _is_int(value: object) -> bool:

@@ -98,7 +98,7 @@ def substreams(
                 )
                 for unit in units
             ]
-            out += _split(source, bucket, units, counts, shards, data.sync_split)
+            out += _split(source, bucket, units, counts, shards, data.split)
     return tuple(out)
 
 

@@ -35,6 +35,7 @@ from melcache.loader.batch import PackedBatch, Tokenizer, collate
 from melcache.loader.batch_fields import BatchFields
 from melcache.loader.batching import (
     BATCH_PLAN,
+    BATCH_PLAN_VERSION,
     EVEN_PLAN,
     make_rng,
     plan_batches,
@@ -109,6 +110,9 @@ class StreamSpec:
     deals: tuple[Deal, ...] = ()
     # data.mix_schedule: (first rank-level batch, schedule) of each later phase of the mix
     phases: tuple[tuple[int, Schedule], ...] = ()
+    # How a unit's samples are sorted for the even cut (batching.sort_order): a state of an
+    # earlier release continues with its own.
+    plan: int = BATCH_PLAN_VERSION
 
     def phase(self, rank_step: int) -> int:
         """Phase of the mix (0: ``schedule``; i: ``phases[i - 1]``) at a rank's batch."""
@@ -250,7 +254,7 @@ def bucket_batches(
             data = spec.data
             plan = plan_even_batches(
                 members.frames, rng=rng, count=count, max_batch_size=data.max_batch_size,
-                pad_multiple=data.pad_multiple,
+                pad_multiple=data.pad_multiple, plan=spec.plan,
             ) if count else []  # fmt: skip
         if batch < len(plan):
             held = members.fetch(plan[batch])
