@@ -47,7 +47,7 @@ from melcache.loader import Batch, DataConfig, make_loader
 from melcache.reader import ShardCheck, read_shard
 from melcache.remote import objectstore
 from preprocess.write.push import cache_files
-from preprocess.write.staged import default_staging
+from preprocess.write.staged import StoreOut, default_staging
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
 
@@ -259,6 +259,23 @@ def store_build(location: str, config: Path, staging: Path, *extra: str) -> list
     command = [sys.executable, "-m", "preprocess", "build", "--src", str(SAMPLE_CORPUS)]
     command += ["--out", location, "--config", str(config), "--workers", "1"]
     return [*command, "--staging", str(staging), *extra]
+
+
+def test_a_parts_scan_goes_up_with_its_meta_last(
+    endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another part counts a scan as finished once its meta.json is in the store and then
+    reads every piece: so the meta goes last (sorted by name it went first, and a part of
+    a two-part build read a piece not yet there)."""
+    scan = tmp_path / ".build" / "scan-2" / "part-0"
+    for name in ("meta.json", "piece-0/ordinal.npy", "piece-1/paths.npy", "stamps.json"):
+        (scan / name).parent.mkdir(parents=True, exist_ok=True)
+        (scan / name).write_text(name)
+    store = StoreOut(f"s3://{S3_BUCKET}/meta-last", tmp_path)
+    sent: list[str] = []
+    monkeypatch.setattr(store, "_publish", lambda name, size: sent.append(name))
+    store.push_folder(scan)
+    assert len(sent) == 4 and sent[-1].endswith("part-0/meta.json"), sent
 
 
 @pytest.mark.slow  # four build processes against the moto server

@@ -64,6 +64,8 @@ _COLUMNS = {
 LISTING_LIMIT = 2**30
 _BATCH = 4096  # inputs handed to the workers at once: keeps them busy, bounds what waits
 
+SCAN_META = "meta.json"  # written last: a scan folder holding it is finished
+
 
 def scan_folder(build_folder: Path, parts: int) -> Path:
     """Where the scans of an N-part build live."""
@@ -78,7 +80,7 @@ def part_folder(build_folder: Path, part: int, parts: int) -> Path:
 def scan_meta(folder: Path) -> dict[str, Any] | None:
     """The description of a finished scan in ``folder``, or ``None``."""
     try:
-        meta = read_json(folder / "meta.json")
+        meta = read_json(folder / SCAN_META)
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) and meta.get("version") == SCAN_VERSION else None
@@ -143,7 +145,7 @@ def scan_part(
         "scan_id": uuid.uuid4().hex,  # a rescan of any part makes the plan again
         "listing": stamps_digest(stamps[0]),
     }
-    (temp / "meta.json").write_text(json.dumps(meta))
+    (temp / SCAN_META).write_text(json.dumps(meta))
     try:
         os.rename(temp, folder)
     except OSError:  # another process wrote the same scan first: keep theirs

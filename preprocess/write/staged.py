@@ -30,6 +30,7 @@ from melcache.remote import objectstore
 from preprocess.inputs.layout import RECEIPTS
 from preprocess.inputs.parquet import SPOOL
 from preprocess.job.owners import MARKER_PREFIX
+from preprocess.plan.scan import SCAN_META
 from preprocess.plan.shards import Plan
 from preprocess.write.index_table import ROWS_FOLDER
 from preprocess.write.push import cache_files, listing, publish, remote_bytes
@@ -82,9 +83,12 @@ class StoreOut:
                 write_atomic(path, data)
 
     def push_folder(self, folder: Path) -> None:
-        """Upload every file under ``folder`` (a part's scan), kept where already there."""
+        """Upload every file under ``folder`` (a part's scan), kept where already there, its
+        ``meta.json`` last: another part that finds it counts the scan as finished and reads
+        every piece (sorted by name, it went before them, and a part read a missing piece)."""
         present = listing(self.destination)
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        files = (p for p in folder.rglob("*") if p.is_file())
+        for path in sorted(files, key=lambda p: (p.name == SCAN_META, p.as_posix())):
             name = path.relative_to(self.staging).as_posix()
             if _shared(name.removeprefix(f"{RECEIPTS}/")):
                 self._publish(name, present.get(name))
