@@ -52,13 +52,18 @@ def chars_per_second() -> float:
     return sum(len(line.text) for line in lines) / sum(seconds)
 
 
+def draw_seconds(hours: float, seed: int = 0) -> np.ndarray:
+    """Utterance durations (s) of a drawn cache of about ``hours``: log-normal, 0.8–32 s."""
+    rng = np.random.default_rng([seed, 39])
+    count = math.ceil(hours * 3600 / (MEDIAN_SECONDS * math.exp(SIGMA**2 / 2)))
+    return np.clip(rng.lognormal(math.log(MEDIAN_SECONDS), SIGMA, count), MIN_SECONDS,
+                   MAX_SECONDS)  # fmt: skip
+
+
 def draw_cache(hours: float, seed: int = 0) -> SyntheticCache:
     """``hours`` of utterances cut into shards as the default build cuts them."""
     features, config = FeatureConfig(), BuildConfig(min_seconds=0.5, max_seconds=MAX_SECONDS)
-    rng = np.random.default_rng([seed, 39])
-    count = math.ceil(hours * 3600 / (MEDIAN_SECONDS * math.exp(SIGMA**2 / 2)))
-    seconds = np.clip(rng.lognormal(math.log(MEDIAN_SECONDS), SIGMA, count), MIN_SECONDS,
-                      MAX_SECONDS)  # fmt: skip
+    seconds = draw_seconds(hours, seed)
     frames = np.sort([features.num_frames(round(s * features.sample_rate)) for s in seconds])
     per_frame = features.n_mels * BYTES_PER_VALUE[config.storage]
     estimate = (frames * per_frame).astype(np.int64) + SAMPLE_OVERHEAD_BYTES
