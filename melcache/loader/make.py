@@ -223,7 +223,8 @@ class StreamLoader:
         self.close()
         self.resume_changes: tuple[str, ...] = ()
         first = state if isinstance(state, Mapping) else next(iter(state), {})
-        self._make_batches_of(first)
+        if isinstance(first, Mapping):  # else refused below, naming what was given
+            self._make_batches_of(first)
         if isinstance(state, Mapping):
             one_rank = state.get("world_size") == 1 and state.get("version") in ELASTIC_VERSIONS
             if not (one_rank and self._differs(state)):
