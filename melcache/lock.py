@@ -34,7 +34,18 @@ def process_alive(host: str, pid: int) -> bool:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (Linux /proc): a killed build's
+    orphaned pool workers stay zombies under a PID 1 that never reaps (containers), and a
+    zombie writes nothing, so its temporary files and markers are stale."""
+    try:  # "pid (comm) state ..."; comm may hold spaces and parentheses
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False  # no /proc here, or it exited while we looked: kill(0) has answered
+    return state in ("Z", "X")
 
 
 class FolderLock:

@@ -60,6 +60,7 @@ from preprocess.check.verify import verify
 from preprocess.inputs.audio import resampled_length
 from preprocess.inputs.corpus import open_corpus, share
 from preprocess.inputs.layout import Found, Slice
+from preprocess.job.owners import sweep_temps
 
 pytestmark = pytest.mark.slow  # builds in subprocesses, kills, a tiny disk: the full tier
 SPEECH = SAMPLE_CORPUS / "en_m3" / "en_m3_02.wav"  # 1.5 s, 16 kHz mono
@@ -518,6 +519,25 @@ def test_rerun_after_a_kill_while_writing_stats(
     )
     assert cache_digests(out) == cache_digests(sample_cache)
     assert verify(out) == [] and not list(out.glob("*.tmp"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_zombie_writers_temporary_file_is_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
+    """A killed build's orphaned pool workers may stay zombies (a container's PID 1 that never
+    reaps them): a zombie writes nothing, so its temporary files are stale (CI once kept two)."""
+    zombie = subprocess.Popen(["true"])  # exits, and stays a zombie until this test reaps it
+    stat = Path(f"/proc/{zombie.pid}/stat")
+    deadline = time.monotonic() + 30
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    stale = tmp_path / f"b00-000001.tar.{HOST_TAG}-{zombie.pid}.tmp"
+    live = tmp_path / f"b00-000002.tar.{HOST_TAG}-{os.getpid()}.tmp"
+    for temp in (stale, live):
+        temp.write_bytes(b"half a shard")
+    sweep_temps(tmp_path)
+    zombie.wait()
+    assert not stale.exists() and live.exists()
 
 
 # ---- a full disk --------------------------------------------------------------------------------
