@@ -34,18 +34,19 @@ def process_alive(host: str, pid: int) -> bool:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return not _is_zombie(pid)
+    fields = process_stat(pid)  # None: no /proc here, or it exited just now
+    return fields is None or fields[0] not in ("Z", "X")  # a zombie writes nothing
 
 
-def _is_zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited and waits to be reaped (Linux /proc): a killed build's
-    orphaned pool workers stay zombies under a PID 1 that never reaps (containers), and a
-    zombie writes nothing, so its temporary files and markers are stale."""
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of Linux's ``/proc/PID/stat`` after the command name (state, ppid, pgrp,
+    ...); ``None`` where there is no /proc or the process is gone. A killed build's orphaned
+    pool workers stay zombies (state Z) under a PID 1 that never reaps (containers)."""
     try:  # "pid (comm) state ..."; comm may hold spaces and parentheses
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False  # no /proc here, or it exited while we looked: kill(0) has answered
-    return state in ("Z", "X")
+        return None
+    return fields or None
 
 
 class FolderLock:

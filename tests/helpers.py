@@ -36,6 +36,7 @@ from melcache.format import (
     group_samples,
     iter_members,
 )
+from melcache.lock import process_stat
 from melcache.reader import DIGESTS
 
 # ---- the sample corpus and the build ------------------------------------------------------
@@ -182,10 +183,10 @@ def _live_members(pgid: int) -> list[int]:
         return [pgid]
     live = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # "pid (comm) state ppid pgrp ..."; comm may hold spaces and parentheses
-            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, IndexError):
+        fields = process_stat(int(stat.parent.name))
+        if fields is None:
             continue  # exited while we looked
+        state, _, pgrp = fields[:3]
         if int(pgrp) == pgid and state != "Z":
             live.append(int(stat.parent.name))
     return live

@@ -56,6 +56,7 @@ from melcache.format import (
     group_samples,
     iter_members,
 )
+from melcache.lock import process_stat
 from preprocess.check.verify import verify
 from preprocess.inputs.audio import resampled_length
 from preprocess.inputs.corpus import open_corpus, share
@@ -526,9 +527,8 @@ def test_a_zombie_writers_temporary_file_is_swept_and_a_live_ones_kept(tmp_path:
     """A killed build's orphaned pool workers may stay zombies (a container's PID 1 that never
     reaps them): a zombie writes nothing, so its temporary files are stale (CI once kept two)."""
     zombie = subprocess.Popen(["true"])  # exits, and stays a zombie until this test reaps it
-    stat = Path(f"/proc/{zombie.pid}/stat")
     deadline = time.monotonic() + 30
-    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while process_stat(zombie.pid)[0] != "Z":
         assert time.monotonic() < deadline, "the child never exited"
         time.sleep(0.01)
     stale = tmp_path / f"b00-000001.tar.{HOST_TAG}-{zombie.pid}.tmp"
