@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from helpers import REPO
 
 from melcache.errors import UserError
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
-from melcache.loader.elastic import parse_deals
+from melcache.loader.elastic import STATE_KEYS, LoaderStateError, parse_deals
 
 # Epochs of 6, 2, 2 and 1 batches in the sample cache's four buckets: every job size here
 # (1, 2, 3, 4 or 8 ranks) then reads each bucket's epochs whole in time when uninterrupted
@@ -187,6 +188,22 @@ def test_states_of_another_job_are_refused_by_name(sample_cache: Path) -> None:
     whole = run_job(sample_cache, 2, 0, 3, sync_buckets=False)[1]
     with pytest.raises(UserError, match=r"only data\.sync_buckets = true resumes"):
         make(sample_cache, 0, 3, 0, sync_buckets=False).load_state_dict(whole)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("batch_plan", 99), ("batch_plan", "2"), ("sync_split", True),
+                       ("sync_split", -3), ("sync_split", 10**9)],
+)  # fmt: skip
+def test_a_states_garbage_batch_setting_is_refused_by_name(
+    sample_cache: Path, key: str, value: object
+) -> None:
+    """A state's batch plan and length ranges choose how batches are cut before any other key
+    is checked, so a forged one is refused by its name, not taken (99 cut as plan 2) or
+    raised as a ValueError from int()."""
+    _, states, _ = run_job(sample_cache, 1, 0, 5)
+    said = re.escape(f"{STATE_KEYS[key]} = {value!r}, not a whole number in 1..")
+    with pytest.raises(LoaderStateError, match=said):
+        make(sample_cache, 0, 1, 0).load_state_dict({**states[0], key: value})
 
 
 TODAY = """

@@ -17,6 +17,7 @@ from melcache.reader import SHARD_CHECKS
 from melcache.sections import Bounds, as_float, bounded, check_numbers, require
 
 ON_ERROR = ("raise", "skip")
+MAX_SYNC_SPLIT = 1_000  # length ranges a bucket at most (data.sync_split)
 # Length ranges per bucket of a fresh stream (data.sync_split = 0): on drawn 50 h and 200 h
 # caches 6 ranges keep 0.97 of a step's compute at 8-512 ranks, against 0.88-0.91 with 1 and
 # 0.96 with 4 (benchmarks/schedule_bench.py --parts synthetic, docs/results.md).
@@ -58,7 +59,7 @@ class DataConfig:
     # runs of neighbouring lengths, so one step's ranks read units of one narrower range
     # (docs/loader.md, "Finer than a bucket"). 0: SYNC_SPLIT for a fresh stream, and a resumed
     # one keeps its own (1, the stream of earlier releases, for their loader states).
-    sync_split: int = bounded(0, 0, 1_000)
+    sync_split: int = bounded(0, 0, MAX_SYNC_SPLIT)
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)

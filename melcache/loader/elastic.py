@@ -277,6 +277,19 @@ def saved_deals(spec: StreamSpec) -> list[list[Any]]:
     return [[deal.frontier, [list(run) for run in deal.leftover]] for deal in deals]
 
 
+def state_setting(state: Mapping[str, Any], key: str, most: int) -> int:
+    """A batch setting ``state`` holds (``batch_plan`` or ``sync_split``): an int in
+    ``1..most``, and 1 where the state holds none (a state of an earlier release)."""
+    value = state.get(key)
+    if value is None:
+        return 1
+    if type(value) is not int or not 1 <= value <= most:  # a bool is no setting
+        raise LoaderStateError(
+            f"loader state holds {STATE_KEYS[key]} = {value!r}, not a whole number in 1..{most}"
+        )
+    return value
+
+
 # The user's names of the state's identity keys: a trainer user sets data.num_workers, not the
 # workers per rank it gives (at least 1).
 STATE_KEYS = {

@@ -62,7 +62,8 @@ import torch
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
-from melcache.loader.data_config import DataConfig
+from melcache.loader.batching import BATCH_PLAN_VERSION
+from melcache.loader.data_config import MAX_SYNC_SPLIT, DataConfig
 from melcache.loader.elastic import (
     ELASTIC_VERSIONS,
     STATE_KEYS,
@@ -70,6 +71,7 @@ from melcache.loader.elastic import (
     parse_deals,
     resume_elsewhere,
     saved_deals,
+    state_setting,
     stream_keys,
 )
 from melcache.loader.mix import (
@@ -250,14 +252,15 @@ class StreamLoader:
         ``data.sync_split`` is left at 0, so a state of an earlier release (plan 1, one range)
         still continues batch for batch. A ``sync_split`` set otherwise is checked as any key."""
         data = self.spec.data
-        plan = int(state.get("batch_plan") or 1)
-        split = data.sync_split or int(state.get("sync_split") or 1)
+        plan = state_setting(state, "batch_plan", BATCH_PLAN_VERSION)
+        split = data.sync_split or state_setting(state, "sync_split", MAX_SYNC_SPLIT)
         if (plan, split) == (self.spec.plan, data.split):
             return
         data = dataclasses.replace(data, sync_split=split)
         self.spec = dataclasses.replace(
             self.spec, data=data, plan=plan, **schedules(self._mix, data, self.spec.seed)
         )
+        check_disk_cache(self._mix.sources, self.spec.subs, data)  # as a fresh stream's
         start = [self.spec.start(sub) for sub in self.spec.subs]
         self._positions = [list(start) for _ in range(self.spec.workers_per_rank)]
 
