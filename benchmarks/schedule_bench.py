@@ -212,14 +212,17 @@ def measure_synthetic(
     timed: tuple[str, int] | None,
     splits: Sequence[int] = (1,),
     plans: Sequence[int] = (BATCH_PLAN_VERSION,),
+    attentions: Sequence[str] = ("0",),
 ) -> Iterator[dict]:
     """Part 5: a drawn cache of ``hours`` at the default shard size
     (``benchmarks/synthetic_cache.py``): the plans' rows at each rank count (``steps`` steps,
     fewer at many ranks: each rank re-plans a unit per batch there; ``timed``: the preset and
     repeats of the timed cost model), then ``epochs()`` of rank 0 of 8 against the batches the
     job has consumed; the plans at each ``data.sync_split`` of ``splits`` and batch plan of
-    ``plans`` (1: this release before), side by side."""
+    ``plans`` (1: this release before) and ``data.attention_frames`` of ``attentions``
+    (:func:`attention_values`), side by side."""
     measured: CostModel | None = None
+    described: dict | None = None
     cache = draw_cache(hours)
     options = dataclasses.replace(data, sync_buckets=True, num_workers=0)
     head = {"hours": round(cache.hours, 1), "shards": len(cache.shards),
@@ -229,8 +232,10 @@ def measure_synthetic(
             shapes = typical_shapes(synthetic_spec(cache, options, rank=0, world_size=8), steps)
             measured, described = timed_cost_model(shapes, *timed)
             yield {**head, **described}
-        for world, split, plan in itertools.product(ranks, splits, plans):
-            split_options = dataclasses.replace(options, sync_split=split)
+        cuts = itertools.product(ranks, splits, plans, attention_values(attentions, described))
+        for world, split, plan, attention in cuts:
+            split_options = dataclasses.replace(options, sync_split=split,
+                                                attention_frames=attention)  # fmt: skip
 
             def spec_of(
                 rank: int, world: int = world, at: DataConfig = split_options, plan: int = plan
@@ -239,9 +244,23 @@ def measure_synthetic(
 
             row = plan_rows("synthetic plans", spec_of, world, max(30, steps * 8 // world), False,
                             measured)  # fmt: skip
-            yield {**head, "sync_split": split, "batch_plan": plan, **row}
+            yield {**head, "sync_split": split, "batch_plan": plan, "attention_frames": attention,
+                   **row}  # fmt: skip
         yield {**head, **epochs_against_batches(synthetic_spec(cache, options, rank=0,
                                                                world_size=8))}  # fmt: skip
+
+
+def attention_values(asked: Sequence[str], described: Mapping | None) -> list[int]:
+    """``data.attention_frames`` of each of ``asked``: a number, or ``fit``, the timed cost
+    model's own (``a ÷ b`` of its ``a·S + b·S²``: where its quadratic term equals the linear;
+    left out without a timed model)."""
+    out = []
+    for value in asked:
+        if value != "fit":
+            out.append(int(value))
+        elif described is not None and described["fit_b_per_token2"] > 0:
+            out.append(round(described["fit_a_per_token"] / described["fit_b_per_token2"]))
+    return out
 
 
 def epochs_against_batches(spec: StreamSpec) -> dict:
@@ -347,6 +366,29 @@ def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int, turns
     return row
 
 
+def plans_part(cache: Path, data: DataConfig, args: argparse.Namespace) -> Iterator[dict]:
+    """Part 2 at each rank count: the timed cost model first (unless ``--cost-preset none``),
+    then sync on (at each ``--attention-frames``), unsynced and the previous release."""
+    measured, described = None, None
+    if args.cost_preset != "none":
+        spec = make_loader(cache, dataclasses.replace(data, num_workers=0), world_size=8).spec
+        shapes = typical_shapes(spec, args.steps)
+        measured, described = timed_cost_model(shapes, args.cost_preset, args.cost_repeats)
+        yield described
+    shards = len(json.loads((cache / "index.json").read_text())["shards"])
+    attentions = attention_values(args.attention_frames, described)
+    for ranks in args.ranks:
+        for how in ("on", "unsynced", "previous"):
+            if how == "previous" and ranks > shards:
+                yield {"measure": "plans previous", "ranks": ranks,
+                       "refused": f"{shards} shards < {ranks} workers"}  # fmt: skip
+                continue
+            for attention in attentions if how == "on" else [0]:
+                options = dataclasses.replace(data, attention_frames=attention)
+                row = measure_plans(cache, options, ranks, args.steps, how, measured)
+                yield {**row, "attention_frames": attention} if how == "on" else row
+
+
 def ensure_cache(root: Path, hours: float) -> Path:
     """The corpus and its cache, made once and reused."""
     corpus, cache = make_corpus(root / "corpus", hours), root / "cache"
@@ -358,18 +400,29 @@ def ensure_cache(root: Path, hours: float) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hours", type=float, default=3.0)
-    p.add_argument("--data", type=Path, default=Path("/tmp/melcache-schedule"))
+    p.add_argument("--hours", type=float, default=3.0,
+                   help="hours of the espeak-ng corpus made under --data (default: 3)")  # fmt: skip
+    p.add_argument("--data", type=Path, default=Path("/tmp/melcache-schedule"),
+                   help="folder of the corpus and its cache, made once and reused")  # fmt: skip
     p.add_argument("--cache", type=Path, help="an existing cache instead of --hours/--data")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 512])
-    p.add_argument("--turn-seconds", type=float, default=3.0)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--read-slots", type=int, nargs="*", default=[1, 2, 8, 64])
+    p.add_argument("--steps", type=int, default=120, help="steps per rank (default: 120)")
+    p.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 512],
+                   help="job sizes of the plans and synthetic parts")  # fmt: skip
+    p.add_argument("--turn-seconds", type=float, default=3.0,
+                   help="throughput part: seconds a turn (default: 3)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=6,
+                   help="throughput and reads parts: rounds of one turn each (default: 6)")  # fmt: skip
+    p.add_argument("--read-slots", type=int, nargs="*", default=[1, 2, 8, 64],
+                   help="reads part: job sizes in slots")  # fmt: skip
     p.add_argument("--cost-preset", default="tiny", help="trainer preset timed, or none")
-    p.add_argument("--cost-repeats", type=int, default=3)
-    p.add_argument("--synthetic-hours", type=float, nargs="*", default=[3.0, 50.0, 200.0])
+    p.add_argument("--cost-repeats", type=int, default=3,
+                   help="timed passes per shape after a warm-up (default: 3)")  # fmt: skip
+    p.add_argument("--synthetic-hours", type=float, nargs="*", default=[3.0, 50.0, 200.0],
+                   help="synthetic part: hours of each drawn cache")  # fmt: skip
     p.add_argument("--sync-split", type=int, nargs="*", default=[1, 4, 6], help="synthetic part")
+    p.add_argument("--attention-frames", nargs="*", default=["0"],
+                   help="plans (sync on) and synthetic parts: data.attention_frames values, a "
+                   "number or fit (the timed cost model's own); default 0")  # fmt: skip
     p.add_argument("--batch-plan", type=int, nargs="*", default=[1, BATCH_PLAN_VERSION],
                    help="synthetic part: the even cut's sorts (1: this release before)")  # fmt: skip
     p.add_argument(
@@ -387,27 +440,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             options = dataclasses.replace(data, sync_buckets=sync)
             print(json.dumps(measure_loaders(cache, options, 8, args.steps)), flush=True)
     if "plans" in args.parts:
-        measured = None
-        if args.cost_preset != "none":
-            options = dataclasses.replace(data, num_workers=0)
-            spec = make_loader(cache, options, rank=0, world_size=8).spec
-            shapes = typical_shapes(spec, args.steps)
-            measured, described = timed_cost_model(shapes, args.cost_preset, args.cost_repeats)
-            print(json.dumps(described), flush=True)
-        shards = len(json.loads((cache / "index.json").read_text())["shards"])
-        for ranks in args.ranks:
-            for how in ("on", "unsynced", "previous"):
-                if how == "previous" and ranks > shards:
-                    print(json.dumps({"measure": "plans previous", "ranks": ranks,
-                                      "refused": f"{shards} shards < {ranks} workers"}))  # fmt: skip
-                    continue
-                row = measure_plans(cache, data, ranks, args.steps, how, measured)
-                print(json.dumps(row), flush=True)
+        for row in plans_part(cache, data, args):
+            print(json.dumps(row), flush=True)
     if "synthetic" in args.parts:
         for hours in args.synthetic_hours:
             timed = None if args.cost_preset == "none" else (args.cost_preset, args.cost_repeats)
             rows = measure_synthetic(hours, data, args.ranks, args.steps, timed, args.sync_split,
-                                     args.batch_plan)  # fmt: skip
+                                     args.batch_plan, args.attention_frames)  # fmt: skip
             for row in rows:
                 print(json.dumps(row), flush=True)
     loader_data = dataclasses.replace(data, num_workers=2, shard_check="fast")

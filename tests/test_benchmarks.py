@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -9,9 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from benchmarks import results
+from benchmarks import padding_bounds, results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,6 +205,44 @@ def test_schedule_bench_plans_a_drawn_cache_at_each_split(tmp_path: Path) -> Non
     epochs = next(r for r in rows if r.get("measure") == "epochs() of rank 0 of 8")
     quarter = next(v for k, v in epochs.items() if k.startswith("at 0.25 of an epoch"))
     assert 0.2 < quarter < 0.3, epochs
+
+
+def test_the_least_padding_cut_is_the_least_of_every_cut() -> None:
+    """padding_bounds' dynamic programme against every way of cutting small sorted arrays."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, count = int(rng.integers(2, 9)), int(rng.integers(1, 5))
+        lengths = np.sort(rng.integers(1, 6, n) * 8)[::-1]
+        most, cap = int(rng.integers(1, 5)), int(rng.integers(8, 100))
+        costs = []
+        for cuts in itertools.combinations(range(1, n), count - 1):
+            runs = list(itertools.pairwise((0, *cuts, n)))
+            if all(b - a <= most and (b - a == 1 or (b - a) * lengths[a] <= cap) for a, b in runs):
+                costs.append(sum((b - a) * int(lengths[a]) for a, b in runs))
+        if costs:
+            assert padding_bounds.least_padded(lengths, count, most, cap) == min(costs)
+
+
+def test_padding_bounds_puts_the_even_cut_above_its_least_cuts(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.padding_bounds",
+        "--hours",
+        "3",
+        "--extra",
+        "0",
+        "1",
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, *rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert before["stream"] == "sync_buckets = false" and 0 < before["padding_pct"] < 20
+    assert [r["extra_batches_a_unit"] for r in rows] == [0, 1]
+    for row in rows:
+        least, tight = row["least_pct_at_the_budget"], row["least_pct_at_its_largest_batch"]
+        assert 0 < least <= tight <= row["padding_pct_even_cut"], row
+    assert rows[1]["batches_per_epoch"] > rows[0]["batches_per_epoch"]
 
 
 @pytest.mark.slow

@@ -146,6 +146,32 @@ def test_even_cut_balances_padded_frames_not_counts() -> None:
     assert sorted(len(b) for b in few) == [50] * 4  # max_batch_size holds
 
 
+def test_attention_frames_balances_the_cost_of_a_units_batches_not_their_frames() -> None:
+    """A unit of 3000- to 2000-frame utterances: equal frames leave its longest batches the
+    costliest under ``B·T·(1 + T/A)``; ``attention_frames`` evens that cost, every batch still
+    within equal counts' padded frames and max_batch_size, every sample once."""
+    frames = np.random.default_rng(5).integers(2000, 3001, size=160).tolist()
+    cut = {"count": 16, "max_batch_size": 64, "pad_multiple": 8}
+
+    def costs(batches: list[list[int]], attention: int) -> list[float]:
+        longest = [round_up(max(frames[i] for i in b), 8) for b in batches]
+        return [len(b) * t * (1 + t / attention) for b, t in zip(batches, longest, strict=True)]
+
+    frames_cut = plan_even_batches(frames, rng=make_rng(0, 4), **cut)
+    cost_cut = plan_even_batches(frames, rng=make_rng(0, 4), attention_frames=600, **cut)
+    # mean ÷ max: the share of a step of these batches on as many ranks not spent waiting
+    even = [sum(c) / len(c) / max(c) for c in (costs(frames_cut, 600), costs(cost_cut, 600))]
+    assert even[1] > 0.93 > 0.9 > even[0], even  # 0.943 and 0.869
+    equal = max(len(p) * round_up(max(p), 8) for p in np.array_split(sorted(frames)[::-1], 16))
+    assert len(cost_cut) == 16 and sorted(i for b in cost_cut for i in b) == list(range(160))
+    assert all(len(b) * round_up(max(frames[i] for i in b), 8) <= equal for b in cost_cut)
+    # attention_frames 0 is the frames cut itself, and plan 1 (earlier states) keeps its own
+    assert plan_even_batches(frames, rng=make_rng(0, 4), attention_frames=0, **cut) == frames_cut
+    older = plan_even_batches(frames, rng=make_rng(0, 4), plan=1, **cut)
+    assert plan_even_batches(frames, rng=make_rng(0, 4), plan=1, attention_frames=600,
+                             **cut) == older  # fmt: skip
+
+
 def test_a_batch_continues_into_the_next_shard_of_its_unit(sample_cache: Path) -> None:
     # Bucket 8 of the 3 h benchmark cache: three shards of 36 and the bucket's last, of 3.
     samples, longest = [36, 36, 36, 3], [878, 943, 1001, 1013]

@@ -174,6 +174,7 @@ def plan_even_batches(
     max_batch_size: int,
     pad_multiple: int,
     plan: int = BATCH_PLAN_VERSION,
+    attention_frames: int = 0,
 ) -> list[list[int]]:
     """Cut one shard's (or unit's) samples into ``count`` batches of near-equal padded frames
     (``B × round_up(longest)``), neighbours in length (:func:`sort_order` of ``plan``), in
@@ -184,11 +185,21 @@ def plan_even_batches(
     batch keeps the budget and ``max_batch_size``, no batch is a small remainder, and the count
     is known before the shard is read, which is what lets workers share a shard and a schedule
     locate any batch of an epoch in O(1).
+
+    ``attention_frames`` ``A`` > 0 (plan 2 and later): near-equal *cost* ``B × T × (1 + T/A)``
+    instead, ``T`` the padded length (a transformer's attention costs what the rest of it does
+    at ``T = A``, about 6 × its width), each batch within equal counts' padded frames: the
+    batches of a unit's longer utterances then hold fewer of them, where equal frames would
+    have them cost more.
     """
     order = sort_order(frames, rng=rng, pad_multiple=pad_multiple, plan=plan)
     padded = -(-np.asarray(frames, dtype=np.int64)[order] // pad_multiple) * pad_multiple
-    greedy = _GreedyRuns(padded, max_batch_size)
     equal = np.array_split(padded, count)
+    if attention_frames and plan >= 2:
+        frame_cap = max(len(part) * int(part.max()) for part in equal if len(part))
+        ends = _cost_balanced_ends(padded, count, max_batch_size, frame_cap, attention_frames)
+        return _cut(order, ends, count, rng)
+    greedy = _GreedyRuns(padded, max_batch_size)
     # The search runs over caps in units of pad_multiple: a run's size × longest padded length
     # is a multiple of it, so the least cap that works is one too.
     low, high = 1, max(len(part) * int(part.max()) for part in equal if len(part)) // pad_multiple
@@ -198,15 +209,54 @@ def plan_even_batches(
             high = middle
         else:
             low = middle + 1
-    ends = greedy.ends(high * pad_multiple)
+    return _cut(order, greedy.ends(high * pad_multiple), count, rng)
+
+
+def _cut(
+    order: np.ndarray, ends: list[int], count: int, rng: np.random.Generator
+) -> list[list[int]]:
+    """The batches of sample places ``order`` ending at ``ends`` (at most ``count``: the
+    largest halved until there are ``count``, only smaller batches), in shuffled order."""
     runs = [range(start, end) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
-    while len(runs) < count:  # fewer runs reach it: halve the largest (only smaller batches)
+    while len(runs) < count:
         big = max(range(len(runs)), key=lambda r: len(runs[r]))
         part = runs.pop(big)
         runs[big:big] = [part[: len(part) // 2], part[len(part) // 2 :]]
     places = order.tolist()
     batches = [places[run.start : run.stop] for run in runs]
     return [batches[j] for j in rng.permutation(count).tolist()]
+
+
+def _cost_balanced_ends(
+    padded: np.ndarray, count: int, max_batch_size: int, frame_cap: int, attention_frames: int
+) -> list[int]:
+    """Ends of the greedy runs of ``padded`` (longest first) under the least cost cap that
+    ``count`` runs reach: a run from place ``i`` holds at most ``max_batch_size`` samples,
+    ``frame_cap`` padded frames and the cap's cost, ``padded[i] × (A + padded[i])`` a sample
+    (``A`` × the cost ``T·(1 + T/A)``, in integers). Equal counts meet the cap at its top, so
+    the search always ends within ``count``."""
+    lengths = padded.astype(np.int64)
+    cost = lengths * (attention_frames + lengths)
+    most = np.clip(np.minimum(max_batch_size, frame_cap // lengths), 1, None)
+    parts = np.array_split(np.arange(len(lengths)), count)
+    low = 1
+    high = max(len(part) * int(cost[part[0]]) for part in parts if len(part))
+
+    def ends(cap: int) -> list[int]:
+        sizes = np.clip(np.minimum(most, cap // cost), 1, None).tolist()
+        out, start = [], 0
+        while start < len(sizes):
+            start += sizes[start]
+            out.append(min(start, len(sizes)))
+        return out
+
+    while low < high:
+        middle = (low + high) // 2
+        if len(ends(middle)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    return ends(high)
 
 
 class _GreedyRuns:

@@ -60,6 +60,11 @@ class DataConfig:
     # (docs/loader.md, "Finer than a bucket"). 0: SYNC_SPLIT for a fresh stream, and a resumed
     # one keeps its own (1, the stream of earlier releases, for their loader states).
     sync_split: int = bounded(0, 0, MAX_SYNC_SPLIT)
+    # The padded length at which a batch's attention costs what the rest of the model does
+    # (a transformer of width d: about 6·d). > 0: the even cut gives a unit's batches
+    # near-equal cost B·T·(1 + T/attention_frames), not near-equal frames B·T, so ranks of one
+    # step wait less where lengths differ within a unit (docs/loader.md, "Cost, not frames").
+    attention_frames: int = bounded(0, 0, 1 << 24)
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)

@@ -329,9 +329,10 @@ class StreamLoader:
             "sync_buckets": data.sync_buckets,
             "mix": [round(w, 9) for w in self.weights],
             **({"mix_schedule": self._mix_schedule()} if self.spec.phases else {}),
-            # None where 1: the states of earlier releases hold no such keys, and match them.
+            # None where 1 (0): the states of earlier releases hold no such keys, and match them.
             "sync_split": data.split if data.split != 1 else None,
             "batch_plan": spec.plan if spec.plan != 1 else None,
+            "attention_frames": data.attention_frames or None,
         }
 
     def _mix_schedule(self) -> list[list[Any]]:

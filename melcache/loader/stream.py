@@ -255,6 +255,7 @@ def bucket_batches(
             plan = plan_even_batches(
                 members.frames, rng=rng, count=count, max_batch_size=data.max_batch_size,
                 pad_multiple=data.pad_multiple, plan=spec.plan,
+                attention_frames=data.attention_frames,
             ) if count else []  # fmt: skip
         if batch < len(plan):
             held = members.fetch(plan[batch])

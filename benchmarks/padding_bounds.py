@@ -1,0 +1,115 @@
+"""How little padding any cut of a cache's units could reach: the loader's even cut against the
+least padding of every cut with the same batch counts.
+
+    python -m benchmarks.padding_bounds [--hours 3 50 200] [--extra 0 1 2]
+
+Over one epoch of every sub-stream of a drawn cache (``benchmarks/synthetic_cache.py``, the
+loader's own units and counts at ``batch_frames`` 32000): the padding of the even cut the
+loader makes (the same every epoch: batch plan 2 sorts by padded length), then, by dynamic
+programming, the least padding of any cut into the same number of batches of consecutive
+lengths, (a) under the even cut's own largest batch, so batches keep their near-equal cost,
+and (b) under the budget alone, whatever their costs. ``--extra k`` gives every unit ``k``
+batches more than the loader's count: fewer utterances a batch. Sampled windows of a few
+hundred steps (``schedule_bench --parts synthetic``) weight the units as the schedule draws
+them; this is the steady state. First, per cache, the same epoch as the stream of
+``data.sync_buckets = false`` cuts it (each shard greedily). Prints one JSON line per cache and
+count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from benchmarks.synthetic_cache import draw_cache
+from melcache.loader.batching import make_rng, plan_batches, plan_even_batches
+from melcache.loader.data_config import DataConfig
+from melcache.loader.schedule import substreams
+
+BATCH_FRAMES = 32_000
+
+
+def least_padded(lengths: np.ndarray, count: int, max_batch_size: int, cap: int) -> int:
+    """Least padded frames of a cut of ``lengths`` (padded, longest first) into ``count`` runs
+    of consecutive places, each of at most ``max_batch_size`` samples and ``cap`` padded frames
+    (its size × its first length; a sample over the cap alone). ``O(count × n ×
+    max_batch_size)`` numpy work: an analysis, not something the loader could run per visit.
+    Consecutive runs lose nothing: swapping two samples of unlike length between batches never
+    lowers both batches' longest."""
+    n, never = len(lengths), np.iinfo(np.int64).max // 4
+    sizes = np.clip(cap // lengths, 1, max_batch_size)  # the largest run from each place
+    best = np.full(n + 1, never, dtype=np.int64)
+    best[0] = 0
+    for _ in range(count):
+        after = np.full(n + 1, never, dtype=np.int64)
+        for size in range(1, max_batch_size + 1):
+            start = np.arange(n + 1 - size)
+            fits = (sizes[start] >= size) & (best[start] < never)
+            cost = np.where(fits, best[start] + size * lengths[start], never)
+            np.minimum(after[size:], cost, out=after[size:])
+        best = after
+    return int(best[n])
+
+
+def bounds(hours: float, data: DataConfig, extra: int) -> dict:
+    """One epoch of the drawn cache of ``hours``: real frames, batches, and padded frames of
+    the even cut and of the least cuts (a) and (b), as padding percentages."""
+    cache = draw_cache(hours)
+    real = batches = even = tight = loose = 0
+    pad = data.pad_multiple
+    for sub in substreams([cache.shards], data, sync=True):
+        for unit, count in zip(sub.units, sub.batches, strict=True):
+            frames = [s.frames for i in unit for s in cache.samples[cache.shards[i]["name"]]]
+            count = min(len(frames), count + extra)
+            cut = plan_even_batches(frames, rng=make_rng(0, 4), count=count,
+                                    max_batch_size=data.max_batch_size, pad_multiple=pad)  # fmt: skip
+            padded = [len(b) * -(-max(frames[i] for i in b) // pad) * pad for b in cut]
+            lengths = np.sort(-(-np.asarray(frames, dtype=np.int64) // pad) * pad)[::-1]
+            real, batches, even = real + sum(frames), batches + count, even + sum(padded)
+            tight += least_padded(lengths, count, data.max_batch_size, max(padded))
+            loose += least_padded(lengths, count, data.max_batch_size, data.budget(sub.bucket))
+
+    def pct(padded: int) -> float:
+        return round(100 * (1 - real / padded), 2)
+
+    return {"hours": round(cache.hours, 1), "extra_batches_a_unit": extra,
+            "batches_per_epoch": batches, "real_frames_per_batch": round(real / batches),
+            "padding_pct_even_cut": pct(even), "least_pct_at_its_largest_batch": pct(tight),
+            "least_pct_at_the_budget": pct(loose)}  # fmt: skip
+
+
+def stream_before(hours: float, data: DataConfig) -> dict:
+    """The same epoch as ``data.sync_buckets = false`` streams it: each shard cut greedily."""
+    cache, real, padded, batches = draw_cache(hours), 0, 0, 0
+    pad = data.pad_multiple
+    for number, entry in enumerate(cache.shards):
+        frames = [s.frames for s in cache.samples[entry["name"]]]
+        cut = plan_batches(frames, rng=make_rng(0, 2, 0, number), batch_frames=data.budget(
+            entry["bucket"]), max_batch_size=data.max_batch_size, pad_multiple=pad)  # fmt: skip
+        real, batches = real + sum(frames), batches + len(cut)
+        padded += sum(len(b) * -(-max(frames[i] for i in b) // pad) * pad for b in cut)
+    return {"hours": round(cache.hours, 1), "stream": "sync_buckets = false",
+            "batches_per_epoch": batches, "real_frames_per_batch": round(real / batches),
+            "padding_pct": round(100 * (1 - real / padded), 2)}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hours", type=float, nargs="*", default=[3.0, 50.0, 200.0],
+                   help="drawn caches of these hours (default: 3 50 200)")  # fmt: skip
+    p.add_argument("--extra", type=int, nargs="*", default=[0, 1, 2],
+                   help="batches a unit more than the loader cuts it into (default: 0 1 2)")  # fmt: skip
+    args = p.parse_args(argv)
+    data = dataclasses.replace(DataConfig(batch_frames=BATCH_FRAMES), num_workers=0)
+    for hours in args.hours:
+        print(json.dumps(stream_before(hours, data)), flush=True)
+        for extra in args.extra:
+            print(json.dumps(bounds(hours, data, extra)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
