@@ -8,7 +8,8 @@ is a few integers and resuming never has to replay anything.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -194,22 +195,22 @@ def plan_even_batches(
     """
     order = sort_order(frames, rng=rng, pad_multiple=pad_multiple, plan=plan)
     padded = -(-np.asarray(frames, dtype=np.int64)[order] // pad_multiple) * pad_multiple
-    equal = np.array_split(padded, count)
+    equal = [part for part in np.array_split(padded, count) if len(part)]
     if attention_frames and plan >= 2:
-        frame_cap = max(len(part) * int(part.max()) for part in equal if len(part))
-        ends = _cost_balanced_ends(padded, count, max_batch_size, frame_cap, attention_frames)
+        ends = _cost_balanced_ends(padded, equal, count, max_batch_size, attention_frames)
         return _cut(order, ends, count, rng)
     greedy = _GreedyRuns(padded, max_batch_size)
     # The search runs over caps in units of pad_multiple: a run's size × longest padded length
     # is a multiple of it, so the least cap that works is one too.
-    low, high = 1, max(len(part) * int(part.max()) for part in equal if len(part)) // pad_multiple
-    while low < high:  # binary search on the largest batch's padded frames
-        middle = (low + high) // 2
-        if len(greedy.ends(middle * pad_multiple)) <= count:
-            high = middle
-        else:
-            low = middle + 1
-    return _cut(order, greedy.ends(high * pad_multiple), count, rng)
+    top = max(len(part) * int(part.max()) for part in equal) // pad_multiple
+    cap = _least(1, top, lambda cap: len(greedy.ends(cap * pad_multiple)) <= count)
+    return _cut(order, greedy.ends(cap * pad_multiple), count, rng)
+
+
+def _least(low: int, high: int, works: Callable[[int], bool]) -> int:
+    """The least value in ``low..high`` for which ``works`` holds, by binary search: ``works``
+    is false below some value and true from it on, and true at ``high``."""
+    return low + bisect.bisect_left(range(low, high), True, key=works)
 
 
 def _cut(
@@ -228,19 +229,22 @@ def _cut(
 
 
 def _cost_balanced_ends(
-    padded: np.ndarray, count: int, max_batch_size: int, frame_cap: int, attention_frames: int
+    padded: np.ndarray,
+    equal: Sequence[np.ndarray],
+    count: int,
+    max_batch_size: int,
+    attention_frames: int,
 ) -> list[int]:
     """Ends of the greedy runs of ``padded`` (longest first) under the least cost cap that
-    ``count`` runs reach: a run from place ``i`` holds at most ``max_batch_size`` samples,
-    ``frame_cap`` padded frames and the cap's cost, ``padded[i] × (A + padded[i])`` a sample
-    (``A`` × the cost ``T·(1 + T/A)``, in integers). Equal counts meet the cap at its top, so
-    the search always ends within ``count``."""
+    ``count`` runs reach (``equal``: the cut into equal counts): a run from place ``i``
+    holds at most ``max_batch_size`` samples, equal counts' largest padded frames and the
+    cap's cost, ``padded[i] × (A + padded[i])`` a sample (``A`` × the cost ``T·(1 + T/A)``, in
+    integers). Equal counts meet the cap at its top, so the search always ends within
+    ``count``."""
     lengths = padded.astype(np.int64)
     cost = lengths * (attention_frames + lengths)
+    frame_cap = max(len(part) * int(part[0]) for part in equal)  # each part's first: its longest
     most = np.clip(np.minimum(max_batch_size, frame_cap // lengths), 1, None)
-    parts = np.array_split(np.arange(len(lengths)), count)
-    low = 1
-    high = max(len(part) * int(cost[part[0]]) for part in parts if len(part))
 
     def ends(cap: int) -> list[int]:
         sizes = np.clip(np.minimum(most, cap // cost), 1, None).tolist()
@@ -250,13 +254,8 @@ def _cost_balanced_ends(
             out.append(min(start, len(sizes)))
         return out
 
-    while low < high:
-        middle = (low + high) // 2
-        if len(ends(middle)) <= count:
-            high = middle
-        else:
-            low = middle + 1
-    return ends(high)
+    top = max(len(part) * int(part[0]) * (attention_frames + int(part[0])) for part in equal)
+    return ends(_least(1, top, lambda cap: len(ends(cap)) <= count))
 
 
 class _GreedyRuns:
