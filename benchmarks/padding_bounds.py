@@ -25,8 +25,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.synthetic_cache import draw_cache
-from melcache.loader.batching import make_rng, plan_batches, plan_even_batches
+from benchmarks.synthetic_cache import SyntheticCache, draw_cache
+from melcache.loader.batching import (
+    make_rng,
+    padding_fraction,
+    plan_batches,
+    plan_even_batches,
+    round_up,
+)
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import substreams
 
@@ -55,10 +61,14 @@ def least_padded(lengths: np.ndarray, count: int, max_batch_size: int, cap: int)
     return int(best[n])
 
 
-def bounds(hours: float, data: DataConfig, extra: int) -> dict:
-    """One epoch of the drawn cache of ``hours``: real frames, batches, and padded frames of
-    the even cut and of the least cuts (a) and (b), as padding percentages."""
-    cache = draw_cache(hours)
+def padded_frames(batches: Sequence[Sequence[int]], frames: Sequence[int], pad: int) -> int:
+    """Padded frames of ``batches`` (places into ``frames``): each ``B × round_up(longest)``."""
+    return sum(len(b) * round_up(max(frames[i] for i in b), pad) for b in batches)
+
+
+def bounds(cache: SyntheticCache, data: DataConfig, extra: int) -> dict:
+    """One epoch of the drawn ``cache``: real frames, batches, and padded frames of the even
+    cut and of the least cuts (a) and (b), as padding percentages."""
     real = batches = even = tight = loose = 0
     pad = data.pad_multiple
     for sub in substreams([cache.shards], data, sync=True):
@@ -67,14 +77,15 @@ def bounds(hours: float, data: DataConfig, extra: int) -> dict:
             count = min(len(frames), count + extra)
             cut = plan_even_batches(frames, rng=make_rng(0, 4), count=count,
                                     max_batch_size=data.max_batch_size, pad_multiple=pad)  # fmt: skip
-            padded = [len(b) * -(-max(frames[i] for i in b) // pad) * pad for b in cut]
-            lengths = np.sort(-(-np.asarray(frames, dtype=np.int64) // pad) * pad)[::-1]
-            real, batches, even = real + sum(frames), batches + count, even + sum(padded)
-            tight += least_padded(lengths, count, data.max_batch_size, max(padded))
+            largest = max(padded_frames([b], frames, pad) for b in cut)
+            lengths = np.sort(round_up(np.asarray(frames, dtype=np.int64), pad))[::-1]
+            real, batches = real + sum(frames), batches + count
+            even += padded_frames(cut, frames, pad)
+            tight += least_padded(lengths, count, data.max_batch_size, largest)
             loose += least_padded(lengths, count, data.max_batch_size, data.budget(sub.bucket))
 
     def pct(padded: int) -> float:
-        return round(100 * (1 - real / padded), 2)
+        return round(100 * padding_fraction(real, padded), 2)
 
     return {"hours": round(cache.hours, 1), "extra_batches_a_unit": extra,
             "batches_per_epoch": batches, "real_frames_per_batch": round(real / batches),
@@ -82,19 +93,19 @@ def bounds(hours: float, data: DataConfig, extra: int) -> dict:
             "least_pct_at_the_budget": pct(loose)}  # fmt: skip
 
 
-def stream_before(hours: float, data: DataConfig) -> dict:
+def stream_before(cache: SyntheticCache, data: DataConfig) -> dict:
     """The same epoch as ``data.sync_buckets = false`` streams it: each shard cut greedily."""
-    cache, real, padded, batches = draw_cache(hours), 0, 0, 0
+    real = padded = batches = 0
     pad = data.pad_multiple
     for number, entry in enumerate(cache.shards):
         frames = [s.frames for s in cache.samples[entry["name"]]]
         cut = plan_batches(frames, rng=make_rng(0, 2, 0, number), batch_frames=data.budget(
             entry["bucket"]), max_batch_size=data.max_batch_size, pad_multiple=pad)  # fmt: skip
         real, batches = real + sum(frames), batches + len(cut)
-        padded += sum(len(b) * -(-max(frames[i] for i in b) // pad) * pad for b in cut)
+        padded += padded_frames(cut, frames, pad)
     return {"hours": round(cache.hours, 1), "stream": "sync_buckets = false",
             "batches_per_epoch": batches, "real_frames_per_batch": round(real / batches),
-            "padding_pct": round(100 * (1 - real / padded), 2)}  # fmt: skip
+            "padding_pct": round(100 * padding_fraction(real, padded), 2)}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -106,9 +117,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     data = dataclasses.replace(DataConfig(batch_frames=BATCH_FRAMES), num_workers=0)
     for hours in args.hours:
-        print(json.dumps(stream_before(hours, data)), flush=True)
+        cache = draw_cache(hours)
+        print(json.dumps(stream_before(cache, data)), flush=True)
         for extra in args.extra:
-            print(json.dumps(bounds(hours, data, extra)), flush=True)
+            print(json.dumps(bounds(cache, data, extra)), flush=True)
 
 
 if __name__ == "__main__":
