@@ -105,8 +105,13 @@ def run_job(cache: Path, procs: int, sync: bool, args: argparse.Namespace) -> di
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"torchrun failed ({done.returncode}): {done.stderr[-2000:]}")
+    if done.returncode != 0:  # the ranks' own words come first, torchrun's summary last
+        said = (
+            done.stderr
+            if len(done.stderr) < 3000
+            else f"{done.stderr[:1500]}\n...\n{done.stderr[-1500:]}"
+        )
+        raise SystemExit(f"torchrun failed ({done.returncode}):\n{said}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -3,6 +3,7 @@ ChatTTS's codes derived into it; a real S3 server (moto) per module, the sample 
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -23,6 +24,10 @@ from helpers import (
 
 from benchmarks.s3_server import moto_server, s3_environment
 from melcache.remote import objectstore
+
+# Every child (torchrun ranks, spawned workers, builds) prints each thread's Python stack if it
+# dies of a fatal signal: a rare SIGABRT in a gloo job then says where it happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture(scope="session")
