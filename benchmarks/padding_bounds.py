@@ -5,7 +5,8 @@ least padding of every cut with the same batch counts.
 
 Over one epoch of every sub-stream of a drawn cache (``benchmarks/synthetic_cache.py``, the
 loader's own units and counts at ``batch_frames`` 32000): the padding of the even cut the
-loader makes (the same every epoch: batch plan 2 sorts by padded length), then, by dynamic
+loader makes (the same every epoch: it sorts by padded length; ``--frames-cut``: equal frames,
+batch plan 2, instead of the default's equal cost), then, by dynamic
 programming, the least padding of any cut into the same number of batches of consecutive
 lengths, (a) under the even cut's own largest batch, so batches keep their near-equal cost,
 and (b) under the budget alone, whatever their costs. ``--extra k`` gives every unit ``k``
@@ -66,9 +67,10 @@ def padded_frames(batches: Sequence[Sequence[int]], frames: Sequence[int], pad: 
     return sum(len(b) * round_up(max(frames[i] for i in b), pad) for b in batches)
 
 
-def bounds(cache: SyntheticCache, data: DataConfig, extra: int) -> dict:
+def bounds(cache: SyntheticCache, data: DataConfig, extra: int, attention: int) -> dict:
     """One epoch of the drawn ``cache``: real frames, batches, and padded frames of the even
-    cut and of the least cuts (a) and (b), as padding percentages."""
+    cut (``attention``: its attention frames, 0 for equal frames) and of the least cuts (a)
+    and (b), as padding percentages."""
     real = batches = even = tight = loose = 0
     pad = data.pad_multiple
     for sub in substreams([cache.shards], data, sync=True):
@@ -76,7 +78,8 @@ def bounds(cache: SyntheticCache, data: DataConfig, extra: int) -> dict:
             frames = [s.frames for i in unit for s in cache.samples[cache.shards[i]["name"]]]
             count = min(len(frames), count + extra)
             cut = plan_even_batches(frames, rng=make_rng(0, 4), count=count,
-                                    max_batch_size=data.max_batch_size, pad_multiple=pad)  # fmt: skip
+                                    max_batch_size=data.max_batch_size, pad_multiple=pad,
+                                    attention_frames=attention)  # fmt: skip
             largest = max(padded_frames([b], frames, pad) for b in cut)
             lengths = np.sort(round_up(np.asarray(frames, dtype=np.int64), pad))[::-1]
             real, batches = real + sum(frames), batches + count
@@ -88,6 +91,7 @@ def bounds(cache: SyntheticCache, data: DataConfig, extra: int) -> dict:
         return round(100 * padding_fraction(real, padded), 2)
 
     return {"hours": round(cache.hours, 1), "extra_batches_a_unit": extra,
+            "attention_frames": attention,
             "batches_per_epoch": batches, "real_frames_per_batch": round(real / batches),
             "padding_pct_even_cut": pct(even), "least_pct_at_its_largest_batch": pct(tight),
             "least_pct_at_the_budget": pct(loose)}  # fmt: skip
@@ -114,13 +118,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="drawn caches of these hours (default: 3 50 200)")  # fmt: skip
     p.add_argument("--extra", type=int, nargs="*", default=[0, 1, 2],
                    help="batches a unit more than the loader cuts it into (default: 0 1 2)")  # fmt: skip
+    p.add_argument("--frames-cut", action="store_true",
+                   help="the equal-frames cut (batch plan 2), not the default's equal cost")  # fmt: skip
     args = p.parse_args(argv)
     data = dataclasses.replace(DataConfig(batch_frames=BATCH_FRAMES), num_workers=0)
+    attention = 0 if args.frames_cut else data.attention
     for hours in args.hours:
         cache = draw_cache(hours)
         print(json.dumps(stream_before(cache, data)), flush=True)
         for extra in args.extra:
-            print(json.dumps(bounds(cache, data, extra)), flush=True)
+            print(json.dumps(bounds(cache, data, extra, attention)), flush=True)
 
 
 if __name__ == "__main__":

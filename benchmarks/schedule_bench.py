@@ -53,6 +53,7 @@ from benchmarks.speech import make_corpus
 from benchmarks.step_costs import (
     CostModel,
     attention_values,
+    plan_cuts,
     plan_rows,
     step_cost,
     summary,
@@ -81,14 +82,22 @@ def measure_loaders(cache: Path, data: DataConfig, ranks: int, steps: int) -> di
 
 
 def measure_plans(
-    cache: Path, data: DataConfig, ranks: int, steps: int, how: str, measured: CostModel | None
+    cache: Path,
+    data: DataConfig,
+    ranks: int,
+    steps: int,
+    how: str,
+    measured: CostModel | None,
+    plan: int = BATCH_PLAN_VERSION,
 ) -> dict:
-    """Part 2: the same from plans, at any number of ranks, by :func:`plan_rows`."""
+    """Part 2: the same from plans, at any number of ranks, by :func:`plan_rows` (``plan``:
+    the even cut's, ``melcache.loader.batching.plan_even_batches``)."""
     sync = how != "previous"
     options = dataclasses.replace(data, sync_buckets=sync, num_workers=0)
 
     def spec_of(rank: int) -> StreamSpec:
-        return make_loader(cache, options, rank=rank, world_size=ranks).spec
+        spec = make_loader(cache, options, rank=rank, world_size=ranks).spec
+        return dataclasses.replace(spec, plan=plan)
 
     return plan_rows(f"plans {how}", spec_of, ranks, steps, how == "unsynced", measured)
 
@@ -121,10 +130,10 @@ def measure_synthetic(
             shapes = typical_shapes(synthetic_spec(cache, options, rank=0, world_size=8), steps)
             measured, described = timed_cost_model(shapes, *timed)
             yield {**head, **described}
-        cuts = itertools.product(ranks, splits, plans, attention_values(attentions, described))
-        for world, split, plan, attention in cuts:
+        cuts = plan_cuts(plans, attention_values(attentions, described))
+        for world, split, (plan, attention) in itertools.product(ranks, splits, cuts):
             split_options = dataclasses.replace(options, sync_split=split,
-                                                attention_frames=attention)  # fmt: skip
+                                                attention_frames=attention or 0)  # fmt: skip
 
             def spec_of(
                 rank: int, world: int = world, at: DataConfig = split_options, plan: int = plan
@@ -238,7 +247,8 @@ def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int, turns
 
 def plans_part(cache: Path, data: DataConfig, args: argparse.Namespace) -> Iterator[dict]:
     """Part 2 at each rank count: the timed cost model first (unless ``--cost-preset none``),
-    then sync on (at each ``--attention-frames``), unsynced and the previous release."""
+    then sync on (at each ``--batch-plan`` and, for plan 3, ``--attention-frames``), unsynced
+    and the previous release."""
     measured, described = None, None
     if args.cost_preset != "none":
         spec = make_loader(cache, dataclasses.replace(data, num_workers=0), world_size=8).spec
@@ -246,17 +256,18 @@ def plans_part(cache: Path, data: DataConfig, args: argparse.Namespace) -> Itera
         measured, described = timed_cost_model(shapes, args.cost_preset, args.cost_repeats)
         yield described
     shards = len(json.loads((cache / "index.json").read_text())["shards"])
-    attentions = attention_values(args.attention_frames, described)
+    cuts = plan_cuts(args.batch_plan, attention_values(args.attention_frames, described))
     for ranks in args.ranks:
         for how in ("on", "unsynced", "previous"):
             if how == "previous" and ranks > shards:
                 yield {"measure": "plans previous", "ranks": ranks,
                        "refused": f"{shards} shards < {ranks} workers"}  # fmt: skip
                 continue
-            for attention in attentions if how == "on" else [0]:
-                options = dataclasses.replace(data, attention_frames=attention)
-                row = measure_plans(cache, options, ranks, args.steps, how, measured)
-                yield {**row, "attention_frames": attention} if how == "on" else row
+            for plan, attention in cuts if how == "on" else [(BATCH_PLAN_VERSION, None)]:
+                options = dataclasses.replace(data, attention_frames=attention or 0)
+                row = measure_plans(cache, options, ranks, args.steps, how, measured, plan)
+                yield {**row, "batch_plan": plan, "attention_frames": attention} if how == "on" \
+                    else row  # fmt: skip
 
 
 def ensure_cache(root: Path, hours: float) -> Path:
@@ -291,10 +302,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="synthetic part: hours of each drawn cache")  # fmt: skip
     p.add_argument("--sync-split", type=int, nargs="*", default=[1, 4, 6], help="synthetic part")
     p.add_argument("--attention-frames", nargs="*", default=["0"],
-                   help="plans (sync on) and synthetic parts: data.attention_frames values, a "
-                   "number or fit (the timed cost model's own); default 0")  # fmt: skip
+                   help="plans (sync on) and synthetic parts, batch plan 3: data.attention_frames "
+                   "values, a number or fit (the timed cost model's own); default 0 (the "
+                   "loader's default, 3072)")  # fmt: skip
     p.add_argument("--batch-plan", type=int, nargs="*", default=[1, BATCH_PLAN_VERSION],
-                   help="synthetic part: the even cut's sorts (1: this release before)")  # fmt: skip
+                   help="plans (sync on) and synthetic parts: the even cuts (1: the sort by "
+                   "jittered length, 2: equal frames, 3: equal cost)")  # fmt: skip
     p.add_argument(
         "--parts",
         nargs="*",

@@ -20,6 +20,7 @@ import torch
 
 from melcache.loader.batch import BYTE_VOCAB_SIZE, utf8_tokens
 from melcache.loader.batching import padding_fraction, round_up
+from melcache.loader.data_config import ATTENTION_FRAMES
 from melcache.loader.schedule import make_schedule
 from melcache.loader.stream import StreamSpec, planned_stream
 from melcache.reader import RawSample
@@ -138,6 +139,17 @@ def plan_rows(
         costs = [[measured(*shape) for _, shape in step] for step in steps_of]
         row["efficiency_measured"] = round(efficiency(costs), 3)
     return row
+
+
+def plan_cuts(plans: Sequence[int], attentions: Sequence[int]) -> list[tuple[int, int | None]]:
+    """(batch plan, ``data.attention_frames`` in effect) of each cut to plan: plans 1 and 2
+    once (they use no attention frames: None), plan 3 at each of ``attentions`` (0: the
+    loader's default)."""
+    return [
+        (plan, (a or ATTENTION_FRAMES) if plan >= 3 else None)
+        for plan in plans
+        for a in (attentions if plan >= 3 else [0])
+    ]
 
 
 def attention_values(asked: Sequence[str], described: Mapping | None) -> list[int]:

@@ -192,18 +192,37 @@ def test_states_of_another_job_are_refused_by_name(sample_cache: Path) -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"), [("batch_plan", 99), ("batch_plan", "2"), ("sync_split", True),
-                       ("sync_split", -3), ("sync_split", 10**9)],
+                       ("sync_split", -3), ("sync_split", 10**9), ("attention_frames", 0),
+                       ("attention_frames", 2.5)],
 )  # fmt: skip
 def test_a_states_garbage_batch_setting_is_refused_by_name(
     sample_cache: Path, key: str, value: object
 ) -> None:
     """A state's batch plan and length ranges choose how batches are cut before any other key
-    is checked, so a forged one is refused by its name, not taken (99 cut as plan 2) or
+    is checked, so a forged one is refused by its name, not taken (99 cut as plan 3) or
     raised as a ValueError from int()."""
     _, states, _ = run_job(sample_cache, 1, 0, 5)
     said = re.escape(f"{STATE_KEYS[key]} = {value!r}, not a whole number in 1..")
     with pytest.raises(LoaderStateError, match=said):
         make(sample_cache, 0, 1, 0).load_state_dict({**states[0], key: value})
+
+
+def test_a_loader_left_at_attention_frames_0_takes_the_states_own(sample_cache: Path) -> None:
+    """As ``data.sync_split``: 0 is the default for a fresh stream and the state's value on a
+    resume, so it continues batch for batch; a value given otherwise is checked."""
+    first = make(sample_cache, 0, 1, 0, attention_frames=600)
+    stream = iter(first)
+    for _ in range(7):
+        next(stream)
+    state, expected = first.state_dict(), [next(stream).keys for _ in range(5)]
+    first.close()
+    again = make(sample_cache, 0, 1, 0)
+    again.load_state_dict(state)
+    assert again.spec.data.attention == 600 and state["attention_frames"] == 600
+    assert [b.keys for _, b in zip(range(5), again, strict=False)] == expected
+    again.close()
+    with pytest.raises(LoaderStateError, match=r"data\.attention_frames = 600 .* 3072"):
+        make(sample_cache, 0, 1, 0, attention_frames=3072).load_state_dict(state)
 
 
 TODAY = """
@@ -219,14 +238,17 @@ print(json.dumps([next(streams[0]).keys for _ in range(12)]))
 """
 
 
-@pytest.mark.slow  # the release before this one, run from its commit in a subprocess
-def test_a_state_of_the_release_before_resumes_batch_for_batch_and_on_3_ranks(
-    sample_cache: Path, tmp_path: Path
+# Earlier releases, run from their commits: the last before elastic resumes (batch plan 1, one
+# length range a bucket) and the last before the cost cut (plan 2, six ranges).
+@pytest.mark.slow
+@pytest.mark.parametrize("commit", ["988e0ec", "0935133"])
+def test_a_state_of_an_earlier_release_resumes_batch_for_batch_and_on_3_ranks(
+    sample_cache: Path, tmp_path: Path, commit: str
 ) -> None:
     old = tmp_path / "before"
     old.mkdir()
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "988e0ec", "melcache"],
+        ["git", "-C", str(REPO), "archive", commit, "melcache"],
         capture_output=True,
         check=True,
     ).stdout
@@ -238,7 +260,7 @@ def test_a_state_of_the_release_before_resumes_batch_for_batch_and_on_3_ranks(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     saved = torch.load(state, weights_only=True)
-    assert [s["version"] for s in saved] == [3, 3]
+    assert {s["version"] for s in saved} <= {3, 4} and "attention_frames" not in saved[0]
     same = make(sample_cache, 0, 2, 0)
     same.load_state_dict(saved[0])
     assert [b.keys for _, b in zip(range(12), same, strict=False)] == json.loads(done.stdout)

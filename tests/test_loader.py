@@ -348,7 +348,7 @@ def test_restore_refuses_a_different_layout(sample_cache: Path) -> None:
         ({"num_workers": 1}, r"data\.num_workers \(workers per rank\) = 2"),
         ({"seed": 2}, "seed"),
         ({"batch_frames": 4000}, "batch_frames"),
-        ({"attention_frames": 3000}, r"data\.attention_frames = None .* 3000"),
+        ({"attention_frames": 3000}, r"data\.attention_frames = 3072 .* 3000"),
     ]:
         options = {"num_workers": 2, "world_size": 2, **changed}
         with pytest.raises(UserError, match=key):

@@ -22,9 +22,10 @@ EVEN_PLAN = 4  # even cut of one shard into a count of batches known from the in
 # least one frame, which only breaks ties): neighbours stay within about 1 % of each other
 # while batch membership changes every epoch (static batches give a cyclic loss).
 SORT_JITTER = 0.01
-# The even cut's sort (sort_order): 2, by padded length with ties in random order; 1, by
-# length with SORT_JITTER (the batches of earlier releases, which their loader states resume).
-BATCH_PLAN_VERSION = 2
+# The even cut (plan_even_batches): 3, near-equal cost B·T·(1 + T/A) a batch; 2, near-equal
+# padded frames, sorted by padded length with ties in random order; 1, sorted by length with
+# SORT_JITTER. Plans 1 and 2 are the batches of earlier releases, which their states resume.
+BATCH_PLAN_VERSION = 3
 # Batches of a unit of shards (even_units) hold at least this share of what fits: ranks in one
 # bucket then cost within about 10 % of each other.
 UNIT_FILL = 0.9
@@ -151,7 +152,7 @@ def sort_order(
 ) -> np.ndarray:
     """Places of the samples, longest first, as the even cut takes them.
 
-    Plan 2: by length rounded up to ``pad_multiple``, ties in random order. A batch costs its
+    Plans 2 and 3: by length rounded up to ``pad_multiple``, ties in random order. A batch costs its
     longest sample's padded length, so every cut costs what an exact sort's would: the padding
     is the least the cut can reach, while the members of one padded length (a few to hundreds
     of samples) change batches every epoch. Plan 1 (:data:`SORT_JITTER`, earlier releases)
@@ -187,8 +188,8 @@ def plan_even_batches(
     is known before the shard is read, which is what lets workers share a shard and a schedule
     locate any batch of an epoch in O(1).
 
-    ``attention_frames`` ``A`` > 0 (plan 2 and later): near-equal *cost* ``B × T × (1 + T/A)``
-    instead, ``T`` the padded length (a transformer's attention costs what the rest of it does
+    Plan 3 (``attention_frames`` ``A`` > 0): near-equal *cost* ``B × T × (1 + T/A)`` instead,
+    ``T`` the padded length (a transformer's attention costs what the rest of it does
     at ``T = A``, about 6 × its width), each batch within equal counts' padded frames: the
     batches of a unit's longer utterances then hold fewer of them, where equal frames would
     have them cost more.
@@ -196,7 +197,7 @@ def plan_even_batches(
     order = sort_order(frames, rng=rng, pad_multiple=pad_multiple, plan=plan)
     padded = -(-np.asarray(frames, dtype=np.int64)[order] // pad_multiple) * pad_multiple
     equal = [part for part in np.array_split(padded, count) if len(part)]
-    if attention_frames and plan >= 2:
+    if attention_frames and plan >= 3:
         ends = _cost_balanced_ends(padded, equal, count, max_batch_size, attention_frames)
         return _cut(order, ends, count, rng)
     greedy = _GreedyRuns(padded, max_batch_size)

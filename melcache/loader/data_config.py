@@ -18,10 +18,16 @@ from melcache.sections import Bounds, as_float, bounded, check_numbers, require
 
 ON_ERROR = ("raise", "skip")
 MAX_SYNC_SPLIT = 1_000  # length ranges a bucket at most (data.sync_split)
+MAX_ATTENTION_FRAMES = 1 << 24  # data.attention_frames at most
 # Length ranges per bucket of a fresh stream (data.sync_split = 0): on drawn 50 h and 200 h
 # caches 6 ranges keep 0.97 of a step's compute at 8-512 ranks, against 0.88-0.91 with 1 and
 # 0.96 with 4 (benchmarks/schedule_bench.py --parts synthetic, docs/results.md).
 SYNC_SPLIT = 6
+# The padded length at which attention costs what the rest of a step does, for a fresh stream
+# (data.attention_frames = 0): 6 × d 512, configs/base.toml's width. Drawn 3 h / 50 h caches
+# at 8-512 ranks keep 0.980 / 0.977 of a step's compute in the FLOP model and 0.959-0.980 /
+# 0.963-0.967 in one timed on a CPU, against 0.969-0.973 and 0.940-0.957 with equal frames.
+ATTENTION_FRAMES = 3072
 # Reading and decoding a shard is cheap: two workers stream ~9,700 samples/s (docs/results.md).
 MOST_DEFAULT_WORKERS = 2
 
@@ -61,10 +67,11 @@ class DataConfig:
     # one keeps its own (1, the stream of earlier releases, for their loader states).
     sync_split: int = bounded(0, 0, MAX_SYNC_SPLIT)
     # The padded length at which a batch's attention costs what the rest of the model does
-    # (a transformer of width d: about 6·d). > 0: the even cut gives a unit's batches
-    # near-equal cost B·T·(1 + T/attention_frames), not near-equal frames B·T, so ranks of one
-    # step wait less where lengths differ within a unit (docs/loader.md, "Cost, not frames").
-    attention_frames: int = bounded(0, 0, 1 << 24)
+    # (a transformer of width d: about 6·d): the even cut gives a unit's batches near-equal
+    # cost B·T·(1 + T/attention_frames), not near-equal frames B·T, so ranks of one step wait
+    # less where lengths differ within a unit (docs/loader.md, "Cost, not frames").
+    # 0: ATTENTION_FRAMES for a fresh stream, and a resumed one keeps its own.
+    attention_frames: int = bounded(0, 0, MAX_ATTENTION_FRAMES)
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -158,6 +165,11 @@ class DataConfig:
     def split(self) -> int:
         """``sync_split`` in effect: :data:`SYNC_SPLIT` where it is 0 (the default)."""
         return self.sync_split or SYNC_SPLIT
+
+    @property
+    def attention(self) -> int:
+        """``attention_frames`` in effect: :data:`ATTENTION_FRAMES` where it is 0 (the default)."""
+        return self.attention_frames or ATTENTION_FRAMES
 
     def budget(self, bucket: int) -> int:
         """Padded frames per micro-batch in length bucket ``bucket`` (the loader checks at start

@@ -277,12 +277,13 @@ def saved_deals(spec: StreamSpec) -> list[list[Any]]:
     return [[deal.frontier, [list(run) for run in deal.leftover]] for deal in deals]
 
 
-def state_setting(state: Mapping[str, Any], key: str, most: int) -> int:
-    """A batch setting ``state`` holds (``batch_plan`` or ``sync_split``): an int in
-    ``1..most``, and 1 where the state holds none (a state of an earlier release)."""
+def state_setting(state: Mapping[str, Any], key: str, most: int, unset: int = 1) -> int:
+    """A batch setting ``state`` holds (``batch_plan``, ``sync_split``, ``attention_frames``):
+    an int in ``1..most``, and ``unset`` where the state holds none (a state of an earlier
+    release: plan 1, one length range; a plan that uses no attention frames)."""
     value = state.get(key)
     if value is None:
-        return 1
+        return unset
     if type(value) is not int or not 1 <= value <= most:  # a bool is no setting
         raise LoaderStateError(
             f"loader state holds {STATE_KEYS[key]} = {value!r}, not a whole number in 1..{most}"

@@ -63,7 +63,7 @@ from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
 from melcache.loader.batching import BATCH_PLAN_VERSION
-from melcache.loader.data_config import MAX_SYNC_SPLIT, DataConfig
+from melcache.loader.data_config import MAX_ATTENTION_FRAMES, MAX_SYNC_SPLIT, DataConfig
 from melcache.loader.elastic import (
     ELASTIC_VERSIONS,
     STATE_KEYS,
@@ -248,15 +248,19 @@ class StreamLoader:
         return None
 
     def _make_batches_of(self, state: Mapping[str, Any]) -> None:
-        """Cut batches as ``state``'s loader did: its batch plan, and its length ranges where
-        ``data.sync_split`` is left at 0, so a state of an earlier release (plan 1, one range)
-        still continues batch for batch. A ``sync_split`` set otherwise is checked as any key."""
+        """Cut batches as ``state``'s loader did: its batch plan, and its length ranges and
+        attention frames where ``data.sync_split`` and ``data.attention_frames`` are left at 0,
+        so a state of an earlier release (plan 1 or 2, one range) still continues batch for
+        batch. A setting given otherwise is checked as any key."""
         data = self.spec.data
         plan = state_setting(state, "batch_plan", BATCH_PLAN_VERSION)
         split = data.sync_split or state_setting(state, "sync_split", MAX_SYNC_SPLIT)
-        if (plan, split) == (self.spec.plan, data.split):
+        attention = data.attention_frames or state_setting(
+            state, "attention_frames", MAX_ATTENTION_FRAMES, unset=data.attention
+        )
+        if (plan, split, attention) == (self.spec.plan, data.split, data.attention):
             return
-        data = dataclasses.replace(data, sync_split=split)
+        data = dataclasses.replace(data, sync_split=split, attention_frames=attention)
         self.spec = dataclasses.replace(
             self.spec, data=data, plan=plan, **schedules(self._mix, data, self.spec.seed)
         )
@@ -329,10 +333,11 @@ class StreamLoader:
             "sync_buckets": data.sync_buckets,
             "mix": [round(w, 9) for w in self.weights],
             **({"mix_schedule": self._mix_schedule()} if self.spec.phases else {}),
-            # None where 1 (0): the states of earlier releases hold no such keys, and match them.
+            # None where 1 (or unused): the states of earlier releases hold no such keys, and
+            # match them.
             "sync_split": data.split if data.split != 1 else None,
             "batch_plan": spec.plan if spec.plan != 1 else None,
-            "attention_frames": data.attention_frames or None,
+            "attention_frames": data.attention if spec.plan >= 3 else None,
         }
 
     def _mix_schedule(self) -> list[list[Any]]:

@@ -110,7 +110,7 @@ class StreamSpec:
     deals: tuple[Deal, ...] = ()
     # data.mix_schedule: (first rank-level batch, schedule) of each later phase of the mix
     phases: tuple[tuple[int, Schedule], ...] = ()
-    # How a unit's samples are sorted for the even cut (batching.sort_order): a state of an
+    # How a unit's samples are sorted and cut (batching.plan_even_batches): a state of an
     # earlier release continues with its own.
     plan: int = BATCH_PLAN_VERSION
 
@@ -255,7 +255,7 @@ def bucket_batches(
             plan = plan_even_batches(
                 members.frames, rng=rng, count=count, max_batch_size=data.max_batch_size,
                 pad_multiple=data.pad_multiple, plan=spec.plan,
-                attention_frames=data.attention_frames,
+                attention_frames=data.attention,
             ) if count else []  # fmt: skip
         if batch < len(plan):
             held = members.fetch(plan[batch])
