@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from melcache.errors import UserError
+from melcache.loader.batching import BATCH_PLAN_VERSION
+from melcache.loader.data_config import MAX_ATTENTION_FRAMES, MAX_SYNC_SPLIT, DataConfig
 from melcache.loader.mix import same_cache, shards_digest
 from melcache.loader.schedule import FRESH, Deal, SubStream, chunk_size
 from melcache.loader.stream import StreamSpec
@@ -275,6 +277,19 @@ def saved_deals(spec: StreamSpec) -> list[list[Any]]:
     """The job's deals as plain lists, for a state."""
     deals = spec.deals or (FRESH,) * len(spec.subs)
     return [[deal.frontier, [list(run) for run in deal.leftover]] for deal in deals]
+
+
+def state_cut(state: Mapping[str, Any], data: DataConfig) -> tuple[int, int, int]:
+    """The batch plan, length ranges a bucket and attention frames that cut ``state``'s
+    batches: its plan, and its ranges and frames where ``data.sync_split`` and
+    ``data.attention_frames`` are left at 0 (a state of an earlier release: plan 1 or 2, one
+    range). A setting given otherwise is checked against the state as any key."""
+    plan = state_setting(state, "batch_plan", BATCH_PLAN_VERSION)
+    split = data.sync_split or state_setting(state, "sync_split", MAX_SYNC_SPLIT)
+    attention = data.attention_frames or state_setting(
+        state, "attention_frames", MAX_ATTENTION_FRAMES, unset=data.attention
+    )
+    return plan, split, attention
 
 
 def state_setting(state: Mapping[str, Any], key: str, most: int, unset: int = 1) -> int:

@@ -62,8 +62,7 @@ import torch
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
-from melcache.loader.batching import BATCH_PLAN_VERSION
-from melcache.loader.data_config import MAX_ATTENTION_FRAMES, MAX_SYNC_SPLIT, DataConfig
+from melcache.loader.data_config import DataConfig
 from melcache.loader.elastic import (
     ELASTIC_VERSIONS,
     STATE_KEYS,
@@ -71,7 +70,7 @@ from melcache.loader.elastic import (
     parse_deals,
     resume_elsewhere,
     saved_deals,
-    state_setting,
+    state_cut,
     stream_keys,
 )
 from melcache.loader.mix import (
@@ -248,16 +247,10 @@ class StreamLoader:
         return None
 
     def _make_batches_of(self, state: Mapping[str, Any]) -> None:
-        """Cut batches as ``state``'s loader did: its batch plan, and its length ranges and
-        attention frames where ``data.sync_split`` and ``data.attention_frames`` are left at 0,
-        so a state of an earlier release (plan 1 or 2, one range) still continues batch for
-        batch. A setting given otherwise is checked as any key."""
+        """Cut batches as ``state``'s loader did (:func:`~melcache.loader.elastic.state_cut`),
+        so a state of an earlier release still continues batch for batch."""
         data = self.spec.data
-        plan = state_setting(state, "batch_plan", BATCH_PLAN_VERSION)
-        split = data.sync_split or state_setting(state, "sync_split", MAX_SYNC_SPLIT)
-        attention = data.attention_frames or state_setting(
-            state, "attention_frames", MAX_ATTENTION_FRAMES, unset=data.attention
-        )
+        plan, split, attention = state_cut(state, data)
         if (plan, split, attention) == (self.spec.plan, data.split, data.attention):
             return
         data = dataclasses.replace(data, sync_split=split, attention_frames=attention)
