@@ -24,9 +24,10 @@ MAX_ATTENTION_FRAMES = 1 << 24  # data.attention_frames at most
 # 0.96 with 4 (benchmarks/schedule_bench.py --parts synthetic, docs/results.md).
 SYNC_SPLIT = 6
 # The padded length at which attention costs what the rest of a step does, for a fresh stream
-# (data.attention_frames = 0): 6 × d 512, configs/base.toml's width. Drawn 3 h / 50 h caches
-# at 8-512 ranks keep 0.980 / 0.977 of a step's compute in the FLOP model and 0.959-0.980 /
-# 0.963-0.967 in one timed on a CPU, against 0.969-0.973 and 0.940-0.957 with equal frames.
+# (data.attention_frames = 0): 6 × d 512, configs/base.toml's width. On drawn 3 h / 50 h
+# caches at 512 ranks a step's ranks spend 0.982 / 0.977 of it computing by the FLOP model and
+# 0.976 / 0.963 by one timed on a CPU, against 0.972 / 0.970 and 0.951 / 0.950 with equal
+# frames (batch plan 2; docs/results.md, "Cost, not frames").
 ATTENTION_FRAMES = 3072
 # Reading and decoding a shard is cheap: two workers stream ~9,700 samples/s (docs/results.md).
 MOST_DEFAULT_WORKERS = 2
