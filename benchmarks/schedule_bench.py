@@ -266,8 +266,9 @@ def plans_part(cache: Path, data: DataConfig, args: argparse.Namespace) -> Itera
             for plan, attention in cuts if how == "on" else [(BATCH_PLAN_VERSION, None)]:
                 options = dataclasses.replace(data, attention_frames=attention or 0)
                 row = measure_plans(cache, options, ranks, args.steps, how, measured, plan)
-                yield {**row, "batch_plan": plan, "attention_frames": attention} if how == "on" \
-                    else row  # fmt: skip
+                if how == "on":
+                    row = {**row, "batch_plan": plan, "attention_frames": attention}
+                yield row
 
 
 def ensure_cache(root: Path, hours: float) -> Path:

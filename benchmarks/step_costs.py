@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from melcache.loader.batch import BYTE_VOCAB_SIZE, utf8_tokens
-from melcache.loader.batching import padding_fraction, round_up
+from melcache.loader.batching import COST_CUT_PLAN, padding_fraction, round_up
 from melcache.loader.data_config import ATTENTION_FRAMES
 from melcache.loader.schedule import make_schedule
 from melcache.loader.stream import StreamSpec, planned_stream
@@ -146,9 +146,9 @@ def plan_cuts(plans: Sequence[int], attentions: Sequence[int]) -> list[tuple[int
     once (they use no attention frames: None), plan 3 at each of ``attentions`` (0: the
     loader's default)."""
     return [
-        (plan, (a or ATTENTION_FRAMES) if plan >= 3 else None)
+        (plan, (a or ATTENTION_FRAMES) if plan >= COST_CUT_PLAN else None)
         for plan in plans
-        for a in (attentions if plan >= 3 else [0])
+        for a in (attentions if plan >= COST_CUT_PLAN else [0])
     ]
 
 

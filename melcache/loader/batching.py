@@ -26,6 +26,7 @@ SORT_JITTER = 0.01
 # padded frames, sorted by padded length with ties in random order; 1, sorted by length with
 # SORT_JITTER. Plans 1 and 2 are the batches of earlier releases, which their states resume.
 BATCH_PLAN_VERSION = 3
+COST_CUT_PLAN = 3  # the first plan that cuts by cost: attention frames matter from it on
 # Batches of a unit of shards (even_units) hold at least this share of what fits: ranks in one
 # bucket then cost within about 10 % of each other.
 UNIT_FILL = 0.9
@@ -197,7 +198,7 @@ def plan_even_batches(
     order = sort_order(frames, rng=rng, pad_multiple=pad_multiple, plan=plan)
     padded = -(-np.asarray(frames, dtype=np.int64)[order] // pad_multiple) * pad_multiple
     equal = [part for part in np.array_split(padded, count) if len(part)]
-    if attention_frames and plan >= 3:
+    if attention_frames and plan >= COST_CUT_PLAN:
         ends = _cost_balanced_ends(padded, equal, count, max_batch_size, attention_frames)
         return _cut(order, ends, count, rng)
     greedy = _GreedyRuns(padded, max_batch_size)

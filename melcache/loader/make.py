@@ -62,6 +62,7 @@ import torch
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
+from melcache.loader.batching import COST_CUT_PLAN
 from melcache.loader.data_config import DataConfig
 from melcache.loader.elastic import (
     ELASTIC_VERSIONS,
@@ -330,7 +331,7 @@ class StreamLoader:
             # match them.
             "sync_split": data.split if data.split != 1 else None,
             "batch_plan": spec.plan if spec.plan != 1 else None,
-            "attention_frames": data.attention if spec.plan >= 3 else None,
+            "attention_frames": data.attention if spec.plan >= COST_CUT_PLAN else None,
         }
 
     def _mix_schedule(self) -> list[list[Any]]:
