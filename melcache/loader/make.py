@@ -27,7 +27,8 @@ their weights. Each sub-stream reads every shard once per epoch across the job's
 Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
 worker's position after it in its sub-stream (``melcache/loader/stream.py``); the loader records it as
 the batch is handed to the caller. A restore re-reads at most one shard (or unit) per worker and
-sub-stream, skipping its consumed batches without decoding a mel. The list of every rank's
+sub-stream, skipping its consumed batches without decoding a mel. A rank's own state resumes
+the same job batch for batch (``melcache/loader/same_job.py``); the list of every rank's
 state resumes a job of another world size, worker count or mix (``melcache/loader/elastic.py``);
 a state of another seed or batch budget is refused, naming the key.
 
@@ -62,13 +63,11 @@ import torch
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
-from melcache.loader.batching import COST_CUT_PLAN
 from melcache.loader.data_config import DataConfig
 from melcache.loader.elastic import (
     ELASTIC_VERSIONS,
-    STATE_KEYS,
     LoaderStateError,
-    parse_deals,
+    Resumed,
     resume_elsewhere,
     saved_deals,
     state_cut,
@@ -81,10 +80,10 @@ from melcache.loader.mix import (
     check_extras,
     check_layout,
     open_mix,
-    shards_digest,
     whole_shared_reads,
     with_fields,
 )
+from melcache.loader.same_job import STATE_VERSION, restore, state_identity
 from melcache.loader.schedule import make_schedule, substreams
 from melcache.loader.stream import Cursor, StreamSpec, progress
 from melcache.loader.workers import check_shared_memory, worker_batches
@@ -93,16 +92,6 @@ from melcache.sections import require
 __all__ = ["BatchIterator", "LoaderClosed", "LoaderStateError", "StreamLoader", "make_loader"]
 
 logger = logging.getLogger(__name__)
-
-STATE_VERSION = 4
-# Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
-# stream of data.sync_buckets = false over one cache, which continues it exactly.
-WHOLE_CACHE_VERSION = 1
-# Version 2 (this release before units of shards and the frames each position ends with now)
-# continues exactly only where neither changed the stream: one cache, sync_buckets = false.
-NO_FRAMES_VERSION = 2
-# Version 3 (this release before resumes on another job size or mix) lacks the sub-streams'
-# names and deals: every deal fresh, the caches and mix this loader's.
 
 
 class StreamLoader:
@@ -230,22 +219,23 @@ class StreamLoader:
         if isinstance(state, Mapping):
             one_rank = state.get("world_size") == 1 and state.get("version") in ELASTIC_VERSIONS
             if not (one_rank and self._differs(state)):
-                return self._load_same_job(state)
+                return self._continue(restore(self.spec, self._identity(), state))
             state = [state]
         states = list(state)
         mine = states[self.spec.rank] if len(states) > self.spec.rank else {}
         if len(states) == self.spec.world_size and not self._differs(mine):
-            return self._load_same_job(mine)
-        resumed = resume_elsewhere(
-            self.spec, self._identity(), states, self.spec.data.allow_data_change
-        )
+            return self._continue(restore(self.spec, self._identity(), mine))
+        allow = self.spec.data.allow_data_change
+        return self._continue(resume_elsewhere(self.spec, self._identity(), states, allow))
+
+    def _continue(self, resumed: Resumed) -> None:
+        """Take up the positions, deals and counts a restore found."""
         self.spec = dataclasses.replace(self.spec, deals=resumed.deals)
         self._positions = resumed.positions
         self._batches = resumed.batches
         self._next_worker = resumed.batches % self.spec.workers_per_rank
         self.skipped_shards = resumed.skipped_shards
         self.resume_changes = resumed.changes
-        return None
 
     def _make_batches_of(self, state: Mapping[str, Any]) -> None:
         """Cut batches as ``state``'s loader did (:func:`~melcache.loader.elastic.state_cut`),
@@ -268,75 +258,9 @@ class StreamLoader:
             state.get(key) != value for key, value in self._identity().items()
         )
 
-    def _load_same_job(self, state: Mapping[str, Any]) -> None:
-        """Continue batch for batch from this rank's state of the same job."""
-        version = state.get("version")
-        identity = self._identity()
-        if version in (WHOLE_CACHE_VERSION, NO_FRAMES_VERSION):
-            if len(self.spec.subs) != 1 or self.spec.subs[0].bucket >= 0:
-                raise LoaderStateError(
-                    f"loader state was saved by an earlier loader (version {version}), whose "
-                    "stream continues here only as one cache with data.sync_buckets = false"
-                )
-            if version == WHOLE_CACHE_VERSION:  # one position per worker, no sync_buckets/mix
-                identity = {k: v for k, v in identity.items() if k not in ("sync_buckets", "mix")}
-                positions = [[[*p, 0]] for p in state["positions"]]
-            else:
-                positions = [[[*p, 0] for p in worker] for worker in state["positions"]]
-        elif version in ELASTIC_VERSIONS:
-            positions = state["positions"]
-        else:
-            raise LoaderStateError(f"loader state version {version!r}, expected {STATE_VERSION}")
-        for key, value in identity.items():
-            if state.get(key) != value:
-                name = STATE_KEYS.get(key, key)
-                raise LoaderStateError(
-                    f"loader state was saved with {name} = {state.get(key)!r} but this loader "
-                    f"has {name} = {value!r} (a job of another size or mix resumes from the "
-                    "list of every rank's state)"
-                )
-        shape = [[len(self.spec.start(sub)) for sub in self.spec.subs]] * len(self._positions)
-        restored = [[tuple(map(int, p)) for p in worker] for worker in positions]
-        next_worker, batches = int(state["next_worker"]), int(state["batches"])
-        if [[len(p) for p in worker] for worker in restored] != shape or (
-            next_worker != batches % len(self._positions)
-        ):
-            raise LoaderStateError(
-                f"loader state has positions of shape {[[len(p) for p in w] for w in restored]} "
-                f"and next_worker = {next_worker} after {batches} batches; expected {shape}"
-            )
-        deals = parse_deals(state["deals"], len(self.spec.subs)) if version == 4 else ()
-        self.spec = dataclasses.replace(self.spec, deals=deals)
-        self._positions = [list(worker) for worker in restored]
-        self._next_worker, self._batches = next_worker, batches
-        self.skipped_shards = dict(state.get("skipped_shards", {}))
-
     def _identity(self) -> dict[str, Any]:
-        """What a state is only valid for: job layout, seed, caches and mix, and budget."""
-        spec, data = self.spec, self.spec.data
-        digests = [shards_digest(source.shards) for source in spec.sources]
-        return {
-            "rank": spec.rank,
-            "world_size": spec.world_size,
-            "workers_per_rank": spec.workers_per_rank,
-            "seed": spec.seed,
-            "batch_frames": data.batch_frames,
-            "max_batch_size": data.max_batch_size,
-            "pad_multiple": data.pad_multiple,
-            "cache_digest": digests[0] if len(digests) == 1 else digests,
-            "sync_buckets": data.sync_buckets,
-            "mix": [round(w, 9) for w in self.weights],
-            **({"mix_schedule": self._mix_schedule()} if self.spec.phases else {}),
-            # None where 1 (or unused): the states of earlier releases hold no such keys, and
-            # match them.
-            "sync_split": data.split if data.split != 1 else None,
-            "batch_plan": spec.plan if spec.plan != 1 else None,
-            "attention_frames": data.attention if spec.plan >= COST_CUT_PLAN else None,
-        }
-
-    def _mix_schedule(self) -> list[list[Any]]:
-        """``data.mix_schedule`` as the state holds it: [first batch, frame shares] a phase."""
-        return [[start, [round(w, 9) for w in s.weights]] for start, s in self.spec.phases]
+        """What this loader's states are valid for (``melcache/loader/same_job.py``)."""
+        return state_identity(self.spec, self.weights)
 
 
 def make_loader(
