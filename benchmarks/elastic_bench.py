@@ -26,11 +26,14 @@ import time
 from pathlib import Path
 
 from benchmarks.trainer_bench import build_sample_cache
-from melcache.loader import DataConfig, make_loader
+from melcache.loader import DataConfig, StreamLoader, make_loader
+from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.elastic import unread
-from melcache.loader.schedule import FRESH, SubStream
+from melcache.loader.schedule import SubStream, fresh_deal
 
-DATA = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0}
+# One utterance a batch, one length range a bucket: the sample corpus's largest sub-stream has
+# 17 batches an epoch, so a 4-rank job stops near any fraction of one.
+DATA = {"batch_frames": 3000, "max_batch_size": 1, "sync_split": 1, "num_workers": 0}
 ROUNDS = 5
 
 
@@ -45,9 +48,17 @@ def plan_cost(fraction: float) -> float:
     times = []
     for _ in range(ROUNDS):
         start = time.perf_counter()
-        unread(sub, FRESH, slots, taken)
+        unread(sub, fresh_deal(BATCH_PLAN_VERSION), slots, taken)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def job_epochs(loader: StreamLoader, stream: int) -> float:
+    """Epochs of sub-stream ``stream`` the job has read, as rank 0's first slot counts them
+    (the ranks of a one-cache job take one batch of it each a step)."""
+    taken = loader.state_dict()["positions"][0][stream][0]
+    sub, spec = loader.spec.subs[stream], loader.spec
+    return spec.deal(stream).read_by_job(spec.num_slots, taken) / sub.per_epoch
 
 
 def loader_costs(cache: str, fraction: float) -> tuple[float, float, float]:
@@ -58,14 +69,14 @@ def loader_costs(cache: str, fraction: float) -> tuple[float, float, float]:
     largest = max(range(len(old[0].spec.subs)), key=lambda u: old[0].spec.subs[u].per_epoch)
     per_epoch = old[0].spec.subs[largest].per_epoch
     streams = [iter(loader) for loader in old]
-    # A small cache's epoch has few batches: stop at the first step past the fraction, or
-    # at the nearest one within a few epochs.
-    for _ in range(4 * per_epoch):
+    # A small cache's epoch has few batches: the states of the step nearest the fraction
+    # within a few epochs.
+    reached, states = -1.0, []
+    for _ in range(8 * per_epoch):
         [next(stream) for stream in streams]
-        if old[0].progress()[0][largest] % 1 >= fraction:
-            break
-    reached = old[0].progress()[0][largest] % 1
-    states = [loader.state_dict() for loader in old]
+        now = job_epochs(old[0], largest) % 1
+        if abs(now - fraction) < abs(reached - fraction):
+            reached, states = now, [loader.state_dict() for loader in old]
     for loader in old:
         loader.close()
     out = []

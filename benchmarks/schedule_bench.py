@@ -247,7 +247,7 @@ def measure_reads(cache: Path, data: DataConfig, slots: int, batches: int, turns
 
 def plans_part(cache: Path, data: DataConfig, args: argparse.Namespace) -> Iterator[dict]:
     """Part 2 at each rank count: the timed cost model first (unless ``--cost-preset none``),
-    then sync on (at each ``--batch-plan`` and, for plan 3, ``--attention-frames``), unsynced
+    then sync on (at each ``--batch-plan`` and, for plans 3 and 4, ``--attention-frames``), unsynced
     and the previous release."""
     measured, described = None, None
     if args.cost_preset != "none":
@@ -303,12 +303,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="synthetic part: hours of each drawn cache")  # fmt: skip
     p.add_argument("--sync-split", type=int, nargs="*", default=[1, 4, 6], help="synthetic part")
     p.add_argument("--attention-frames", nargs="*", default=["0"],
-                   help="plans (sync on) and synthetic parts, batch plan 3: data.attention_frames "
+                   help="plans (sync on) and synthetic parts, batch plans 3 and 4: data.attention_frames "
                    "values, a number or fit (the timed cost model's own); default 0 (the "
                    "loader's default, 3072)")  # fmt: skip
     p.add_argument("--batch-plan", type=int, nargs="*", default=[1, BATCH_PLAN_VERSION],
                    help="plans (sync on) and synthetic parts: the even cuts (1: the sort by "
-                   "jittered length, 2: equal frames, 3: equal cost)")  # fmt: skip
+                   "jittered length, 2: equal frames, 3: equal cost, 4: equal cost, each epoch "
+                   "dealt whole)")  # fmt: skip
     p.add_argument(
         "--parts",
         nargs="*",

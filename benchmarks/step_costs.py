@@ -143,8 +143,8 @@ def plan_rows(
 
 def plan_cuts(plans: Sequence[int], attentions: Sequence[int]) -> list[tuple[int, int | None]]:
     """(batch plan, ``data.attention_frames`` in effect) of each cut to plan: plans 1 and 2
-    once (they use no attention frames: None), plan 3 at each of ``attentions`` (0: the
-    loader's default)."""
+    once (they use no attention frames: None), plans from 3 on (the cost cut) at each of
+    ``attentions`` (0: the loader's default)."""
     return [
         (plan, (a or ATTENTION_FRAMES) if plan >= COST_CUT_PLAN else None)
         for plan in plans

@@ -319,3 +319,20 @@ def test_derive_bench_prints_every_row(tmp_path: Path) -> None:
     ):
         assert rows[name]["ms_per_batch"] > 0
     assert rows["DVAE encoder forward in the step (cpu)"]["ms_per_batch"] > 0
+
+
+@pytest.mark.slow  # jobs of 4 ranks × 2 worker processes
+def test_elastic_repeats_prints_every_job_change_beside_its_uninterrupted_job(
+    sample_cache: Path, train_cache: Path, tmp_path: Path
+) -> None:
+    args = ["--cache", str(sample_cache), "--mix", str(train_cache), "--steps", "13"]
+    rows = bench_rows("elastic_repeats", tmp_path / "data", *args)
+    assert [(r["caches"], r["resume"]) for r in rows] == [
+        (caches, resume)
+        for caches in ("one cache", "mix 0.6 / 0.4")
+        for resume in ("4x0 -> 3x0", "4x0 -> 2x0", "4x0 -> 1x0", "4x0 -> 8x0", "4x2 -> 2x1", "4x2 -> 8x1")
+    ]  # fmt: skip
+    assert all(r["one_bucket_every_step"] and r["changes"][0].startswith("world_size 4 ->")
+               for r in rows)  # fmt: skip
+    assert all(r["early_repeats"] == 0 for r in rows[:4]), rows[:4]
+    assert all(0 <= r["window_repeats"] < 1 for r in rows if "window_repeats" in r), rows

@@ -4,6 +4,7 @@ the real sample caches, the old job's states handed to every rank of the new one
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 import shutil
@@ -107,7 +108,8 @@ def test_4_ranks_resume_on_any_number_reading_each_bucket_epoch_whole(
 
 def consumed_numbers(loader: StreamLoader, state: Mapping) -> list[list[int]]:
     """Per sub-stream, the numbers (in its endless sequence) of the batches a saved rank read."""
-    spec, deals = loader.spec, parse_deals(state["deals"], len(loader.spec.subs))
+    spec = loader.spec
+    deals = parse_deals(state["deals"], len(spec.subs), spec.plan)
     out = []
     for u, sub in enumerate(spec.subs):
         numbers = []
@@ -169,6 +171,24 @@ def test_4x2_workers_resume_on_2x1_and_8x1_repeating_no_more_than_uninterrupted(
         # steps and the 200 after step 60 (sub-streams of 5 to 17 keys).
         assert all(resumed[k] <= uninterrupted[k] + 0.02 for k in resumed), (resumed, uninterrupted)
         assert "data.num_workers (workers per rank) 2 -> 1" in loaders[0].resume_changes
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_job_reads_each_epoch_whole_where_its_slots_do_not_divide_it(
+    sample_cache: Path, world_size: int
+) -> None:
+    """Sub-streams of 17, 6, 5 and 2 batches an epoch (one utterance a batch), 2 or 3 ranks:
+    every epoch of each is read before any batch of the next. The chunks of earlier plans
+    (a state of plan 3 continues with them) ran across epoch ends there."""
+    data = {"max_batch_size": 1, "sync_split": 1}
+    steps = run_job(sample_cache, world_size, 0, 90, **data)[0]
+    assert in_one_bucket(steps)
+    assert set(early_repeats(steps).values()) == {0}
+    chunked = [make(sample_cache, r, world_size, 0, **data) for r in range(world_size)]
+    for loader in chunked:
+        loader.spec = dataclasses.replace(loader.spec, plan=3)
+    streams = [iter(loader) for loader in chunked]
+    assert sum(early_repeats([[next(s) for s in streams] for _ in range(90)]).values()) > 0
 
 
 def test_states_of_another_job_are_refused_by_name(sample_cache: Path) -> None:
@@ -239,11 +259,14 @@ print(json.dumps([next(streams[0]).keys for _ in range(12)]))
 
 
 # Earlier releases, run from their commits: the last before elastic resumes (batch plan 1, one
-# length range a bucket) and the last before the cost cut (plan 2, six ranges).
+# length range a bucket), the last before the cost cut (plan 2, six ranges) and the last before
+# epochs dealt whole (plan 3: the cost cut, chunks across epoch ends).
 @pytest.mark.slow
-@pytest.mark.parametrize(("commit", "version"), [("988e0ec", 3), ("0935133", 4)])
+@pytest.mark.parametrize(
+    ("commit", "version", "plan"), [("988e0ec", 3, None), ("0935133", 4, 2), ("2af1f2a", 4, 3)]
+)
 def test_a_state_of_an_earlier_release_resumes_batch_for_batch_and_on_3_ranks(
-    sample_cache: Path, tmp_path: Path, commit: str, version: int
+    sample_cache: Path, tmp_path: Path, commit: str, version: int, plan: int | None
 ) -> None:
     old = tmp_path / "before"
     old.mkdir()
@@ -261,7 +284,7 @@ def test_a_state_of_an_earlier_release_resumes_batch_for_batch_and_on_3_ranks(
     assert done.returncode == 0, done.stderr
     saved = torch.load(state, weights_only=True)
     assert [s["version"] for s in saved] == [version, version]
-    assert "attention_frames" not in saved[0]
+    assert saved[0].get("batch_plan") == plan
     same = make(sample_cache, 0, 2, 0)
     same.load_state_dict(saved[0])
     assert [b.keys for _, b in zip(range(12), same, strict=False)] == json.loads(done.stdout)

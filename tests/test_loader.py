@@ -43,7 +43,6 @@ from melcache.format import (
 )
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
 from melcache.loader.batching import make_rng, plan_batches, round_up, worker_shards
-from melcache.loader.schedule import global_batch
 from melcache.loader.transport import BatchRing
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
@@ -90,7 +89,7 @@ def epoch_keys(loader: StreamLoader, epoch: int) -> list[str]:
         else:
             taken = loader.state_dict()["positions"][worker][moved][0] - 1
             slot = spec.rank * spec.workers_per_rank + worker
-            number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
+            number = spec.deal(moved).number(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
             batch_epoch = number // sub.per_epoch
         if batch_epoch == epoch:
             keys.extend(batch.keys)

@@ -32,7 +32,7 @@ from melcache.loader.batching import (
     round_up,
 )
 from melcache.loader.data_config import SYNC_SPLIT
-from melcache.loader.schedule import global_batch, locate
+from melcache.loader.schedule import locate
 from melcache.loader.stream import planned_stream
 
 DATA = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0}
@@ -76,12 +76,14 @@ def test_any_job_size_reads_every_utterance_once_per_epoch(
     """8 shards over 4 buckets, 128 or 2,048 slots: slots share shards, none runs dry."""
     loaders = [make(sample_cache, r, ranks, num_workers=workers) for r in (0, ranks - 1)]
     spec = loaders[0].spec
-    for sub in spec.subs:
+    for u, sub in enumerate(spec.subs):
         for epoch in (0, 1):
             keys = Counter()
             for slot in range(spec.num_slots):
                 for taken in range(10**6):
-                    number = global_batch(sub, slot=slot, num_slots=spec.num_slots, taken=taken)
+                    number = spec.deal(u).number(
+                        sub, slot=slot, num_slots=spec.num_slots, taken=taken
+                    )
                     if number >= (epoch + 1) * sub.per_epoch:
                         break
                     e, place, batch = locate(sub, seed=spec.seed, number=number)

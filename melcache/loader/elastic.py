@@ -6,8 +6,9 @@ their cuts come from the index, the seed and the budget), and each slot of a job
 known part of it (a :class:`Deal`). So the set an old job has read is known from every old
 slot's count of batches taken, and what it left unread before the end of the epoch its
 furthest slot is in is a few runs of batch numbers: a new job of any size reads those first
-(:meth:`Deal.share`), then deals the epochs after as a fresh job of its size would. Nothing
-is replayed: the runs are found per slot and chunk, ``O(slots)``, not per batch or shard.
+(each slot a block of them), then deals the epochs after as a fresh job of its size would.
+Nothing is replayed: the runs are found per slot and block (or chunk, in plans 1–3),
+``O(slots)``, not per batch or shard.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from melcache.errors import UserError
 from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import MAX_ATTENTION_FRAMES, MAX_SYNC_SPLIT, DataConfig
 from melcache.loader.mix import same_cache, shards_digest
-from melcache.loader.schedule import FRESH, Deal, SubStream, chunk_size
+from melcache.loader.schedule import ALIGNED_DEAL_PLAN, Deal, SubStream, chunk_size, fresh_deal
 from melcache.loader.stream import StreamSpec
 
 
@@ -41,7 +42,7 @@ def unread(sub: SubStream, deal: Deal, num_slots: int, taken: Sequence[int]) -> 
     runs: list[tuple[int, int]] = []
     for slot, count in enumerate(taken):
         runs += _slot_runs(sub, deal, slot, num_slots, count, frontier)
-    return Deal(frontier, tuple(_merged(runs)))
+    return Deal(frontier, tuple(_merged(runs)), deal.by_epoch)
 
 
 def _slot_runs(
@@ -49,7 +50,10 @@ def _slot_runs(
 ) -> list[tuple[int, int]]:
     """The runs of batch numbers below ``frontier`` that slot ``slot`` of the old job would
     have read after its ``taken`` batches: the rest of its leftover share, then its chunks
-    (one batch each in turn where chunks are of one: fewer than two epochs' worth per slot)."""
+    (one batch each in turn where chunks are of one: fewer than two epochs' worth per slot),
+    or its blocks of the leftover and the epochs after (``deal.by_epoch``)."""
+    if deal.by_epoch:
+        return _block_runs(sub, deal, slot, num_slots, taken, frontier)
     if chunk_size(sub, num_slots) == 1:
         runs, number = [], deal.number(sub, slot=slot, num_slots=num_slots, taken=taken)
         while number < frontier:
@@ -68,6 +72,25 @@ def _slot_runs(
             return runs
         runs.append((start + offset, min(start + size, frontier)))
         chunk, offset = chunk + 1, 0
+
+
+def _block_runs(
+    sub: SubStream, deal: Deal, slot: int, num_slots: int, taken: int, frontier: int
+) -> list[tuple[int, int]]:
+    """:func:`_slot_runs` of a ``by_epoch`` deal: the rest of the slot's block in the part
+    (leftover or epoch) its next batch is in, then its blocks of the parts after, up to
+    ``frontier``; one step per part the slot has a batch in."""
+    runs: list[tuple[int, int]] = []
+    total = deal.ends[-1] if deal.ends else 0
+    while True:
+        start, first, end = deal.block(sub, slot=slot, num_slots=num_slots, taken=taken)
+        if start < total:
+            runs += deal.leftover_runs(first, end)
+        elif deal.fresh(start) + first < frontier:
+            runs.append((deal.fresh(start) + first, min(deal.fresh(start) + end, frontier)))
+        else:
+            return runs
+        taken += end - first  # the slot's first batch of a later part
 
 
 def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -158,11 +181,11 @@ def resume_elsewhere(
         where, digest = new_keys[u][:2]
         match = old.get(_place(new_keys[u])) if old_digests.get(where) == digest else None
         if match is None:
-            deals.append(FRESH)
+            deals.append(fresh_deal(spec.plan))
             continue
         rows = [worker[match] for state in states for worker in state["positions"]]
         frames += sum(int(row[-1]) for row in rows)
-        deal = _saved_deals(states[0], len(old_keys))[match]
+        deal = _saved_deals(states[0], len(old_keys), spec.plan)[match]
         deals.append(unread(sub, deal, old_slots, [int(row[0]) for row in rows]))
     # The schedule's choice of cache within a bucket follows each slot's frames per
     # sub-stream: start every slot even with the (new) weights, so no cache catches up.
@@ -252,18 +275,20 @@ def _job_changes(identity: Mapping[str, Any], old: Mapping[str, Any]) -> list[st
     return changes
 
 
-def _saved_deals(state: Mapping[str, Any], count: int) -> tuple[Deal, ...]:
-    """The deals a state holds (none before version 4: all fresh)."""
+def _saved_deals(state: Mapping[str, Any], count: int, plan: int) -> tuple[Deal, ...]:
+    """The deals a state of batch plan ``plan`` holds (none before version 4: all fresh)."""
     if state["version"] == 3:
-        return (FRESH,) * count
-    return parse_deals(state.get("deals"), count)
+        return (fresh_deal(plan),) * count
+    return parse_deals(state.get("deals"), count, plan)
 
 
-def parse_deals(saved: Any, count: int) -> tuple[Deal, ...]:
-    """``[[frontier, [[start, stop], ...]], ...]`` (a state's ``deals``) as ``count`` deals."""
+def parse_deals(saved: Any, count: int, plan: int) -> tuple[Deal, ...]:
+    """``[[frontier, [[start, stop], ...]], ...]`` (a state's ``deals``) as ``count`` deals
+    of batch plan ``plan``."""
+    by_epoch = plan >= ALIGNED_DEAL_PLAN
     try:
         deals = tuple(
-            Deal(int(frontier), tuple((int(a), int(b)) for a, b in runs))
+            Deal(int(frontier), tuple((int(a), int(b)) for a, b in runs), by_epoch)
             for frontier, runs in saved
         )
     except (TypeError, ValueError) as exc:
@@ -275,7 +300,7 @@ def parse_deals(saved: Any, count: int) -> tuple[Deal, ...]:
 
 def saved_deals(spec: StreamSpec) -> list[list[Any]]:
     """The job's deals as plain lists, for a state."""
-    deals = spec.deals or (FRESH,) * len(spec.subs)
+    deals = [spec.deal(u) for u in range(len(spec.subs))]
     return [[deal.frontier, [list(run) for run in deal.leftover]] for deal in deals]
 
 

@@ -130,7 +130,7 @@ class StreamLoader:
         batches the job has read of it ÷ its batches per epoch (the job's other slots keep the
         pace of this rank's workers, the schedule being the same), the frame-weighted mean
         over the cache's sub-streams; a whole-cache stream: where the workers stand in it. Not
-        a slot's place in the sequence, which in an epoch's first chunk counts one slot's
+        a slot's place in the sequence, which in its block of an epoch counts one slot's
         batches, not the job's."""
         progress, spec, workers = self.progress(), self.spec, len(self._positions)
         out: dict[str, list[float]] = {}

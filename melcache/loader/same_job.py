@@ -105,7 +105,7 @@ def restore(spec: StreamSpec, identity: Mapping[str, Any], state: Mapping[str, A
         )
     return Resumed(
         positions=[list(worker) for worker in restored],
-        deals=parse_deals(state["deals"], len(spec.subs)) if version == 4 else (),
+        deals=parse_deals(state["deals"], len(spec.subs), spec.plan) if version == 4 else (),
         batches=batches,
         skipped_shards=dict(state.get("skipped_shards", {})),
         changes=(),

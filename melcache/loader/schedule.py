@@ -29,9 +29,10 @@ with its position, so a resume is still exact and O(1).
 Within a sub-stream the epochs are one endless sequence of batches: its shards are grouped
 into units (length neighbours read and cut together, so a batch may continue into the next
 shard), the units permuted per epoch, each cut into a count of batches known from the index;
-the ``world_size × workers`` slots of the job take its chunks in turn, so a slot's place is
-one integer and any batch is located in O(1), and slots share a unit when there are fewer
-units than slots.
+the ``world_size × workers`` slots of the job deal each epoch whole, each slot a block of it
+(:class:`Deal`: batch plan 4; earlier plans, chunks of the sequence in turn), so a slot's
+place is one integer and any batch is located in O(1), and slots share a unit when there are
+fewer units than slots.
 """
 
 from __future__ import annotations
@@ -229,20 +230,27 @@ def global_batch(sub: SubStream, *, slot: int, num_slots: int, taken: int) -> in
 class Deal:
     """How the slots of a job share one sub-stream's endless sequence of batches.
 
-    A fresh job deals the whole sequence in chunks (:func:`global_batch`). A job resumed from a
-    job of another size or mix (``melcache/loader/elastic.py``) first reads ``leftover``, the
-    batches before ``frontier`` (an epoch boundary) that the old job left unread (sorted,
-    disjoint ``[start, stop)`` runs), then deals the sequence from ``frontier`` on as a fresh
-    job of its size deals it from 0. Where the job's chunks are of several batches, each slot
-    reads a near-equal run of the leftover (the larger runs first, so the slots leave it
-    within one step of each other and a slot stays in few units); where they are of one (an
-    epoch has fewer than two batches per slot), the slots take the leftover and then the
-    sequence one batch each in turn, as a fresh job does, so no slot runs a whole turn (more
-    than an epoch) ahead of another.
+    A job resumed from a job of another size or mix (``melcache/loader/elastic.py``) first
+    reads ``leftover``, the batches before ``frontier`` (an epoch boundary) that the old job
+    left unread (sorted, disjoint ``[start, stop)`` runs), then deals the sequence from
+    ``frontier`` on as a fresh job of its size deals it from 0.
+
+    ``by_epoch`` (batch plan 4 on): the job's reads in rank order (place ``taken × slots +
+    slot``: every slot takes one batch a step) are cut into the leftover, then one epoch after
+    another, and each slot's places in one of them are a block of it, the blocks in slot
+    order. So a job reads each epoch whole before any batch of the next (within the step
+    they share, ranks in order), whatever its size, and a slot's batches of an epoch are
+    neighbours, in few units. Otherwise (plans 1–3) a fresh job deals the whole sequence in
+    chunks (:func:`global_batch`), whose turns run across epoch ends: where an epoch is not
+    a whole number of turns, some slots read the next epoch's first chunk while one finishes
+    this one's last. There each slot reads a near-equal run of the leftover (the larger runs
+    first); where chunks are of one (an epoch has fewer than two batches per slot), the
+    slots take the leftover and then the sequence one batch each in turn.
     """
 
     frontier: int = 0
     leftover: tuple[tuple[int, int], ...] = ()
+    by_epoch: bool = False
 
     @functools.cached_property
     def ends(self) -> tuple[int, ...]:
@@ -257,6 +265,10 @@ class Deal:
 
     def number(self, sub: SubStream, *, slot: int, num_slots: int, taken: int) -> int:
         """Number, in the sub-stream's sequence, of slot ``slot``'s batch after ``taken``."""
+        if self.by_epoch:
+            start, first, _ = self.block(sub, slot=slot, num_slots=num_slots, taken=taken)
+            total = self.ends[-1] if self.ends else 0
+            return self.leftover_batch(first) if start < total else self.fresh(start) + first
         if chunk_size(sub, num_slots) == 1:
             place, total = taken * num_slots + slot, self.ends[-1] if self.ends else 0
             return self.leftover_batch(place) if place < total else self.frontier + place - total
@@ -265,6 +277,28 @@ class Deal:
             return self.leftover_batch(first + taken)
         fresh = global_batch(sub, slot=slot, num_slots=num_slots, taken=taken - (end - first))
         return self.frontier + fresh
+
+    def block(
+        self, sub: SubStream, *, slot: int, num_slots: int, taken: int
+    ) -> tuple[int, int, int]:
+        """``by_epoch``: where slot ``slot``'s batch after ``taken`` lies. The job's place of
+        it (rank order) falls in a part, the leftover or an epoch after it, that starts at
+        place ``start``; the batch is ``first`` of that part's (a leftover place, or batches
+        from the epoch's first), and the slot's block in the part ends before ``end``."""
+        total, place = (self.ends[-1] if self.ends else 0), taken * num_slots + slot
+        if place < total:
+            start, stop = 0, total
+        else:
+            start = place - (place - total) % sub.per_epoch
+            stop = start + sub.per_epoch
+        head = _below_slot(stop, slot, num_slots) - _below_slot(start, slot, num_slots)
+        mine = _of_slot(start, slot, num_slots)
+        return start, head + taken - mine, head + _of_slot(stop, slot, num_slots) - mine
+
+    def fresh(self, start: int) -> int:
+        """``by_epoch``: the sequence number of the first batch of the epoch after the
+        leftover whose first place (rank order) is ``start``."""
+        return self.frontier + start - (self.ends[-1] if self.ends else 0)
 
     def read_by_job(self, num_slots: int, taken: float) -> float:
         """Batches of the sequence a job of ``num_slots`` slots has read when each has taken
@@ -288,7 +322,24 @@ class Deal:
         return runs
 
 
-FRESH = Deal()
+FRESH = Deal()  # a fresh job's deal in plans 1–3: chunks in turn
+ALIGNED_DEAL_PLAN = 4  # the first batch plan whose deals are by_epoch
+
+
+def fresh_deal(plan: int) -> Deal:
+    """A fresh job's deal of a sub-stream under batch plan ``plan``."""
+    return Deal(by_epoch=plan >= ALIGNED_DEAL_PLAN)
+
+
+def _of_slot(end: int, slot: int, num_slots: int) -> int:
+    """How many of the places ``0..end-1`` in rank order (``taken × num_slots + slot``) are
+    slot ``slot``'s."""
+    return max(0, -(-(end - slot) // num_slots))
+
+
+def _below_slot(end: int, slot: int, num_slots: int) -> int:
+    """How many of the places ``0..end-1`` in rank order are those of slots below ``slot``."""
+    return end // num_slots * slot + min(end % num_slots, slot)
 
 
 def visit_run(

@@ -43,7 +43,7 @@ from melcache.loader.batching import (
     worker_shards,
 )
 from melcache.loader.data_config import DataConfig
-from melcache.loader.schedule import FRESH, Deal, Schedule, SubStream, locate
+from melcache.loader.schedule import Deal, Schedule, SubStream, fresh_deal, locate
 from melcache.loader.shard_reads import SkipLog, disk_counts, read_checked
 from melcache.loader.transport import BatchRing
 from melcache.loader.units import ranged_unit, takes_little, whole_unit
@@ -133,7 +133,7 @@ class StreamSpec:
 
     def deal(self, stream: int) -> Deal:
         """How the job's slots share sub-stream ``stream``."""
-        return self.deals[stream] if self.deals else FRESH
+        return self.deals[stream] if self.deals else fresh_deal(self.plan)
 
     @property
     def workers_per_rank(self) -> int:
