@@ -21,7 +21,7 @@ from melcache.errors import UserError
 from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import MAX_ATTENTION_FRAMES, MAX_SYNC_SPLIT, DataConfig
 from melcache.loader.mix import same_cache, shards_digest
-from melcache.loader.schedule import ALIGNED_DEAL_PLAN, Deal, SubStream, chunk_size, fresh_deal
+from melcache.loader.schedule import Deal, SubStream, chunk_size, fresh_deal
 from melcache.loader.stream import StreamSpec
 
 
@@ -285,7 +285,7 @@ def _saved_deals(state: Mapping[str, Any], count: int, plan: int) -> tuple[Deal,
 def parse_deals(saved: Any, count: int, plan: int) -> tuple[Deal, ...]:
     """``[[frontier, [[start, stop], ...]], ...]`` (a state's ``deals``) as ``count`` deals
     of batch plan ``plan``."""
-    by_epoch = plan >= ALIGNED_DEAL_PLAN
+    by_epoch = fresh_deal(plan).by_epoch
     try:
         deals = tuple(
             Deal(int(frontier), tuple((int(a), int(b)) for a, b in runs), by_epoch)

@@ -322,13 +322,12 @@ class Deal:
         return runs
 
 
-FRESH = Deal()  # a fresh job's deal in plans 1–3: chunks in turn
-ALIGNED_DEAL_PLAN = 4  # the first batch plan whose deals are by_epoch
+EPOCH_DEAL_PLAN = 4  # the first batch plan whose deals are by_epoch (before: chunks in turn)
 
 
 def fresh_deal(plan: int) -> Deal:
     """A fresh job's deal of a sub-stream under batch plan ``plan``."""
-    return Deal(by_epoch=plan >= ALIGNED_DEAL_PLAN)
+    return Deal(by_epoch=plan >= EPOCH_DEAL_PLAN)
 
 
 def _of_slot(end: int, slot: int, num_slots: int) -> int:
