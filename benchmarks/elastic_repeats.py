@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,7 +39,17 @@ from melcache.access import open_cache
 from melcache.loader import Batch, DataConfig, make_loader
 from melcache.loader.make import StreamLoader
 
-Steps = list[list[Batch]]
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """What the checks need of one batch (not its mels: a long job's would fill memory)."""
+
+    source: str
+    bucket: int
+    keys: tuple[str, ...]
+
+
+Steps = list[list[Read]]
 CacheArg = str | Mapping[str, float]
 BATCH_FRAMES = 32_000  # the budget of #39's measures (schedule_bench's)
 
@@ -48,13 +59,17 @@ def run_job(
 ) -> tuple[Steps, list[dict], StreamLoader]:
     """``steps`` steps of a job of in-process ranks (every rank's batch of each), its ranks'
     states after, and its rank 0 (closed)."""
+
+    def read(batch: Batch) -> Read:
+        return Read(batch.source, batch.bucket, tuple(batch.keys))
+
     data = DataConfig(batch_frames=BATCH_FRAMES, num_workers=workers)
     loaders = [make_loader(cache, data, rank=r, world_size=world_size, seed=1)
                for r in range(world_size)]  # fmt: skip
     for loader in loaders if states is not None else ():
         loader.load_state_dict(states)
     streams = [iter(loader) for loader in loaders]
-    out = [[next(stream) for stream in streams] for _ in range(steps)]
+    out = [[read(next(stream)) for stream in streams] for _ in range(steps)]
     saved = [loader.state_dict() for loader in loaders]
     for loader in loaders:
         loader.close()
