@@ -7,20 +7,21 @@ settings: which keys repeat before their sub-stream's epoch is whole.
 it where sub-streams hold hundreds of keys (the espeak-ng 3 h cache of
 ``benchmarks.schedule_bench``, made once under ``--data``; ``--cache``: another; ``--mix``: a
 second cache, 0.6 / 0.4 with the first). Keys are grouped by the sub-stream that holds them
-(one length range of one bucket of one cache, from the cache's table), whose epochs each
-run whole. Prints one JSON line per job change:
+(one length range of one bucket of one cache, from the cache's table). Prints one JSON line
+per job change:
 
 - ``4x0 -> Wx0`` (W = 3, 2, 1, 8): a job of 4 one-process ranks streams ``--steps`` steps,
   then its states resume a job of W ranks for as many batches. ``early_repeats``: keys read
   again, over both jobs, before every key of their sub-stream had been read since the last
-  time all had, against the old job run on uninterrupted as long; ``afresh``: the same for a new job of W ranks started from nothing after the
-  old one (what dropping the loader state repeats), which shows the count can be non-zero.
+  time all had, against the old job run on uninterrupted as long; ``afresh``: the same for
+  a new job of W ranks started from nothing after the old one (what dropping the loader
+  state repeats), which shows the count can be non-zero.
 - ``4x2 -> Wx1`` (W = 2, 8): the same from a job of 4 ranks × 2 workers. Its workers serve
   alternate steps and read a sub-stream at their own pace, so even an uninterrupted 4 × 2 job
   repeats keys within an epoch's worth of a sub-stream: ``window_repeats`` is the share of
   samples, over every window of one epoch's worth of a sub-stream's samples, whose key an
-  earlier sample of the window has (the sample-weighted mean over sub-streams), for the
-  resumed jobs and the uninterrupted one.
+  earlier sample of the window has (over all sub-streams' windows, each weighted by its
+  samples), for the resumed jobs and the uninterrupted one.
 
 Every row also says whether every step held one bucket on all ranks.
 """
@@ -119,8 +120,9 @@ def window_repeats(
     steps: Steps, of: Mapping[tuple[str, str], int], size: Mapping[int, int]
 ) -> float:
     """The share of samples, over every window of one epoch's worth (``size``) of a
-    sub-stream's samples, whose key an earlier sample of the window has: the sample-weighted
-    mean over sub-streams read for at least one window. A sliding count, ``O(samples)``."""
+    sub-stream's samples, whose key an earlier sample of the window has, over the windows of
+    every sub-stream read for at least one, each weighted by its samples. A sliding count,
+    ``O(samples)``."""
     repeated = windows = 0
     for sub, keys in keys_by_substream(steps, of).items():
         width = size[sub]

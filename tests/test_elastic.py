@@ -21,9 +21,10 @@ from melcache.errors import UserError
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
 from melcache.loader.elastic import STATE_KEYS, LoaderStateError, parse_deals
 
-# Epochs of 6, 2, 2 and 1 batches in the sample cache's four buckets: every job size here
-# (1, 2, 3, 4 or 8 ranks) then reads each bucket's epochs whole in time when uninterrupted
-# (each chunk of a slot is a whole share of an epoch, or a single batch).
+# Epochs of 6, 2, 2 and 1 batches in the sample cache's four buckets. One-process ranks read
+# each epoch whole before the next at any job size (batch plan 4's deal); the chunks of the
+# earlier plans, which old states resume with, do too at these sizes (each is a whole share
+# of an epoch, or a single batch). Where they are not, see the test of epochs 17, 6, 5 and 2.
 DATA = {"batch_frames": 3000, "max_batch_size": 3}
 
 Steps = list[list[Batch]]
@@ -287,12 +288,15 @@ def test_a_state_of_an_earlier_release_resumes_batch_for_batch_and_on_3_ranks(
     assert saved[0].get("batch_plan") == plan
     same = make(sample_cache, 0, 2, 0)
     same.load_state_dict(saved[0])
+    assert same.spec.plan == (plan or 1)  # the state's cut, and its deal: chunks in turn
+    assert not any(same.spec.deal(u).by_epoch for u in range(len(same.spec.subs)))
     assert [b.keys for _, b in zip(range(12), same, strict=False)] == json.loads(done.stdout)
     same.close()
     after, _, loaders = run_job(sample_cache, 3, 0, 60, saved)
     assert loaders[0].resume_changes == ("world_size 2 -> 3",)
     assert in_one_bucket(after)
     assert all(deal.frontier > 0 for deal in loaders[0].spec.deals)  # not from the start
+    assert not any(deal.by_epoch for deal in loaders[0].spec.deals)
 
 
 def frames_of(steps: Steps, source: str) -> list[tuple[bool, int]]:

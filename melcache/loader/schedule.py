@@ -66,7 +66,7 @@ class SubStream:
     frames: int  # real frames in one epoch
     part: int = 0  # length range of the bucket (data.sync_split), drawn as a bucket is
 
-    @property
+    @functools.cached_property  # a deal asks it per batch located; units can be thousands
     def per_epoch(self) -> int:
         """Batches in one epoch of the sub-stream, over all slots of the job."""
         return sum(self.batches)
@@ -235,12 +235,14 @@ class Deal:
     left unread (sorted, disjoint ``[start, stop)`` runs), then deals the sequence from
     ``frontier`` on as a fresh job of its size deals it from 0.
 
-    ``by_epoch`` (batch plan 4 on): the job's reads in rank order (place ``taken × slots +
-    slot``: every slot takes one batch a step) are cut into the leftover, then one epoch after
-    another, and each slot's places in one of them are a block of it, the blocks in slot
-    order. So a job reads each epoch whole before any batch of the next (within the step
-    they share, ranks in order), whatever its size, and a slot's batches of an epoch are
-    neighbours, in few units. Otherwise (plans 1–3) a fresh job deals the whole sequence in
+    ``by_epoch`` (batch plan 4 on): the job's places ``taken × slots + slot`` are cut into the
+    leftover, then one epoch after another, and each slot's places in one of them are a
+    block of it, the blocks in slot order. A slot's batches of an epoch are neighbours, in
+    few units. Where every slot takes one batch a step (ranks of one worker each, one cache),
+    places are read in order, so the job reads each epoch whole before any batch of the
+    next (ranks in order within the step they share), whatever its size; a rank's workers
+    serve its steps in turn, so there a turn of them reads the places of one ``taken``
+    (epochs meet within a turn), and they drift apart by the buckets they draw. Otherwise (plans 1–3) a fresh job deals the whole sequence in
     chunks (:func:`global_batch`), whose turns run across epoch ends: where an epoch is not
     a whole number of turns, some slots read the next epoch's first chunk while one finishes
     this one's last. There each slot reads a near-equal run of the leftover (the larger runs
