@@ -42,7 +42,7 @@ def unread(sub: SubStream, deal: Deal, num_slots: int, taken: Sequence[int]) -> 
     runs: list[tuple[int, int]] = []
     for slot, count in enumerate(taken):
         runs += _slot_runs(sub, deal, slot, num_slots, count, frontier)
-    return Deal(frontier, tuple(_merged(runs)), deal.by_epoch)
+    return dataclasses.replace(deal, frontier=frontier, leftover=tuple(_merged(runs)))
 
 
 def _slot_runs(
@@ -81,13 +81,12 @@ def _block_runs(
     (leftover or epoch) its next batch is in, then its blocks of the parts after, up to
     ``frontier``; one step per part the slot has a batch in."""
     runs: list[tuple[int, int]] = []
-    total = deal.ends[-1] if deal.ends else 0
     while True:
         start, first, end = deal.block(sub, slot=slot, num_slots=num_slots, taken=taken)
-        if start < total:
+        if start < deal.leftover_size:
             runs += deal.leftover_runs(first, end)
-        elif deal.fresh(start) + first < frontier:
-            runs.append((deal.fresh(start) + first, min(deal.fresh(start) + end, frontier)))
+        elif (base := deal.fresh(start)) + first < frontier:
+            runs.append((base + first, min(base + end, frontier)))
         else:
             return runs
         taken += end - first  # the slot's first batch of a later part

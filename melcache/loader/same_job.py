@@ -68,7 +68,6 @@ def restore(spec: StreamSpec, identity: Mapping[str, Any], state: Mapping[str, A
     loader's :func:`state_identity`); :class:`LoaderStateError` naming the key or shape that
     differs."""
     version = state.get("version")
-    identity = dict(identity)
     if version in (WHOLE_CACHE_VERSION, NO_FRAMES_VERSION):
         if len(spec.subs) != 1 or spec.subs[0].bucket >= 0:
             raise LoaderStateError(

@@ -242,10 +242,12 @@ class Deal:
     places are read in order, so the job reads each epoch whole before any batch of the
     next (ranks in order within the step they share), whatever its size; a rank's workers
     serve its steps in turn, so there a turn of them reads the places of one ``taken``
-    (epochs meet within a turn), and they drift apart by the buckets they draw. Otherwise (plans 1–3) a fresh job deals the whole sequence in
-    chunks (:func:`global_batch`), whose turns run across epoch ends: where an epoch is not
-    a whole number of turns, some slots read the next epoch's first chunk while one finishes
-    this one's last. There each slot reads a near-equal run of the leftover (the larger runs
+    (epochs meet within a turn), and they drift apart by the buckets they draw.
+
+    Otherwise (plans 1–3) a fresh job deals the whole sequence in chunks
+    (:func:`global_batch`), whose turns run across epoch ends: where an epoch is not a whole
+    number of turns, some slots read the next epoch's first chunk while one finishes this
+    one's last. There each slot reads a near-equal run of the leftover (the larger runs
     first); where chunks are of one (an epoch has fewer than two batches per slot), the
     slots take the leftover and then the sequence one batch each in turn.
     """
@@ -259,20 +261,28 @@ class Deal:
         """Running count of leftover batches at the end of each run."""
         return tuple(itertools.accumulate(stop - start for start, stop in self.leftover))
 
+    @property
+    def leftover_size(self) -> int:
+        """Batches in the leftover."""
+        return self.ends[-1] if self.ends else 0
+
     def share(self, slot: int, num_slots: int) -> tuple[int, int]:
         """Slot ``slot``'s part ``[first, end)`` of the leftover, counted in leftover batches:
         near-equal and the larger parts first, so the slots leave the leftover together."""
-        total = self.ends[-1] if self.ends else 0
+        total = self.leftover_size
         return -(-slot * total // num_slots), -(-(slot + 1) * total // num_slots)
 
     def number(self, sub: SubStream, *, slot: int, num_slots: int, taken: int) -> int:
         """Number, in the sub-stream's sequence, of slot ``slot``'s batch after ``taken``."""
         if self.by_epoch:
             start, first, _ = self.block(sub, slot=slot, num_slots=num_slots, taken=taken)
-            total = self.ends[-1] if self.ends else 0
-            return self.leftover_batch(first) if start < total else self.fresh(start) + first
+            return (
+                self.leftover_batch(first)
+                if start < self.leftover_size
+                else self.fresh(start) + first
+            )
         if chunk_size(sub, num_slots) == 1:
-            place, total = taken * num_slots + slot, self.ends[-1] if self.ends else 0
+            place, total = taken * num_slots + slot, self.leftover_size
             return self.leftover_batch(place) if place < total else self.frontier + place - total
         first, end = self.share(slot, num_slots)
         if taken < end - first:
@@ -287,7 +297,7 @@ class Deal:
         it (rank order) falls in a part, the leftover or an epoch after it, that starts at
         place ``start``; the batch is ``first`` of that part's (a leftover place, or batches
         from the epoch's first), and the slot's block in the part ends before ``end``."""
-        total, place = (self.ends[-1] if self.ends else 0), taken * num_slots + slot
+        total, place = self.leftover_size, taken * num_slots + slot
         if place < total:
             start, stop = 0, total
         else:
@@ -300,12 +310,12 @@ class Deal:
     def fresh(self, start: int) -> int:
         """``by_epoch``: the sequence number of the first batch of the epoch after the
         leftover whose first place (rank order) is ``start``."""
-        return self.frontier + start - (self.ends[-1] if self.ends else 0)
+        return self.frontier + start - self.leftover_size
 
     def read_by_job(self, num_slots: int, taken: float) -> float:
         """Batches of the sequence a job of ``num_slots`` slots has read when each has taken
         ``taken``: what the old job read before ``frontier``, then the slots' own."""
-        return self.frontier - (self.ends[-1] if self.ends else 0) + num_slots * taken
+        return self.frontier - self.leftover_size + num_slots * taken
 
     def leftover_batch(self, place: int) -> int:
         """The sequence number of the leftover's ``place``-th batch."""
