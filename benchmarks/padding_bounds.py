@@ -1,16 +1,20 @@
 """How little padding any cut of a cache's units could reach: the loader's even cut against the
 least padding of every cut with the same batch counts.
 
-    python -m benchmarks.padding_bounds [--hours 3 50 200] [--extra 0 1 2]
+    python -m benchmarks.padding_bounds [--hours 3 50 200] [--extra 0 1 2] [--any-cut-hours 50]
+        [--target 2.5]
 
 Over one epoch of every sub-stream of a drawn cache (``benchmarks/synthetic_cache.py``, the
 loader's own units and counts at ``batch_frames`` 32000): the padding of the even cut the
 loader makes (the same every epoch: it sorts by padded length; ``--frames-cut``: equal frames,
-batch plan 2, instead of the default's equal cost), then, by dynamic
-programming, the least padding of any cut into the same number of batches of consecutive
-lengths, (a) under the even cut's own largest batch, so batches keep their near-equal cost,
-and (b) under the budget alone, whatever their costs. ``--extra k`` gives every unit ``k``
-batches more than the loader's count: fewer utterances a batch. Sampled windows of a few
+batch plan 2, instead of the default's equal cost), then, by dynamic programming, the least
+padding of any cut into the same number of batches of consecutive lengths, (a) under the even
+cut's own largest batch, so batches keep their near-equal cost, and (b) under the budget
+alone, whatever their costs; then (c) the least padding of any cut of the whole cache (its
+utterances sorted, across buckets and units) into as many batches under the budget: no loader
+whose batches hold that many frames pads less on this cache. ``--extra k`` gives every unit
+``k`` batches more than the loader's count: fewer utterances a batch; ``--target P``, the
+fewest batches an epoch at which any cut (c) pads at most ``P`` %. Sampled windows of a few
 hundred steps (``schedule_bench --parts synthetic``) weight the units as the schedule draws
 them; this is the steady state. First, per cache, the same epoch as the stream of
 ``data.sync_buckets = false`` cuts it (each shard greedily). Prints one JSON line per cache and
@@ -20,6 +24,7 @@ count.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -67,13 +72,39 @@ def padded_frames(batches: Sequence[Sequence[int]], frames: Sequence[int], pad: 
     return sum(len(b) * round_up(max(frames[i] for i in b), pad) for b in batches)
 
 
-def bounds(cache: SyntheticCache, data: DataConfig, extra: int, attention: int) -> dict:
+def least_pct_of_any_cut(cache: SyntheticCache, data: DataConfig, batches: int) -> float:
+    """(c): the least padding (%) of any cut of all of ``cache``'s utterances into ``batches``
+    batches under the largest budget, whatever bucket or unit they are in."""
+    frames = np.asarray([s.frames for entry in cache.shards
+                         for s in cache.samples[entry["name"]]], dtype=np.int64)  # fmt: skip
+    lengths = np.sort(round_up(frames, data.pad_multiple))[::-1]
+    budget = max(data.budget(entry["bucket"]) for entry in cache.shards)
+    padded = least_padded(lengths, batches, data.max_batch_size, budget)
+    return round(100 * padding_fraction(int(frames.sum()), padded), 2)
+
+
+def fewest_batches(cache: SyntheticCache, data: DataConfig, target: float, start: int) -> dict:
+    """The fewest batches an epoch, from ``start`` on, at which some cut of ``cache`` pads at
+    most ``target`` %: (c) falls as the count grows (splitting a batch never pads more)."""
+    count = start + bisect.bisect_left(range(start, sum(len(v) for v in cache.samples.values())),
+                                       True, key=lambda n: least_pct_of_any_cut(cache, data, n)
+                                       <= target)  # fmt: skip
+    real = sum(s.frames for samples in cache.samples.values() for s in samples)
+    return {"hours": round(cache.hours, 1), "target_pct": target,
+            "fewest_batches_of_any_cut": count, "real_frames_per_batch": round(real / count),
+            "least_pct_there": least_pct_of_any_cut(cache, data, count)}  # fmt: skip
+
+
+def bounds(
+    cache: SyntheticCache, data: DataConfig, extra: int, attention: int, any_cut: bool
+) -> dict:
     """One epoch of the drawn ``cache``: real frames, batches, and padded frames of the even
-    cut (``attention``: its attention frames, 0 for equal frames) and of the least cuts (a)
-    and (b), as padding percentages."""
+    cut (``attention``: its attention frames, 0 for equal frames) and of the least cuts (a),
+    (b) and, with ``any_cut``, (c), as padding percentages (None where not asked)."""
     real = batches = even = tight = loose = 0
     pad = data.pad_multiple
-    for sub in substreams([cache.shards], data, sync=True):
+    subs = substreams([cache.shards], data, sync=True)
+    for sub in subs:
         for unit, count in zip(sub.units, sub.batches, strict=True):
             frames = [s.frames for i in unit for s in cache.samples[cache.shards[i]["name"]]]
             count = min(len(frames), count + extra)
@@ -90,11 +121,14 @@ def bounds(cache: SyntheticCache, data: DataConfig, extra: int, attention: int) 
     def pct(padded: int) -> float:
         return round(100 * padding_fraction(real, padded), 2)
 
+    anywhere = least_pct_of_any_cut(cache, data, batches) if any_cut else None
+
     return {"hours": round(cache.hours, 1), "extra_batches_a_unit": extra,
             "attention_frames": attention,
             "batches_per_epoch": batches, "real_frames_per_batch": round(real / batches),
             "padding_pct_even_cut": pct(even), "least_pct_at_its_largest_batch": pct(tight),
-            "least_pct_at_the_budget": pct(loose)}  # fmt: skip
+            "least_pct_at_the_budget": pct(loose),
+            "least_pct_of_any_cut_of_the_cache": anywhere}  # fmt: skip
 
 
 def stream_before(cache: SyntheticCache, data: DataConfig) -> dict:
@@ -120,14 +154,25 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="batches a unit more than the loader cuts it into (default: 0 1 2)")  # fmt: skip
     p.add_argument("--frames-cut", action="store_true",
                    help="the equal-frames cut (batch plan 2), not the default's equal cost")  # fmt: skip
+    p.add_argument("--any-cut-hours", type=float, default=50.0,
+                   help="(c) for caches of at most these hours: its dynamic programme grows "
+                        "with utterances x batches, 30 s at 50 h (default: 50)")  # fmt: skip
+    p.add_argument("--target", type=float, default=None,
+                   help="also the fewest batches an epoch at which any cut pads at most this "
+                        "many percent (c, searched from the loader's count)")  # fmt: skip
     args = p.parse_args(argv)
     data = dataclasses.replace(DataConfig(batch_frames=BATCH_FRAMES), num_workers=0)
     attention = 0 if args.frames_cut else data.attention
     for hours in args.hours:
         cache = draw_cache(hours)
         print(json.dumps(stream_before(cache, data)), flush=True)
+        rows = []
         for extra in args.extra:
-            print(json.dumps(bounds(cache, data, extra, attention)), flush=True)
+            rows.append(bounds(cache, data, extra, attention, hours <= args.any_cut_hours))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.target is not None and rows:
+            start = min(row["batches_per_epoch"] for row in rows)
+            print(json.dumps(fewest_batches(cache, data, args.target, start)), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+from abort_report import pytest_runtest_makereport  # noqa: F401  (a hook)
 from helpers import (
     REPO,
     S3_BUCKET,
@@ -26,7 +27,8 @@ from benchmarks.s3_server import moto_server, s3_environment
 from melcache.remote import objectstore
 
 # Every child (torchrun ranks, spawned workers, builds) prints each thread's Python stack if it
-# dies of a fatal signal: a rare SIGABRT in a gloo job then says where it happened.
+# dies of a fatal signal: a rare SIGABRT in a gloo job then says where it happened, and
+# abort_report's hook (found here by pytest) keeps it for the rerun summary.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 

@@ -1,0 +1,31 @@
+"""Keep what a test's children printed before a SIGABRT, for the rerun summary.
+
+A 2-process gloo job dies of SIGABRT about once in a few hundred jobs on a loaded machine, and
+such a test runs once more (``addopts`` in ``pyproject.toml``). pytest prints a test's captured
+output only when it finally fails, so a rerun that passes used to leave a bare ``R``: not which
+test it was, nor the children's stacks (``PYTHONFAULTHANDLER``, set in ``conftest.py``). This
+hook adds the captured stderr of such a failure to its report, which
+``--rerun-show-tracebacks`` prints under "rerun test summary info".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import pytest
+
+STDERR_KEPT = 20_000  # characters from the end of the captured stderr: the stacks are last
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed report naming SIGABRT gets the test's captured stderr as a section."""
+    report = yield
+    longrepr = report.longrepr
+    if report.failed and hasattr(longrepr, "addsection") and "SIGABRT" in str(longrepr):
+        stderr = "".join(text for name, text in report.sections if "stderr" in name)
+        if stderr:
+            longrepr.addsection("stderr before the abort", stderr[-STDERR_KEPT:])
+    return report
