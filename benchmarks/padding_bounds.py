@@ -1,11 +1,12 @@
 """How little padding any cut of a cache's units could reach: the loader's even cut against the
 least padding of every cut with the same batch counts.
 
-    python -m benchmarks.padding_bounds [--hours 3 50 200] [--extra 0 1 2] [--any-cut-hours 50]
-        [--target 2.5]
+    python -m benchmarks.padding_bounds [--hours 3 50 200 | --cache CACHE ...] [--extra 0 1 2]
+        [--any-cut-hours 50] [--target 2.5]
 
 Over one epoch of every sub-stream of a drawn cache (``benchmarks/synthetic_cache.py``, the
-loader's own units and counts at ``batch_frames`` 32000): the padding of the even cut the
+loader's own units and counts at ``batch_frames`` 32000; ``--cache``: built caches, their
+frames from their tables): the padding of the even cut the
 loader makes (the same every epoch: it sorts by padded length; ``--frames-cut``: equal frames,
 batch plan 2, instead of the default's equal cost), then, by dynamic programming, the least
 padding of any cut into the same number of batches of consecutive lengths, (a) under the even
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from benchmarks.synthetic_cache import SyntheticCache, draw_cache
+from melcache.access import open_cache
 from melcache.loader.batching import (
     make_rng,
     padding_fraction,
@@ -41,6 +43,7 @@ from melcache.loader.batching import (
 )
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import substreams
+from melcache.reader import RawSample
 
 BATCH_FRAMES = 32_000
 
@@ -146,10 +149,27 @@ def stream_before(cache: SyntheticCache, data: DataConfig) -> dict:
             "padding_pct": round(100 * padding_fraction(real, padded), 2)}  # fmt: skip
 
 
+def built_cache(location: str) -> SyntheticCache:
+    """A built cache as this benchmark sees it: its index entries and each shard's utterance
+    frames, from its table (no shard is read; texts are left empty)."""
+    with open_cache(location) as cache:
+        starts, frames = cache.table.column("shard_rows").tolist(), cache.lengths.tolist()
+        entries, features = tuple(cache.index["shards"]), cache.index["features"]
+    samples = {
+        entry["name"]: [RawSample(str(row), b"", "fp16", "", None, frames[row], entry["bucket"],
+                                  None) for row in range(starts[i], starts[i + 1])]
+        for i, entry in enumerate(entries)
+    }  # fmt: skip
+    hours = sum(frames) * features["hop_length"] / features["sample_rate"] / 3600
+    return SyntheticCache(entries, samples, hours)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hours", type=float, nargs="*", default=[3.0, 50.0, 200.0],
                    help="drawn caches of these hours (default: 3 50 200)")  # fmt: skip
+    p.add_argument("--cache", nargs="*", default=[],
+                   help="built caches (folders or URLs) instead of drawn ones")  # fmt: skip
     p.add_argument("--extra", type=int, nargs="*", default=[0, 1, 2],
                    help="batches a unit more than the loader cuts it into (default: 0 1 2)")  # fmt: skip
     p.add_argument("--frames-cut", action="store_true",
@@ -163,8 +183,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     data = dataclasses.replace(DataConfig(batch_frames=BATCH_FRAMES), num_workers=0)
     attention = 0 if args.frames_cut else data.attention
-    for hours in args.hours:
-        cache = draw_cache(hours)
+    caches = map(built_cache, args.cache) if args.cache else map(draw_cache, args.hours)
+    for cache in caches:
+        hours = cache.hours
         print(json.dumps(stream_before(cache, data)), flush=True)
         rows = []
         for extra in args.extra:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks import padding_bounds, results
+from melcache.loader.data_config import DataConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -260,6 +262,22 @@ def test_padding_bounds_puts_the_even_cut_above_its_least_cuts(tmp_path: Path) -
         anywhere = row["least_pct_of_any_cut_of_the_cache"]
         assert 0 < anywhere <= least <= tight <= row["padding_pct_even_cut"], row
     assert rows[1]["batches_per_epoch"] > rows[0]["batches_per_epoch"]
+
+
+def test_padding_bounds_reads_a_built_cache_from_its_table(sample_cache: Path) -> None:
+    cache = padding_bounds.built_cache(str(sample_cache))
+    index = json.loads((sample_cache / "index.json").read_text())
+    assert cache.shards == tuple(index["shards"]) and 0 < cache.hours < 1
+    for entry in index["shards"]:
+        frames = [s.frames for s in cache.samples[entry["name"]]]
+        assert (len(frames), sum(frames), max(frames)) == (
+            entry["samples"], entry["frames"], entry["max_frames"]), entry  # fmt: skip
+    data = dataclasses.replace(DataConfig(batch_frames=padding_bounds.BATCH_FRAMES), num_workers=0)
+    row = padding_bounds.bounds(cache, data, 0, data.attention, any_cut=True)
+    assert row["batches_per_epoch"] > 0, row
+    assert 0 <= row["least_pct_of_any_cut_of_the_cache"] <= row["least_pct_at_the_budget"], row
+    assert row["least_pct_at_the_budget"] <= row["least_pct_at_its_largest_batch"], row
+    assert row["least_pct_at_its_largest_batch"] <= row["padding_pct_even_cut"], row
 
 
 @pytest.mark.slow
