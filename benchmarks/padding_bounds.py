@@ -4,22 +4,21 @@ least padding of every cut with the same batch counts.
     python -m benchmarks.padding_bounds [--hours 3 50 200 | --cache CACHE ...] [--extra 0 1 2]
         [--any-cut-hours 50] [--target 2.5]
 
-Over one epoch of every sub-stream of a drawn cache (``benchmarks/synthetic_cache.py``, the
-loader's own units and counts at ``batch_frames`` 32000; ``--cache``: built caches, their
-frames from their tables): the padding of the even cut the
-loader makes (the same every epoch: it sorts by padded length; ``--frames-cut``: equal frames,
-batch plan 2, instead of the default's equal cost), then, by dynamic programming, the least
-padding of any cut into the same number of batches of consecutive lengths, (a) under the even
-cut's own largest batch, so batches keep their near-equal cost, and (b) under the budget
-alone, whatever their costs; then (c) the least padding of any cut of the whole cache (its
-utterances sorted, across buckets and units) into as many batches under the budget: no loader
-whose batches hold that many frames pads less on this cache. ``--extra k`` gives every unit
-``k`` batches more than the loader's count: fewer utterances a batch; ``--target P``, the
-fewest batches an epoch at which any cut (c) pads at most ``P`` %. Sampled windows of a few
-hundred steps (``schedule_bench --parts synthetic``) weight the units as the schedule draws
-them; this is the steady state. First, per cache, the same epoch as the stream of
-``data.sync_buckets = false`` cuts it (each shard greedily). Prints one JSON line per cache and
-count.
+Over one epoch of every sub-stream of a drawn cache (``benchmarks/synthetic_cache.py``; with
+``--cache``, of built caches, their frames read from their tables), with the loader's own units
+and counts at ``batch_frames`` 32000: the padding of the even cut the loader makes (the same
+every epoch: it sorts by padded length; ``--frames-cut``: equal frames, batch plan 2, instead of
+the default's equal cost), then, by dynamic programming, the least padding of any cut into the
+same number of batches of consecutive lengths, (a) under the even cut's own largest batch, so
+batches keep their near-equal cost, and (b) under the budget alone, whatever their costs; then
+(c) the least padding of any cut of the whole cache (its utterances sorted, across buckets and
+units) into as many batches under the budget: no loader whose batches hold that many frames pads
+less on this cache. ``--extra k`` gives every unit ``k`` batches more than the loader's count:
+fewer utterances a batch; ``--target P``, the fewest batches an epoch at which any cut (c) pads
+at most ``P`` %. Sampled windows of a few hundred steps (``schedule_bench --parts synthetic``)
+weight the units as the schedule draws them; this is the steady state. First, per cache, the
+same epoch as the stream of ``data.sync_buckets = false`` cuts it (each shard greedily). Prints
+one JSON line per cache and count.
 """
 
 from __future__ import annotations
@@ -89,9 +88,12 @@ def least_pct_of_any_cut(cache: SyntheticCache, data: DataConfig, batches: int) 
 def fewest_batches(cache: SyntheticCache, data: DataConfig, target: float, start: int) -> dict:
     """The fewest batches an epoch, from ``start`` on, at which some cut of ``cache`` pads at
     most ``target`` %: (c) falls as the count grows (splitting a batch never pads more)."""
-    count = start + bisect.bisect_left(range(start, sum(len(v) for v in cache.samples.values())),
-                                       True, key=lambda n: least_pct_of_any_cut(cache, data, n)
-                                       <= target)  # fmt: skip
+
+    def reaches(count: int) -> bool:
+        return least_pct_of_any_cut(cache, data, count) <= target
+
+    utterances = sum(len(samples) for samples in cache.samples.values())
+    count = start + bisect.bisect_left(range(start, utterances), True, key=reaches)
     real = sum(s.frames for samples in cache.samples.values() for s in samples)
     return {"hours": round(cache.hours, 1), "target_pct": target,
             "fewest_batches_of_any_cut": count, "real_frames_per_batch": round(real / count),
@@ -101,7 +103,7 @@ def fewest_batches(cache: SyntheticCache, data: DataConfig, target: float, start
 def bounds(
     cache: SyntheticCache, data: DataConfig, extra: int, attention: int, any_cut: bool
 ) -> dict:
-    """One epoch of the drawn ``cache``: real frames, batches, and padded frames of the even
+    """One epoch of ``cache``: real frames, batches, and padded frames of the even
     cut (``attention``: its attention frames, 0 for equal frames) and of the least cuts (a),
     (b) and, with ``any_cut``, (c), as padding percentages (None where not asked)."""
     real = batches = even = tight = loose = 0
