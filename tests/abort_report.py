@@ -19,13 +19,17 @@ STDERR_KEPT = 20_000  # characters from the end of the captured stderr: the stac
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo
+    item: pytest.Item,
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A failed report naming SIGABRT gets the test's captured stderr as a section."""
+    """A failed report naming SIGABRT (what ``--only-rerun`` matches, traceback text included)
+    gets the test's captured stderr as a section, unless it is the last try: pytest prints a
+    final failure's captured output itself."""
     report = yield
     longrepr = report.longrepr
-    if report.failed and hasattr(longrepr, "addsection") and "SIGABRT" in str(longrepr):
+    reruns = item.config.getoption("reruns", None) or 0  # None without --reruns
+    reruns_left = getattr(item, "execution_count", 1) <= reruns
+    if reruns_left and report.failed and hasattr(longrepr, "addsection"):
         stderr = "".join(text for name, text in report.sections if "stderr" in name)
-        if stderr:
+        if stderr and "SIGABRT" in str(longrepr):
             longrepr.addsection("stderr before the abort", stderr[-STDERR_KEPT:])
     return report

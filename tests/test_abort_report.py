@@ -1,25 +1,30 @@
 """The rerun summary of a test whose child died of SIGABRT names the test and shows the child's
-stack (tests/abort_report.py), in a real pytest run of a real aborting process."""
+stack (tests/abort_report.py), in a real pytest run of a real aborting process, with the
+project's own pytest options."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
+import abort_report
+import conftest
 from helpers import REPO
 
-# Its first run starts a child that prints a marker (not spelt as such in the source, which
-# the traceback quotes) and its faulthandler stack to the inherited stderr (captured by pytest,
-# not by the test) and aborts; its rerun passes.
-ABORTS_ONCE = """
+# A test whose child prints a marker (not spelt as such in the source, which the traceback
+# quotes) and its faulthandler stack to the inherited stderr (captured by pytest, not by the
+# test), then aborts: on the first run only, or on every run.
+ABORTS = """
 import subprocess, sys
 from pathlib import Path
 
-def test_a_child_aborts_once(tmp_path_factory):
+def test_a_child_aborts():
     flag = Path(__file__).with_name("aborted")
-    if flag.exists():
+    if flag.exists() and not {always}:
         return
     flag.touch()
     child = "import os, sys; print('marker', 'of the child', file=sys.stderr); os.abort()"
@@ -28,23 +33,34 @@ def test_a_child_aborts_once(tmp_path_factory):
 """
 
 
-def rerun_summary(folder: Path, *plugin: str) -> str:
-    """What pytest prints for ABORTS_ONCE, run with the project's rerun options."""
-    (folder / "test_child.py").write_text(ABORTS_ONCE)
+def run_pytest(folder: Path, always: bool, *plugin: str) -> subprocess.CompletedProcess:
+    """pytest on ABORTS in ``folder``, with the options of the project's ``addopts``."""
+    folder.mkdir()
+    (folder / "test_child.py").write_text(ABORTS.format(always=always))
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    options = shlex.split(config["tool"]["pytest"]["ini_options"]["addopts"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
-    options = ["--reruns=1", "--only-rerun=SIGABRT", "--rerun-show-tracebacks"]
+    env.pop("PYTEST_ADDOPTS", None)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, *options]
-    done = subprocess.run([*command, "test_child.py"], cwd=folder, env=env, capture_output=True,
+    return subprocess.run([*command, "test_child.py"], cwd=folder, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "1 passed, 1 rerun" in done.stdout, done.stdout[-3000:]
-    return done.stdout.split("rerun test summary info")[1]
 
 
 def test_the_rerun_summary_keeps_the_aborted_childs_stderr(tmp_path: Path) -> None:
-    (tmp_path / "with").mkdir()
-    summary = rerun_summary(tmp_path / "with", "-p", "abort_report")
-    assert "RERUN test_child.py::test_a_child_aborts_once" in summary
-    assert "marker of the child" in summary and "Fatal Python error: Aborted" in summary
-    (tmp_path / "without").mkdir()  # pytest alone drops what the first run's child printed
-    assert "marker of the child" not in rerun_summary(tmp_path / "without")
+    assert conftest.pytest_runtest_makereport is abort_report.pytest_runtest_makereport
+    done = run_pytest(tmp_path / "with", False, "-p", "abort_report")
+    assert done.returncode == 0 and "1 passed, 1 rerun" in done.stdout, done.stdout[-3000:]
+    assert "rerun test summary info" in done.stdout, done.stdout[-3000:]
+    summary = done.stdout.split("rerun test summary info")[1]
+    assert "RERUN test_child.py::test_a_child_aborts" in summary, summary
+    assert "marker of the child" in summary and "Fatal Python error: Aborted" in summary, summary
+    # pytest alone drops what the first run's child printed
+    assert "marker of the child" not in run_pytest(tmp_path / "without", False).stdout
+
+
+def test_a_final_abort_shows_its_stderr_once(tmp_path: Path) -> None:
+    done = run_pytest(tmp_path / "always", True, "-p", "abort_report")
+    assert done.returncode == 1 and "1 failed, 1 rerun" in done.stdout, done.stdout[-3000:]
+    # the first try's in the rerun summary; the last try's as pytest's own captured stderr
+    assert done.stdout.count("stderr before the abort") == 1, done.stdout[-6000:]
+    assert "Captured stderr call" in done.stdout.split("rerun test summary info")[0]

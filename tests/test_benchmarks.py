@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import re
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 
 from benchmarks import padding_bounds, results
-from melcache.loader.data_config import DataConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -242,16 +240,8 @@ def test_the_least_padding_cut_is_the_least_of_every_cut() -> None:
 
 
 def test_padding_bounds_puts_the_even_cut_above_its_least_cuts(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.padding_bounds",
-        "--hours",
-        "3",
-        "--extra",
-        "0",
-        "1",
-    ]
+    command = [sys.executable, "-m", "benchmarks.padding_bounds", "--hours", "3", "--extra", "0",
+               "1", "--cost-slack", "0", "10"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     before, *rows = [json.loads(line) for line in done.stdout.splitlines()]
@@ -261,6 +251,8 @@ def test_padding_bounds_puts_the_even_cut_above_its_least_cuts(tmp_path: Path) -
         least, tight = row["least_pct_at_the_budget"], row["least_pct_at_its_largest_batch"]
         anywhere = row["least_pct_of_any_cut_of_the_cache"]
         assert 0 < anywhere <= least <= tight <= row["padding_pct_even_cut"], row
+        by_cost = row["least_pct_at_its_largest_cost_plus_slack"]
+        assert least <= by_cost["10"] <= by_cost["0"] <= row["padding_pct_even_cut"], row
     assert rows[1]["batches_per_epoch"] > rows[0]["batches_per_epoch"]
 
 
@@ -272,12 +264,31 @@ def test_padding_bounds_reads_a_built_cache_from_its_table(sample_cache: Path) -
         frames = [s.frames for s in cache.samples[entry["name"]]]
         assert (len(frames), sum(frames), max(frames)) == (
             entry["samples"], entry["frames"], entry["max_frames"]), entry  # fmt: skip
-    data = dataclasses.replace(DataConfig(batch_frames=padding_bounds.BATCH_FRAMES), num_workers=0)
-    row = padding_bounds.bounds(cache, data, 0, data.attention, any_cut=True)
-    assert row["batches_per_epoch"] > 0, row
+    data = padding_bounds.loader_data()
+    row = padding_bounds.bounds(cache, data, 0, data.attention, [0], any_cut=True)
+    assert row["batches_per_epoch"] == padding_bounds.loader_batches(cache, data) > 0, row
     assert 0 <= row["least_pct_of_any_cut_of_the_cache"] <= row["least_pct_at_the_budget"], row
     assert row["least_pct_at_the_budget"] <= row["least_pct_at_its_largest_batch"], row
     assert row["least_pct_at_its_largest_batch"] <= row["padding_pct_even_cut"], row
+
+
+def test_padding_bounds_finds_the_fewest_batches_a_padding_needs(
+    sample_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The doubling search against a scan of every count, and main's --target line."""
+    cache, data = padding_bounds.built_cache(str(sample_cache)), padding_bounds.loader_data()
+    start = padding_bounds.loader_batches(cache, data)
+    counts = range(start, len(padding_bounds.all_frames(cache)) + 1)
+    scan = [padding_bounds.least_pct_of_any_cut(cache, data, n) for n in counts]
+    assert scan == sorted(scan, reverse=True) and scan[0] > scan[-1], scan  # what it relies on
+    for target in [*scan, scan[0] + 1, scan[-1] - 0.01]:
+        want = next((n for n, least in zip(counts, scan, strict=True) if least <= target), None)
+        found = padding_bounds.fewest_batches(cache, data, target, start)
+        assert found["fewest_batches_of_any_cut"] == want, (target, found, scan)
+    padding_bounds.main(["--cache", str(sample_cache), "--extra", "0", "--target", str(scan[1])])
+    *_, last = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert last["fewest_batches_of_any_cut"] == scan.index(scan[1]) + start, (last, scan)
+    assert last["least_pct_there"] == scan[1], (last, scan)
 
 
 @pytest.mark.slow
