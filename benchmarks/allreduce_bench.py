@@ -43,6 +43,7 @@ from melcache.loader import DataConfig, make_loader
 from melcache.sections import find_config
 from train.config.tables import load_config
 from train.model import build_model
+from train.parallel.env import leave_together
 
 
 def rank_loop(cache: Path, data: DataConfig, steps: int, warmup: int) -> dict | None:
@@ -80,7 +81,7 @@ def rank_loop(cache: Path, data: DataConfig, steps: int, warmup: int) -> dict | 
     stream.close()
     every: list[dict] = [{}] * world
     dist.all_gather_object(every, sums)
-    dist.destroy_process_group()
+    leave_together()
     if rank != 0:
         return None
     shares = [s["wait"] / (s["compute"] + s["reduce"]) for s in every]

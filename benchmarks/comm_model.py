@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from train.config.train_table import ParallelConfig
 from train.model import TextToMel
-from train.parallel.env import Env
+from train.parallel.env import Env, leave_together
 from train.parallel.fsdp import shard
 from train.parallel.powersgd import PowerSGD
 
@@ -132,7 +132,7 @@ def _worker(rank: int, init: str, result: str) -> None:
         })  # fmt: skip
     if rank == 0:
         Path(result).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    leave_together()
 
 
 def measure() -> list[dict[str, Any]]:

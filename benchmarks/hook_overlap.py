@@ -30,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from train.model import TextToMel
+from train.parallel.env import leave_together
 from train.parallel.powersgd import PowerSGD, powersgd_hook
 
 HOOKS = ("allreduce", "powersgd-r4")
@@ -105,7 +106,7 @@ def _worker(rank: int, init: str, result: str, args: argparse.Namespace) -> None
     rows = [_measure_hook(hook, args, inputs) for hook in HOOKS]
     if rank == 0:
         Path(result).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    leave_together()
 
 
 def report(rows: list[dict[str, Any]]) -> str:

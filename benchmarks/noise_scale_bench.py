@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from train.adapt.monitor import NoiseScale
-from train.parallel.env import Env
+from train.parallel.env import Env, leave_together
 
 DIM, POPULATION, NOISE = 32, 50_000, 1.0
 BATCHES = {2: (16, 48), 4: (8, 16, 24, 48)}  # unequal examples per rank and step
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, steps: int, init: str, result: str) -> None:
         trace = (small - big) / (1 / small_b - 1 / big_b)
         out = {**monitor.summary(), "textbook_b_simple": trace / grad_sq}
         Path(result).write_text(json.dumps(out))
-    dist.destroy_process_group()
+    leave_together()
 
 
 def measure(world: int, steps: int) -> dict[str, Any]:
