@@ -115,13 +115,12 @@ def unit_padded(
     cut = plan_even_batches(frames, rng=make_rng(0, 4), count=count, max_batch_size=most,
                             pad_multiple=pad, attention_frames=attention)  # fmt: skip
     lengths = np.sort(round_up(np.asarray(frames, dtype=np.int64), pad))[::-1]
-    largest = max(padded_frames([b], frames, pad) for b in cut)
-    out = {"even": padded_frames(cut, frames, pad),
-           "frames": least_padded(lengths, count, most, largest),
+    sized = [(len(b), round_up(max(frames[i] for i in b), pad)) for b in cut]  # (B, T)
+    out = {"even": sum(size * t for size, t in sized),
+           "frames": least_padded(lengths, count, most, max(size * t for size, t in sized)),
            "budget": least_padded(lengths, count, most, budget)}  # fmt: skip
     if attention:
-        heads = [round_up(max(frames[i] for i in b), pad) for b in cut]
-        dearest = max(len(b) * t * (attention + t) for b, t in zip(cut, heads, strict=True))
+        dearest = max(size * t * (attention + t) for size, t in sized)
         for slack in slacks:
             cap = dearest * (100 + slack) // 100
             out[f"cost+{slack}"] = least_padded(
@@ -177,13 +176,14 @@ def fewest_batches(cache: SyntheticCache, data: DataConfig, target: float, start
     ``target`` %: ``start`` where it does already, None where not even one utterance a batch
     does. (c) never rises with the count (splitting a batch never pads more), so the count is
     doubled until it is reached, then bisected."""
-    utterances, found = len(all_frames(cache)), {}
+    frames, found = all_frames(cache), {}
 
     def reaches(count: int) -> bool:
         if count not in found:
             found[count] = least_pct_of_any_cut(cache, data, count)
         return found[count] <= target
 
+    utterances = len(frames)
     low, high = start - 1, min(start, utterances)  # not reached at low (or below start)
     while not reaches(high):
         if high == utterances:
@@ -193,7 +193,7 @@ def fewest_batches(cache: SyntheticCache, data: DataConfig, target: float, start
     count = low + 1 + bisect.bisect_left(range(low + 1, high), True, key=reaches)
     return {"hours": round(cache.hours, 1), "target_pct": target,
             "fewest_batches_of_any_cut": count,
-            "real_frames_per_batch": round(int(all_frames(cache).sum()) / count),
+            "real_frames_per_batch": round(int(frames.sum()) / count),
             "least_pct_there": found[count]}  # fmt: skip
 
 

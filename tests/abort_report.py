@@ -1,7 +1,7 @@
 """Keep what a test's children printed before a SIGABRT, for the rerun summary.
 
-A 2-process gloo job dies of SIGABRT about once in a few hundred jobs on a loaded machine, and
-such a test runs once more (``addopts`` in ``pyproject.toml``). pytest prints a test's captured
+A 2-process gloo job can die of SIGABRT at interpreter exit (see ``addopts`` in
+``pyproject.toml``), and such a test runs once more. pytest prints a test's captured
 output only when it finally fails, so a rerun that passes used to leave a bare ``R``: not which
 test it was, nor the children's stacks (``PYTHONFAULTHANDLER``, set in ``conftest.py``). This
 hook adds the captured stderr of such a failure to its report, which
