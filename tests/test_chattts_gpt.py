@@ -19,10 +19,10 @@ pytest.importorskip("ChatTTS")
 pytest.importorskip("transformers")
 
 from examples.chattts_gpt.adapter import GPT
-from examples.chattts_gpt.tokenizer import ChatTTSTokenizer
 from melcache.errors import UserError
 
 CONFIG = REPO / "examples" / "chattts_gpt" / "config.toml"
+SPEC = "examples.chattts_gpt.tokenizer:ChatTTSTokenizer"
 TINY = {"hidden": 32, "layers": 2, "heads": 2, "intermediate": 64}
 
 
@@ -89,25 +89,29 @@ def test_the_loss_counts_every_frame_and_the_end_and_falls_from_chattts_s_level(
     assert (out["loss_sum"] / out["loss_count"]).item() < 0.7 * first
 
 
-def test_chattts_s_tokenizer_class_frames_the_text_as_chattts_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_chattts_s_tokenizer_class_frames_the_text_as_chattts_does(tmp_path: Path) -> None:
     """A real BertTokenizerFast folder with ChatTTS's special tokens (its released vocabulary
-    cannot be downloaded here)."""
+    cannot be downloaded here), given as ``[data] vocab`` through the trainer's builder."""
     from transformers import BertTokenizerFast
+
+    from train.model.tokenizers import build_tokenizer
 
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]
     bert = BertTokenizerFast(vocab={word: i for i, word in enumerate(words)})
     bert.add_special_tokens({"additional_special_tokens": ["[Stts]", "[empty_spk]", "[Ptts]"]})
     folder = tmp_path / "asset" / "tokenizer"
     bert.save_pretrained(str(folder))
-    monkeypatch.setenv("CHATTTS_TOKENIZER", str(folder))
-    tokenizer = ChatTTSTokenizer()
+    tokenizer = build_tokenizer(SPEC, str(folder))
     assert tokenizer.vocab_size == 10
-    assert tokenizer("hello world") == [7, 8, 5, 6, 9]  # [Stts] [empty_spk] hello world [Ptts]
-    monkeypatch.setenv("CHATTTS_TOKENIZER", str(tmp_path / "missing"))
-    with pytest.raises(UserError, match=r"missing/tokenizer\.json not found .*CHATTTS_TOKENIZER"):
-        ChatTTSTokenizer()
+    assert list(tokenizer("hello world")) == [
+        7,
+        8,
+        5,
+        6,
+        9,
+    ]  # [Stts] [empty_spk] hello world [Ptts]
+    with pytest.raises(UserError, match=r"missing/tokenizer\.json not found .*\[data\] vocab"):
+        build_tokenizer(SPEC, str(tmp_path / "missing"))
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Command line: ``[torchrun ...] -m train --shards DIR --config FILE --out RUN``,
-``python -m train tune --shards DIR --config FILE`` and ``python -m train plot RUN``.
+``python -m train tune --shards DIR --config FILE``, ``python -m train plot RUN`` and
+``python -m train export RUN [RUN ...] --out DIR``.
 
 Examples::
 
@@ -29,7 +30,8 @@ def _train_parser() -> argparse.ArgumentParser:
         "Rerunning with the same --out resumes from its latest complete checkpoint.",
         epilog="Also: `python -m train plot RUN [--output PNG]` draws a run's loss, frames/s "
         "and data-wait % from RUN/metrics.jsonl; `python -m train tune --shards DIR --config "
-        "FILE` finds per-bucket batch budgets for this device. Bad input is one line on stderr "
+        "FILE` finds per-bucket batch budgets for this device; `python -m train export RUN --out "
+        "DIR` writes a run's weights as safetensors (and its model's home format). Bad input is one line on stderr "
         "and exit 2.",
     )
     p.add_argument(
@@ -103,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             args = _plot_parser().parse_args(argv[1:])
             print(plot_run(args.run, args.output))
             return 0
+        if argv[:1] == ["export"]:
+            from train.export import main as export_main
+
+            return export_main(argv[1:])
         if argv[:1] == ["tune"]:
             from train.config.tables import load_config
             from train.parallel.env import setup, teardown

@@ -33,6 +33,7 @@ import torch
 from ChatTTS.model.dvae import DVAE as ChatTTSDVAE
 from torch import nn
 
+from examples.chattts import asset
 from melcache.errors import UserError
 from melcache.features import feature_presets
 from melcache.fields.format import FieldEncoder
@@ -45,7 +46,11 @@ _ENCODER_PARTS = ("coef", "downsample_conv.", "encoder.", "vq_layer.")
 class DVAE(nn.Module):
     """ChatTTS's DVAE at ChatTTS's sizes (``ChatTTS/config/config.py``) unless args say less."""
 
-    melcache_contract: ClassVar[dict] = {"mel_dtype": "float32", "features": "chattts"}
+    melcache_contract: ClassVar[dict] = {
+        "mel_dtype": "float32",
+        "features": "chattts",
+        "home": "examples.chattts.home:write",  # python -m train export: ChatTTS's asset/
+    }
 
     def __init__(
         self,
@@ -56,6 +61,7 @@ class DVAE(nn.Module):
         layers: int = 12,
         bn_dim: int = 128,
         vq_dim: int = 1024,
+        release: str | None = None,
     ) -> None:
         super().__init__()
         self.dvae = ChatTTSDVAE(
@@ -70,10 +76,18 @@ class DVAE(nn.Module):
         )  # fmt: skip
         with torch.no_grad():
             self.dvae.coef.fill_(1.0)
+        self.from_release = release is not None
+        if release is not None:
+            folder = asset.asset_folder(release)
+            asset.load_strict(
+                self.dvae, asset.read_tensors(folder / asset.DVAE), folder / asset.DVAE
+            )
 
     def set_mel_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
-        """ChatTTS's per-channel divisor, from the cache's statistics instead of its weights."""
-        self.dvae.coef.copy_(std.clamp_min(1e-3).view_as(self.dvae.coef))
+        """ChatTTS's per-channel divisor, from the cache's statistics instead of its weights
+        (a run from a release keeps the release's, which its encoder was trained with)."""
+        if not self.from_release:
+            self.dvae.coef.copy_(std.clamp_min(1e-3).view_as(self.dvae.coef))
 
     def forward(self, mel, mel_lengths, text, text_lengths) -> dict[str, torch.Tensor]:
         """L1 reconstruction of the log-mel, summed over valid frames (mean over channels)."""
@@ -144,7 +158,7 @@ def encoder(checkpoint: str | None = None, device: str = "cpu", **kwargs: Any) -
         weights, args, state = _from_run(path)
     else:
         weights, state = path, _weights_file(path)
-        args = {**_sizes(state), **kwargs}
+        args = {**dvae_sizes(state), **kwargs}
     model = DVAE(n_mels=100, **args).dvae
     state = {k.removeprefix("dvae."): v for k, v in state.items()}
     missing = [k for k in model.state_dict() if k.startswith(_ENCODER_PARTS) and k not in state]
@@ -170,28 +184,21 @@ def encoder(checkpoint: str | None = None, device: str = "cpu", **kwargs: Any) -
 
 
 def _from_run(run: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
-    """The newest complete checkpoint of a run folder (train/run/checkpoint.py's layout:
-    ``checkpoints/step-N/`` counts once its ``COMPLETE.json`` exists)."""
-    done = sorted(
-        p for p in (run / "checkpoints").glob("step-*") if (p / "COMPLETE.json").is_file()
-    )
-    if not done:
-        raise UserError(f"{run}: no complete checkpoint in {run / 'checkpoints'}")
-    if (done[-1] / "weights").exists():
-        raise UserError(f"{done[-1]}: an FSDP2 checkpoint (sharded weights); pass a DDP run's")
-    shared = done[-1] / "shared.pt"
-    try:
-        state = torch.load(shared, map_location="cpu", weights_only=True)
-        args, model = dict(state["config"]["model"]["args"]), state["model"]
-    except Exception as exc:  # torch raises many kinds for a damaged file
-        raise UserError(f"{shared}: not a readable checkpoint ({type(exc).__name__})") from None
-    impl = state["config"]["model"]["impl"]
-    if impl != "examples.chattts_dvae.adapter:DVAE":
-        raise UserError(f"{shared}: a run of {impl}, not examples.chattts_dvae.adapter:DVAE")
-    return shared, args, model
+    """The newest complete checkpoint of a run folder, DDP or FSDP2 (``train/export.py``):
+    the file that names it, its ``[model.args]`` and its weights."""
+    from train.export import read_run
+
+    read = read_run(run)
+    if read.impl != "examples.chattts_dvae.adapter:DVAE":
+        raise UserError(
+            f"{read.checkpoint}: a run of {read.impl}, not examples.chattts_dvae.adapter:DVAE"
+        )
+    args = {k: v for k, v in read.config["model"]["args"].items() if k != "release"}
+    # shared.pt names the checkpoint in the field's provenance (FSDP2's shards sit beside it)
+    return read.checkpoint / "shared.pt", args, read.weights
 
 
-def _sizes(state: dict[str, torch.Tensor]) -> dict[str, int]:
+def dvae_sizes(state: dict[str, torch.Tensor]) -> dict[str, int]:
     """A weights file's DVAE sizes, read off its tensors (ChatTTS's own where one is absent):
     ``dim`` → ``downsample_conv``, ``bn_dim`` and ``hidden`` → the encoder's ``conv_in``,
     ``vq_dim`` → its ``conv_out``, ``layers`` → its blocks."""

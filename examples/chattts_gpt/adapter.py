@@ -27,6 +27,7 @@ What the adapter bridges (``train/model/contract.py`` for the keys):
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -34,16 +35,27 @@ import torch.nn.functional as F
 from ChatTTS.model.embed import Embed
 from ChatTTS.model.gpt import GPT as ChatTTSGPT
 from torch import nn
-from transformers import LlamaModel
+from transformers import LlamaConfig, LlamaModel
 
+from examples.chattts import asset
+from melcache.errors import UserError
+
+TOKENIZER_SPEC = "examples.chattts_gpt.tokenizer:ChatTTSTokenizer"  # [data] tokenizer
 FIELD = "codes"  # the field ``preprocess derive --field codes`` stores (the DVAE's encoder)
 
 
 class GPT(nn.Module):
     """ChatTTS's GPT at ChatTTS's sizes (``ChatTTS/config/config.py``: hidden 768, 20 layers,
-    12 heads, intermediate 3072, 626 audio tokens, 4 codebooks) unless args say less."""
+    12 heads, intermediate 3072, 626 audio tokens, 4 codebooks) unless args say less;
+    ``release``: a ChatTTS release folder (or its ``asset/``) to start from, every tensor of its
+    ``gpt/`` and ``Embed.safetensors`` mapped strictly (``examples/chattts/asset.py``)."""
 
-    melcache_contract: ClassVar[dict] = {"inputs": "batch", "fields": (FIELD,), "mel": False}
+    melcache_contract: ClassVar[dict] = {
+        "inputs": "batch",
+        "fields": (FIELD,),
+        "mel": False,
+        "home": "examples.chattts.home:write",  # python -m train export: ChatTTS's asset/
+    }
 
     def __init__(
         self,
@@ -57,23 +69,40 @@ class GPT(nn.Module):
         num_audio_tokens: int = 626,
         num_vq: int = 4,
         max_positions: int = 4096,
+        release: str | None = None,
     ) -> None:
         super().__init__()
         self.embed = Embed(hidden, num_audio_tokens, vocab_size, num_vq)
         # head_text serves ChatTTS's refine-text mode (text → text), which the code loss does
         # not train: frozen, so DDP and the trainer's check find no parameter without a gradient.
         self.embed.head_text.requires_grad_(False)
-        config = {
-            "hidden_size": hidden, "intermediate_size": intermediate,
-            "num_attention_heads": heads, "num_hidden_layers": layers, "use_cache": False,
-            "max_position_embeddings": max_positions, "num_audio_tokens": num_audio_tokens,
-            "num_text_tokens": vocab_size, "num_vq": num_vq,
-        }  # fmt: skip
+        config = chattts_config(
+            vocab_size, hidden, layers, heads, intermediate, num_audio_tokens, num_vq, max_positions
+        )
         self.chattts = ChatTTSGPT(config, self.embed)
-        # What ChatTTS's load_pretrained does with its released folder, from random init.
-        self.chattts.gpt = LlamaModel(self.chattts.llama_config)
+        # What ChatTTS's load_pretrained does with its released folder, at random init.
+        self.chattts.gpt = LlamaModel(llama_config(config, release))
         del self.chattts.gpt.embed_tokens  # ChatTTS embeds with Embed, not Llama's table
+        if release is not None:
+            self._load_release(asset.asset_folder(release))
         self.num_vq, self.end_of_audio = num_vq, num_audio_tokens - 1
+
+    def _load_release(self, folder: Path) -> None:
+        """Every tensor of the release's ``Embed.safetensors`` and ``gpt/model.safetensors``
+        (but the Llama's ``embed_tokens``, which ChatTTS deletes too), strictly."""
+        embed = asset.read_tensors(folder / asset.EMBED)
+        rows = embed.get("emb_text.weight", torch.empty(0)).shape[:1]
+        if rows and rows[0] != self.embed.emb_text.num_embeddings:
+            raise UserError(
+                f"{folder / asset.EMBED}: its text embedding holds {rows[0]} tokens, [data] tokenizer "
+                f"gives {self.embed.emb_text.num_embeddings}: train with the release's tokenizer "
+                f'([data] tokenizer = "{TOKENIZER_SPEC}", vocab = "{folder / asset.TOKENIZER}")'
+            )
+        asset.load_strict(self.embed, embed, folder / asset.EMBED)
+        llama_file = folder / asset.GPT / "model.safetensors"
+        asset.load_strict(
+            self.chattts.gpt, asset.read_tensors(llama_file), llama_file, ["embed_tokens.weight"]
+        )
 
     def forward(self, batch: Any) -> dict[str, torch.Tensor]:
         """Cross entropy of every code of every valid frame (and the end), summed; counted
@@ -121,3 +150,34 @@ class GPT(nn.Module):
         valid = (frame <= n_codes[:, None]) & ((frame > 0) | (n_text[:, None] > 0))
         before = (n_text[:, None] - 1 + frame).clamp(0, S - 1)  # past a row's end: not valid
         return targets, valid, before
+
+
+def chattts_config(
+    vocab_size: int,
+    hidden: int = 768,
+    layers: int = 20,
+    heads: int = 12,
+    intermediate: int = 3072,
+    num_audio_tokens: int = 626,
+    num_vq: int = 4,
+    max_positions: int = 4096,
+) -> dict[str, Any]:
+    """ChatTTS's ``Config.gpt`` at these sizes (what its ``GPT`` builds its Llama config from,
+    and what ``Chat`` must be given to load an export of them)."""
+    return {
+        "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_attention_heads": heads, "num_hidden_layers": layers, "use_cache": False,
+        "max_position_embeddings": max_positions, "num_audio_tokens": num_audio_tokens,
+        "num_text_tokens": vocab_size, "num_vq": num_vq,
+    }  # fmt: skip
+
+
+def llama_config(config: dict[str, Any], release: str | None = None) -> LlamaConfig:
+    """The Llama's config for ChatTTS GPT ``config``: the one ChatTTS's ``GPT`` builds, or a
+    release's own ``gpt/config.json`` (its rope and norm settings too), refused in one line
+    where it sizes the Llama otherwise than ``config``."""
+    if release is None:
+        return LlamaConfig(**config)
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+    sizes = {k: config[k] for k in keys}
+    return LlamaConfig.from_dict(asset.check_llama_sizes(asset.asset_folder(release), sizes))

@@ -65,7 +65,7 @@ class TrainDataConfig(DataConfig):
     tokenizer: str = (
         "bytes"  # "bytes", "chars" (with vocab) or "package.module:name": train/model/tokenizers.py
     )
-    vocab: str = ""  # the "chars" tokenizer's file: one character per line
+    vocab: str = ""  # "chars": a file of one character a line; a tokenizer class's files
     val_shards: str = ""  # a second cache for validation (--val-shards): train/run/validation.py
 
     def __post_init__(self) -> None:

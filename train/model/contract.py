@@ -26,6 +26,9 @@ optional, the defaults being the reference :class:`train.model.text_to_mel.TextT
 - ``"mel"``: ``False`` for a model that reads fields only: the loader then reads the field
   shards alone (no mel byte), ``batch.mel`` is ``[B, T, 0]``, and ``mel_lengths``, bucketing,
   budgets and the schedule count the first field's frames.
+- ``"home"``: ``"package.module:function"``, the writer of the model's home format, which
+  ``python -m train export`` calls with the runs of models declaring it (``train/export.py``;
+  ChatTTS's ``asset/`` folder: ``examples/chattts/home.py``).
 
 A constructor with a ``vocab_size`` parameter is given the tokenizer's vocabulary size.
 
@@ -73,6 +76,7 @@ class ModelSpec:
     extras: tuple[str, ...] = ()
     fields: tuple[str, ...] | Mapping[str, Mapping[str, Any]] = ()
     mel: bool = True
+    home: str | None = None
 
 
 def declared(cls: type, impl: str) -> ModelSpec:
@@ -103,6 +107,11 @@ def declared(cls: type, impl: str) -> ModelSpec:
         raise UserError(
             f"{impl}.melcache_contract asks for extras {list(extras)}, which only reach a model "
             'given the whole batch: add "inputs": "batch"'
+        )
+    home = table.get("home")
+    if home is not None and not (isinstance(home, str) and ":" in home):
+        raise UserError(
+            f"{impl}.melcache_contract['home'] = {home!r}: expected 'package.module:function'"
         )
     fields = table.get("fields", ())
     _check_fields(fields, impl, table)

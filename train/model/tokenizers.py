@@ -11,7 +11,8 @@ pads with -1 and counts tokens from 0) shifts in its adapter: ``text - 1``.
   (``<unk>``), so ``vocab_size`` = lines + 2.
 - ``"package.module:name"``: ``name`` is a tokenizer (a callable ``str -> Sequence[int]`` with
   an int ``vocab_size``) or a class or zero-argument factory making one; it must be picklable (the
-  loader's workers get a copy).
+  loader's workers get a copy). A factory with a ``vocab`` parameter is given ``data.vocab``
+  (a tokenizer's files: ChatTTS's ``asset/tokenizer`` folder, for one).
 
 Every tokenizer is wrapped by :class:`Checked`, which refuses an id outside the vocabulary (id 0
 included), and any output that is not a flat sequence of ints, with the text it came from,
@@ -92,7 +93,7 @@ def build_tokenizer(spec: str, vocab: str = "") -> Checked:
             raise UserError('data.tokenizer = "chars" needs data.vocab, a file of one char a line')
         inner = Chars(vocab)
     else:
-        inner = _import(spec)
+        inner = _import(spec, vocab)
     size = getattr(inner, "vocab_size", None)
     if not (type(size) is int and 1 < size <= VOCAB_SIZE_MAX) or not callable(inner):
         raise UserError(
@@ -111,7 +112,7 @@ def build_tokenizer(spec: str, vocab: str = "") -> Checked:
     return checked
 
 
-def _import(spec: str) -> Any:
+def _import(spec: str, vocab: str) -> Any:
     module_name, _, name = spec.partition(":")
     try:
         found = getattr(importlib.import_module(module_name), name)
@@ -119,8 +120,11 @@ def _import(spec: str) -> Any:
         raise UserError(f"data.tokenizer = {spec!r} cannot be imported: {exc}") from None
     if isinstance(found, type) or not hasattr(found, "vocab_size"):
         _check_factory(spec, found)
+        takes_vocab = vocab and "vocab" in _parameters(found)
         try:
-            return found()
+            return found(vocab=vocab) if takes_vocab else found()
+        except UserError:
+            raise
         except Exception as exc:
             raise UserError(
                 f"data.tokenizer = {spec!r}: calling it to make the tokenizer failed "
@@ -150,3 +154,11 @@ def _check_factory(spec: str, found: Any) -> None:
             f"data.tokenizer = {spec!r} needs arguments {needed}: name a tokenizer, or a class "
             "or zero-argument factory making one"
         )
+
+
+def _parameters(found: Any) -> set[str]:
+    """The parameter names of a callable (none where it has no signature to read)."""
+    try:
+        return set(inspect.signature(found).parameters)
+    except (TypeError, ValueError):
+        return set()

@@ -121,10 +121,7 @@ class Checkpointer:
 
     def complete(self) -> list[Path]:
         """Every checkpoint whose marker exists, newest first."""
-        done = [
-            p for p in self.folder.glob("step-*") if FINAL.match(p.name) and (p / MARKER).is_file()
-        ]
-        return sorted(done, key=lambda p: p.name, reverse=True)
+        return complete_checkpoints(self.folder)
 
     def latest(self) -> Path | None:
         """The newest checkpoint whose marker exists, or None."""
@@ -162,9 +159,9 @@ class Checkpointer:
         :class:`CorruptCheckpoint` naming the file that cannot be read."""
         marker = _read_marker(path / MARKER)
         world_size = marker["world_size"]
-        shared = _load(path / SHARED)
+        shared = read_state(path / SHARED)
         if world_size == self.env.world_size:
-            state = shared, _load(path / rank_file(self.env.rank))
+            state = shared, read_state(path / rank_file(self.env.rank))
         else:
             state = shared, self._resized(path, world_size, shared["step"])
         listed = marker.get("files")
@@ -177,7 +174,7 @@ class Checkpointer:
         every old rank's loader state (the loader resumes from all of them), the RNG of the
         old rank of this number (``None`` past the old ranks: seeded afresh) and no PowerSGD
         error feedback (it is per rank and restarts at zero)."""
-        mine = _load(path / rank_file(self.env.rank)) if self.env.rank < world_size else None
+        mine = read_state(path / rank_file(self.env.rank)) if self.env.rank < world_size else None
         return {
             "step": step,
             "rank": self.env.rank,
@@ -191,7 +188,7 @@ class Checkpointer:
         another size or mix resumes its loader from)."""
         if world_size is None:
             world_size = _read_marker(path / MARKER)["world_size"]
-        return [_load(path / rank_file(rank))["loader"] for rank in range(world_size)]
+        return [read_state(path / rank_file(rank))["loader"] for rank in range(world_size)]
 
     def _write(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         name = f"step-{step:08d}"
@@ -319,7 +316,13 @@ def _check_weights(folder: Path) -> None:
         raise CorruptCheckpoint(_one_line(exc)) from None
 
 
-def _load(file: Path) -> dict[str, Any]:
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Every checkpoint in ``folder`` whose marker exists, newest first."""
+    done = [p for p in folder.glob("step-*") if FINAL.match(p.name) and (p / MARKER).is_file()]
+    return sorted(done, key=lambda p: p.name, reverse=True)
+
+
+def read_state(file: Path) -> dict[str, Any]:
     """``torch.load(weights_only=True)``: tensors and plain data only, never pickled code."""
     try:
         with open_regular(file) as f:  # a FIFO or a folder in its place is refused, not waited on
