@@ -1,7 +1,7 @@
 """ChatTTS's GPT (``examples/chattts_gpt``, issue #38) with the real chattts and transformers
 packages, from random init: the sequence it trains on is ChatTTS's (text, then code frames,
 then the end of audio), each frame predicted from what comes before it only, and its text goes
-through ChatTTS's own tokenizer class where its files are."""
+through ChatTTS's own tokenizer class (here one trained on the cache's texts)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import tomllib
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
+import soundfile
 import torch
 from helpers import REPO, checkpoint, dcp_weights, load, metrics, run_ok, torchrun
 
@@ -117,7 +119,7 @@ def test_chattts_s_tokenizer_class_frames_the_text_as_chattts_does(tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_chattts_s_gpt_trains_on_two_ranks_from_the_codes_and_resumes_bitwise(
-    strategy: str, derived: Path, tmp_path: Path
+    strategy: str, derived: Path, chattts_tokenizer: Path, tmp_path: Path
 ) -> None:
     """``torchrun --nproc-per-node 2 -m train --config examples/chattts_gpt/config.toml`` on a
     cache whose codes the DVAE example's encoder derived: the loss and the validation loss
@@ -129,7 +131,7 @@ def test_chattts_s_gpt_trains_on_two_ranks_from_the_codes_and_resumes_bitwise(
                 "-m", "train", "--shards", str(derived), "--config", str(CONFIG), "--out",
                 str(out), "--max-steps", str(steps), "train.checkpoint.every=10",
                 f"train.parallel.strategy={strategy}", f"data.val_shards={derived}",
-                "train.validation.every=10",
+                "train.validation.every=10", f"data.vocab={json.dumps(str(chattts_tokenizer))}",
             ),
             timeout=600,
         )  # fmt: skip
@@ -157,12 +159,13 @@ def model_weights(out: Path, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_train_tune_sizes_a_model_of_codes_alone_in_code_frames(
-    derived: Path, tmp_path: Path
+    derived: Path, chattts_tokenizer: Path, tmp_path: Path
 ) -> None:
     """``train tune`` builds its worst batches from the field shards' longest code frames."""
     out = tmp_path / "budgets.toml"
     command = [sys.executable, "-m", "train", "tune", "--shards", str(derived), "--config",
-               str(CONFIG), "--output", str(out), "--memory-limit-mib", "400"]  # fmt: skip
+               str(CONFIG), "--output", str(out), "--memory-limit-mib", "400",
+               f"data.vocab={json.dumps(str(chattts_tokenizer))}"]  # fmt: skip
     run_ok(command, timeout=600)
     budgets = tomllib.loads(out.read_text())["data"]["batch_frames"]
     codes = json.loads((derived / "index.json").read_text())["fields"]["codes"]["shards"]
@@ -190,6 +193,10 @@ def test_chattts_pretrain_sh_runs_build_dvae_derive_and_gpt_and_resumes(tmp_path
         index["fields"]["codes"]["provenance"]["encoder"] == "examples.chattts_dvae.adapter:encoder"
     )
     assert [r["step"] for r in metrics(out / "gpt") if "loss" in r] == [5, 10, 15, 20]
-    again = run_ok(["bash", *script], timeout=900).stderr
-    assert again.count("resumed from") == 2, again[-3000:]  # the DVAE's and the GPT's runs
-    assert "field 'codes' is already derived with this provenance" in again, again[-3000:]
+    wav, rate = soundfile.read(out / "sample.wav", dtype="float32")  # spoken by ChatTTS's Chat
+    assert rate == 24_000 and wav.size > 0 and np.isfinite(wav).all()
+    assert (out / "asset" / "gpt" / "model.safetensors").is_file()
+    again = run_ok(["bash", *script], timeout=900)
+    assert again.stderr.count("resumed from") == 2, again.stderr[-3000:]  # the DVAE's and GPT's
+    assert "field 'codes' is already derived with this provenance" in again.stderr
+    assert f"{out}/sample.wav" in again.stdout  # it says what it made, and where
