@@ -7,6 +7,7 @@ the training adapters compute from the checkpoints."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -20,15 +21,16 @@ from helpers import REPO, checkpoint, derive_args, load, run_ok, run_preprocess,
 pytest.importorskip("ChatTTS", reason="needs the chattts extra: pip install -e '.[chattts]'")
 pytest.importorskip("vocos", reason="needs the chattts extra: pip install -e '.[chattts]'")
 
-from _chattts_release import TINY_DVAE, TINY_GPT, fabricate
 from safetensors.torch import load_file
 
 import melcache
 from examples.chattts.chat import load_chat, read_sizes, speak
+from examples.chattts.random_release import TINY_DVAE, TINY_GPT, fabricate
 from examples.chattts_dvae.adapter import DVAE
 from examples.chattts_gpt.adapter import GPT
 from melcache.errors import UserError
 from preprocess.write.field_shard import log_floor_value
+from train.export import export as train_export
 
 GPT_CONFIG = REPO / "examples" / "chattts_gpt" / "config.toml"
 DVAE_CONFIG = REPO / "examples" / "chattts_dvae" / "config.toml"
@@ -267,3 +269,45 @@ def test_an_fsdp2_run_exports_the_bytes_of_a_ddp_run_of_the_same_weights(
     initial = load_file(tiny_release / "asset/Embed.safetensors")
     exported = load_file(fsdp2 / "asset/Embed.safetensors")
     assert all(torch.equal(exported[k], v) for k, v in initial.items())  # lr 1e-30: unchanged
+
+
+def saved_run(folder: Path, model: torch.nn.Module, impl: str, args: dict, data: dict) -> Path:
+    """A run folder in the trainer's layout (``train/run/checkpoint.py``) holding ``model``'s
+    weights at step 1, as a one-process DDP run writes it."""
+    step = checkpoint(folder, 1)
+    step.mkdir(parents=True)
+    config = {"model": {"impl": impl, "args": args}, "data": data}
+    torch.save({"step": 1, "config": config, "model": model.state_dict()}, step / "shared.pt")
+    (step / "COMPLETE.json").write_text(json.dumps({"step": 1, "world_size": 1}))
+    return folder
+
+
+def test_what_cannot_go_into_chattts_is_refused_in_one_line(
+    tiny_release: Path, tmp_path: Path
+) -> None:
+    gpt_impl, dvae_impl = "examples.chattts_gpt.adapter:GPT", "examples.chattts_dvae.adapter:DVAE"
+    on_bytes = saved_run(tmp_path / "bytes", GPT(vocab_size=257, **TINY_ARGS), gpt_impl,
+                         TINY_ARGS, {"tokenizer": "bytes"})  # fmt: skip
+    wide = {**TINY_DVAE_ARGS, "vq_dim": 64}  # Chat builds a DVAE only with dim = vq_dim / 2
+    narrow = saved_run(tmp_path / "dvae", DVAE(n_mels=100, **wide), dvae_impl, wide, {})
+    tokenizer = {"tokenizer": SPEC, "vocab": str(tiny_release / "asset/tokenizer")}
+    gpt = saved_run(tmp_path / "gpt", GPT(vocab_size=300, **TINY_ARGS), gpt_impl, TINY_ARGS,
+                    tokenizer)  # fmt: skip
+    cases = {  # runs, release, what the one line says
+        "bytes": ([on_bytes], tiny_release, r"trained with \[data\] tokenizer = 'bytes', which "
+                  r"cannot go into ChatTTS .*python -m examples\.chattts_gpt\.tokenizer"),
+        "dim": ([gpt, narrow], None, r"a DVAE with dim 64 and vq_dim 64: .*train it with vq_dim = 128"),
+        "no dvae": ([gpt], None, r"needs the DVAE whose codes the GPT learnt: give its run"),
+        "no run": ([tmp_path / "missing"], None, r"missing: no complete checkpoint in"),
+        "twice": ([gpt, gpt], None, r"share a folder name"),
+    }  # fmt: skip
+    for name, (runs, release, message) in cases.items():
+        with pytest.raises(UserError) as refused:
+            train_export(runs, tmp_path / f"out-{name.replace(' ', '-')}", release=release)
+        assert re.search(message, str(refused.value)) and "\n" not in str(refused.value), name
+    done = export(on_bytes, "--out", tmp_path / "cli", check=False)  # the command: one line
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "which cannot go into ChatTTS" in done.stderr
+    lines = train_export([gpt], tmp_path / "ok", release=tiny_release)  # the release's DVAE
+    assert any(line.startswith("DVAE: copied from") for line in lines)
+    assert load_chat(tmp_path / "ok", "cpu").has_loaded()

@@ -1,9 +1,15 @@
-"""A ChatTTS release fabricated from the chattts package's own modules at random init, saved
-in its own layout (``asset/``: the released weights cannot be downloaded here), at ChatTTS's
-released sizes (``ChatTTS/config/config.py``) or at the GPT and DVAE examples' tiny ones."""
+"""A ChatTTS release made from the chattts package's own modules at random init, saved in its
+own layout (``asset/``), at ChatTTS's released sizes (``ChatTTS/config/config.py``) or at the
+GPT and DVAE examples' tiny ones: what the tests and ``benchmarks/chattts_export.py`` start
+from, since the released weights cannot be downloaded here, and a way to try the import and
+export path offline::
+
+    python -m examples.chattts.random_release DIR [--tiny]
+"""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,7 +31,7 @@ TINY_DVAE = {"dim": 64, "hidden": 32, "n_layer": 2, "bn_dim": 16, "vq_dim": 128}
 
 
 def fabricate(root: Path, *, tiny: bool = False, text_tokens: int = 21178, seed: int = 0) -> Path:
-    """Write ``root/asset/`` as ChatTTS's release lays it out; return ``root``."""
+    """Write ``root/asset/`` as ChatTTS's release lays it out, at random init; return ``root``."""
     torch.manual_seed(seed)
     config = Config()
     folder = root / asset.ASSET
@@ -72,6 +78,15 @@ def _tokenizer(folder: Path, size: int) -> None:
     words += [chr(0x4E00 + i) for i in range(room)]  # CJK characters, one token each
     bert = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True)
     bert.add_special_tokens({"additional_special_tokens": list(CHATTTS_TOKENS)})
-    assert len(bert) == size, (len(bert), size)
+    if len(bert) != size:  # fewer than ChatTTS's tokens plus the letters
+        raise ValueError(f"a tokenizer of {size} ids cannot hold ChatTTS's {len(bert)} fixed ones")
     bert.save_pretrained(str(folder))
     asset.write_special_tokens_map(folder)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m examples.chattts.random_release")
+    parser.add_argument("root", type=Path, help="folder to write asset/ into")
+    parser.add_argument("--tiny", action="store_true", help="the examples' sizes")
+    args = parser.parse_args()
+    print(fabricate(args.root, tiny=args.tiny) / asset.ASSET)
