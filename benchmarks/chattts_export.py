@@ -1,7 +1,7 @@
 """ChatTTS in and out at its released size: the time to start a run from a release, to export a
 run back into ChatTTS's ``asset/`` layout, and for ChatTTS's ``Chat`` to load the export.
 
-    python -m benchmarks.chattts_export [--repeats 3] [--data DIR]
+    python -m benchmarks.chattts_export [--repeats 3] [--data DIR] [--tiny]
 
 1. A release at ChatTTS's released sizes, made from its own modules at random init
    (``examples/chattts/random_release.py``: nothing can be downloaded here; the time does not
@@ -12,7 +12,8 @@ run back into ChatTTS's ``asset/`` layout, and for ChatTTS's ``Chat`` to load th
    state of the same size (what a real checkpoint's ``shared.pt`` holds), with the release's
    DVAE, Decoder and Vocos; then ``examples.chattts.chat.load_chat`` of the export.
 
-One JSON line per row: medians and the spread of ``--repeats`` runs, in seconds.
+One JSON line per row: medians and the spread of ``--repeats`` runs, in seconds. ``--tiny``:
+the examples' sizes instead (a check that every row runs).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def timed(repeats: int, work: Callable[[], object]) -> dict[str, float]:
             "max_s": round(max(seconds), 3)}  # fmt: skip
 
 
-def saved_run(folder: Path, model: torch.nn.Module, release: Path) -> Path:
+def saved_run(folder: Path, model: torch.nn.Module, release: Path, args: dict) -> Path:
     """A run folder in the trainer's layout: the model's weights and an AdamW state of its
     size at step 1, its config naming the release's tokenizer."""
     from examples.chattts.asset import ASSET, TOKENIZER
@@ -53,7 +54,7 @@ def saved_run(folder: Path, model: torch.nn.Module, release: Path) -> Path:
                                   "exp_avg_sq": torch.zeros_like(p)}  # fmt: skip
     data = {"tokenizer": "examples.chattts_gpt.tokenizer:ChatTTSTokenizer",
             "vocab": str(release / ASSET / TOKENIZER)}  # fmt: skip
-    config = {"model": {"impl": "examples.chattts_gpt.adapter:GPT", "args": {}}, "data": data}
+    config = {"model": {"impl": "examples.chattts_gpt.adapter:GPT", "args": args}, "data": data}
     state = {"step": 1, "config": config, "model": model.state_dict(),
              "optimizer": optimizer.state_dict()}  # fmt: skip
     torch.save(state, step / "shared.pt")
@@ -65,6 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chattts_export")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each row")
     parser.add_argument("--data", type=Path, help="work folder (default: a temporary one)")
+    parser.add_argument("--tiny", action="store_true", help="the examples' sizes")
     args = parser.parse_args()
     from examples.chattts.chat import load_chat
     from examples.chattts.random_release import fabricate
@@ -74,16 +76,28 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.data) as work:
         root = Path(work)
-        release = fabricate(root / "release")
+        release = fabricate(
+            root / "release", tiny=args.tiny, text_tokens=300 if args.tiny else 21178
+        )
+        sizes = {"hidden": 64, "layers": 2, "heads": 4, "intermediate": 128} if args.tiny else {}
+        dvae_sizes = {"dim": 64, "hidden": 32, "layers": 2, "bn_dim": 16, "vq_dim": 128}
+        dvae_sizes = dvae_sizes if args.tiny else {}
+        vocab = 300 if args.tiny else 21178
+
+        def gpt(**release_arg: str) -> GPT:
+            return GPT(vocab_size=vocab, **sizes, **release_arg)
+
         rows = {
-            "GPT from the release (import)": lambda: GPT(vocab_size=21178, release=str(release)),
-            "GPT at random init (beside it)": lambda: GPT(vocab_size=21178),
-            "DVAE from the release (import)": lambda: DVAE(n_mels=100, release=str(release)),
-            "DVAE at random init (beside it)": lambda: DVAE(n_mels=100),
+            "GPT from the release (import)": lambda: gpt(release=str(release)),
+            "GPT at random init (beside it)": gpt,
+            "DVAE from the release (import)": lambda: DVAE(
+                n_mels=100, release=str(release), **dvae_sizes
+            ),
+            "DVAE at random init (beside it)": lambda: DVAE(n_mels=100, **dvae_sizes),
         }
         for name, work_ in rows.items():
             print(json.dumps({"row": name, **timed(args.repeats, work_)}))
-        run = saved_run(root / "run", GPT(vocab_size=21178, release=str(release)), release)
+        run = saved_run(root / "run", gpt(release=str(release)), release, sizes)
         size = (run / "checkpoints/step-00000001/shared.pt").stat().st_size
         out = root / "export"
         row = timed(args.repeats, lambda: export([run], out, release=release, force=True))

@@ -311,3 +311,14 @@ def test_what_cannot_go_into_chattts_is_refused_in_one_line(
     lines = train_export([gpt], tmp_path / "ok", release=tiny_release)  # the release's DVAE
     assert any(line.startswith("DVAE: copied from") for line in lines)
     assert load_chat(tmp_path / "ok", "cpu").has_loaded()
+
+
+@pytest.mark.slow
+def test_the_export_benchmark_prints_every_row() -> None:
+    done = run_ok([sys.executable, "-m", "benchmarks.chattts_export", "--tiny", "--repeats", "1"])
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["row"].split(" (")[0] for r in rows] == [
+        "GPT from the release", "GPT at random init", "DVAE from the release",
+        "DVAE at random init", "export of a GPT run", "ChatTTS's Chat.load of the export",
+    ]  # fmt: skip
+    assert all(r["median_s"] > 0 for r in rows)

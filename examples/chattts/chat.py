@@ -50,9 +50,9 @@ def load_chat(folder: str | Path, device: str | None = None) -> Any:
     return chat
 
 
-def read_sizes(folder: Path) -> dict[str, Any]:
+def read_sizes(folder: str | Path) -> dict[str, Any]:
     """``chattts.json``: the sizes ``Chat``'s config needs and the inference settings."""
-    path = folder / asset.SIZES
+    path = Path(folder) / asset.SIZES
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
