@@ -37,7 +37,10 @@ from benchmarks.trainer_bench import build_sample_cache
 
 REPO = Path(__file__).resolve().parents[1]
 ENCODER = "examples.chattts_dvae.adapter:encoder"
-SIZES = {"tiny": {"dim": 64, "hidden": 32, "layers": 2, "bn_dim": 16, "vq_dim": 64}, "released": {}}
+SIZES = {
+    "tiny": {"dim": 64, "hidden": 32, "layers": 2, "bn_dim": 16, "vq_dim": 128},
+    "released": {},
+}
 
 
 def weights_file(size: str, folder: Path) -> Path:

@@ -215,13 +215,13 @@ def dvae_sizes(state: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 def _weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """A weights file's tensors: safetensors (ChatTTS's own), else a ``weights_only`` state
+    dict; one line, whatever a damaged or foreign file raises."""
+    if path.suffix == ".safetensors":
+        return asset.read_tensors(path)
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a damaged or foreign file: one line, whatever raised
+    except Exception as exc:
         raise UserError(
             f"{path}: not a readable weights file ({type(exc).__name__}: {exc})"
         ) from None
