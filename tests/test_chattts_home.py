@@ -271,13 +271,16 @@ def test_an_fsdp2_run_exports_the_bytes_of_a_ddp_run_of_the_same_weights(
     assert all(torch.equal(exported[k], v) for k, v in initial.items())  # lr 1e-30: unchanged
 
 
-def saved_run(folder: Path, model: torch.nn.Module, impl: str, args: dict, data: dict) -> Path:
+def saved_run(
+    folder: Path, model: torch.nn.Module, impl: str, args: dict, data: dict, ema: dict | None = None
+) -> Path:
     """A run folder in the trainer's layout (``train/run/checkpoint.py``) holding ``model``'s
-    weights at step 1, as a one-process DDP run writes it."""
+    weights (and an EMA's) at step 1, as a one-process DDP run writes it."""
     step = checkpoint(folder, 1)
     step.mkdir(parents=True)
     config = {"model": {"impl": impl, "args": args}, "data": data}
-    torch.save({"step": 1, "config": config, "model": model.state_dict()}, step / "shared.pt")
+    state = {"step": 1, "config": config, "model": model.state_dict(), "ema": ema}
+    torch.save(state, step / "shared.pt")
     (step / "COMPLETE.json").write_text(json.dumps({"step": 1, "world_size": 1}))
     return folder
 
@@ -322,3 +325,24 @@ def test_the_export_benchmark_prints_every_row() -> None:
         "DVAE at random init", "export of a GPT run", "ChatTTS's Chat.load of the export",
     ]  # fmt: skip
     assert all(r["median_s"] > 0 for r in rows)
+
+
+def test_export_with_ema_takes_the_averaged_parameters_and_the_model_s_buffers(
+    tiny_release: Path, tmp_path: Path
+) -> None:
+    model = DVAE(n_mels=100, **TINY_DVAE_ARGS)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    shadow = {n: torch.full_like(p, 0.5) for n, p in trained.items()}
+    impl = "examples.chattts_dvae.adapter:DVAE"
+    run = saved_run(
+        tmp_path / "dvae", model, impl, TINY_DVAE_ARGS, {}, {"updates": 1, "shadow": shadow}
+    )
+    train_export([run], tmp_path / "out", release=tiny_release, ema=True)
+    exported = load_file(tmp_path / "out/weights/dvae/model.safetensors")
+    assert exported.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(exported[name], shadow.get(name, value)), name
+    assert torch.equal(load_file(tmp_path / "out/asset/DVAE.safetensors")["coef"], model.dvae.coef)
+    without = saved_run(tmp_path / "plain", model, impl, TINY_DVAE_ARGS, {})
+    with pytest.raises(UserError, match=r"the run kept no EMA .*export without --ema"):
+        train_export([without], tmp_path / "out2", ema=True)

@@ -124,12 +124,12 @@ def read_run(run: Path, *, ema: bool = False) -> ExportedRun:
             shared = {**shared, **dcp.read_full(path / dcp.WEIGHTS)}
     except (CorruptCheckpoint, OSError, ValueError) as exc:
         raise UserError(f"{path}: cannot be exported: {exc}") from None
-    state = shared.get("ema") if ema else shared.get("model")
-    if ema:
-        if not state:
-            raise UserError(f"{path}: the run kept no EMA (train.ema): export without --ema")
-        state = state["shadow"]
-    weights = {k: _plain(v) for k, v in state.items()}
+    weights = {k: _plain(v) for k, v in shared["model"].items()}
+    if ema:  # the EMA averages the trained parameters: buffers and frozen ones are the model's
+        if not shared.get("ema"):
+            raise UserError(f"{path}: the run kept no EMA (train.ema_decay): export without --ema")
+        for name, value in shared["ema"]["shadow"].items():
+            weights[name] = _plain(value).to(weights[name].dtype)
     config = shared["config"]
     return ExportedRun(run, path, int(shared["step"]), config["model"]["impl"], config, weights)
 
@@ -165,26 +165,21 @@ def _home_writers(runs: list[ExportedRun]) -> dict[HomeWriter, list[ExportedRun]
     """The runs grouped by the home writer their model class declares (none: no group)."""
     groups: dict[HomeWriter, list[ExportedRun]] = {}
     for run in runs:
-        home = declared(_model_class(run.impl), run.impl).home
+        cls = _imported(run.impl, f"the run's model.impl = {run.impl!r}")
+        home = declared(cls, run.impl).home
         if home is not None:
-            groups.setdefault(_import(home, run.impl), []).append(run)
+            writer = _imported(home, f"{run.impl}'s home format {home!r}")
+            groups.setdefault(writer, []).append(run)
     return groups
 
 
-def _model_class(impl: str) -> type:
-    module_name, _, name = impl.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise UserError(f"the run's model.impl = {impl!r} cannot be imported: {exc}") from None
-
-
-def _import(spec: str, impl: str) -> HomeWriter:
+def _imported(spec: str, what: str) -> Any:
+    """``package.module:name``, imported; one line naming ``what`` where it cannot be."""
     module_name, _, name = spec.partition(":")
     try:
         return getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as exc:
-        raise UserError(f"{impl}'s home format {spec!r} cannot be imported: {exc}") from None
+        raise UserError(f"{what} cannot be imported: {exc}") from None
 
 
 def _check_out(out: Path, force: bool) -> None:
