@@ -118,7 +118,7 @@ def read_run(run: Path, *, ema: bool = False) -> ExportedRun:
         raise UserError(f"{run}: no complete checkpoint in {run / 'checkpoints'}")
     path = done[0]
     try:
-        shared = read_state(path / SHARED)
+        shared = read_state(path / SHARED, mmap=True)
         if (path / dcp.WEIGHTS).exists():  # FSDP2/HSDP: every rank's shards, consolidated
             dcp.check(path / dcp.WEIGHTS)
             shared = {**shared, **dcp.read_full(path / dcp.WEIGHTS)}
@@ -143,9 +143,10 @@ def save_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _plain(value: Any) -> torch.Tensor:
-    """A full CPU tensor: DCP's consolidation gives plain tensors, DDP's state too."""
+    """A full CPU tensor in memory: DCP's consolidation gives plain tensors, DDP's state
+    mapped ones (cloned: the file may be replaced while the export writes)."""
     full = getattr(value, "full_tensor", None)  # a DTensor, should one come through
-    return (full() if callable(full) else value).detach().to("cpu")
+    return (full() if callable(full) else value).detach().to("cpu").clone()
 
 
 def _write_plain(run: ExportedRun, folder: Path) -> str:

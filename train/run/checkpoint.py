@@ -322,11 +322,13 @@ def complete_checkpoints(folder: Path) -> list[Path]:
     return sorted(done, key=lambda p: p.name, reverse=True)
 
 
-def read_state(file: Path) -> dict[str, Any]:
-    """``torch.load(weights_only=True)``: tensors and plain data only, never pickled code."""
+def read_state(file: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load(weights_only=True)``: tensors and plain data only, never pickled code.
+    ``mmap``: tensors are mapped, read only where used (an export reads no optimizer state)."""
     try:
         with open_regular(file) as f:  # a FIFO or a folder in its place is refused, not waited on
-            state = torch.load(f, map_location="cpu", weights_only=True)
+            source = str(file) if mmap else f  # torch maps a file by its name
+            state = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise CorruptCheckpoint(
             f"{file} holds more than weights and plain data, refused (weights_only): "
