@@ -81,26 +81,26 @@ def _write_gpt(
     release = args.pop("release", None)
     config = chattts_config(vocab_size, **{k: v for k, v in args.items() if k != "n_mels"})
     llama = llama_config(config, release)
-    llama.vocab_size, llama.bos_token_id, llama.eos_token_id, llama.pad_token_id = (
-        1,
-        None,
-        None,
-        None,
+    # ChatTTS deletes the Llama's own token table on load: a one-row one, so from_pretrained
+    # finds every weight it expects and nobody mistakes it for a vocabulary.
+    llama.vocab_size = 1
+    llama.bos_token_id = llama.eos_token_id = llama.pad_token_id = None
+    state = under(gpt.weights, "chattts.gpt.")
+    state["embed_tokens.weight"] = torch.zeros(
+        1, config["hidden_size"], dtype=state["norm.weight"].dtype
     )
-    hidden = config["hidden_size"]
-    state = {
-        k.removeprefix("chattts.gpt."): v
-        for k, v in gpt.weights.items()
-        if k.startswith("chattts.gpt.")
-    }
-    state["embed_tokens.weight"] = torch.zeros(1, hidden, dtype=state["norm.weight"].dtype)
     (target / asset.GPT).mkdir(exist_ok=True)
     llama.to_json_file(str(target / asset.GPT / "config.json"))
     save_weights(state, target / asset.GPT / "model.safetensors")
-    embed = {k.removeprefix("embed."): v for k, v in gpt.weights.items() if k.startswith("embed.")}
+    embed = under(gpt.weights, "embed.")
     save_weights(embed, target / asset.EMBED)
     sizes["gpt"] = config
     return f"gpt/, Embed, tokenizer/: {gpt.run} at step {gpt.step}"
+
+
+def under(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of the submodule at ``prefix``, keyed as that submodule's own state."""
+    return {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
 
 
 def _release_gpt_sizes(source: Path) -> dict[str, Any]:
@@ -150,7 +150,7 @@ def _write_dvae(
         shutil.copyfile(source / asset.DVAE, target / asset.DVAE)
         sizes["dvae"] = _dvae_sizes(asset.read_tensors(source / asset.DVAE))
         return f"DVAE: copied from {source}"
-    state = {k.removeprefix("dvae."): v for k, v in dvae.weights.items()}
+    state = under(dvae.weights, "dvae.")
     sizes["dvae"] = _dvae_sizes(state)
     save_weights(state, target / asset.DVAE)
     return f"DVAE: {dvae.run} at step {dvae.step}"
