@@ -217,6 +217,9 @@ def test_a_run_from_scratch_goes_back_to_chattts_at_the_examples_sizes(
     assert all(torch.equal(exported[k.removeprefix("dvae.")], v) for k, v in dvae.items())
     wav = speak(load_chat(tmp_path / "export", "cpu"), "hello", sizes["infer"])
     assert wav.size > 0 and np.isfinite(wav).all()
+    from ChatTTS.config.config import Config
+
+    assert Config().gpt.hidden_size == 768  # loading tiny sizes left ChatTTS's defaults alone
     again = export(run, "--out", tmp_path / "export", check=False)
     assert again.returncode == 2 and "is not empty" in again.stderr
     assert again.stderr.strip().count("\n") == 0, again.stderr

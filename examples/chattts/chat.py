@@ -14,6 +14,7 @@ downloads the release over them.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import sys
@@ -38,6 +39,9 @@ def load_chat(folder: str | Path, device: str | None = None) -> Any:
     folder = Path(folder)
     sizes = read_sizes(folder)
     chat = ChatTTS.Chat(logging.getLogger("chattts"))
+    # Config's fields default to instances shared by every Config (dataclass defaults, not
+    # factories): set sizes on a copy, or every later Chat of this process would get them.
+    chat.config = copy.deepcopy(chat.config)
     _set_sizes(chat.config, sizes)
     chat.sha256_map = asset.sha256_map(folder)
     loaded = chat.load(
