@@ -101,7 +101,6 @@ class Trainer:
                     self.meter.add_wait(time.perf_counter() - t0)
                     verdict = self.train_step(micro)
                     self.step += 1
-                    metrics.advance()
                     for record in verdict.records:  # a skipped step, a lowered budget
                         metrics.event(self.step, record)
                     if self.parts.budgets.exhausted:  # the same on every rank
@@ -222,7 +221,6 @@ class Trainer:
             "batches_skipped": drawn - drawn_then,  # on each rank
         }
         metrics.event(start, record)
-        metrics.advance(self.step - start)
         self.meter = Meter(self.env)  # the window's steps are undone
         self._lr = self.parts.optimizer.param_groups[0]["lr"]
         if self.env.is_main:
