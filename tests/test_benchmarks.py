@@ -370,6 +370,12 @@ def test_derive_bench_prints_every_row(tmp_path: Path) -> None:
     ):
         assert rows[name]["ms_per_batch"] > 0
     assert rows["DVAE encoder forward in the step (cpu)"]["ms_per_batch"] > 0
+    split = rows["derive split (cpu, 1 thread)"]
+    assert split["shards"] == 30 and split["forward_s"] > 0
+    parts = ("read", "decode", "forward", "pad_and_check", "write")
+    assert sum(split[f"{part}_s"] for part in parts) == pytest.approx(split["total_s"], abs=2e-3)
+    assert all(0 <= split[f"{part}_pct"] <= 100 for part in parts)
+    assert split["derive_over_bare_forward"] == pytest.approx(split["forward_pct"] / 100, abs=1e-3)
 
 
 @pytest.mark.slow  # jobs of 4 ranks × 2 worker processes
