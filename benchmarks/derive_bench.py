@@ -30,18 +30,17 @@ One JSON line per row.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.timed_calls import timing
 from benchmarks.trainer_bench import build_sample_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,32 +84,6 @@ def derive_row(cache: Path, weights: Path, device: str, workers: int) -> dict[st
         "codes_alone_mb_per_audio_hour": round(payload / 1e6 / hours, 3),
         "mel_mb_per_audio_hour": round(sum(s["bytes"] for s in index["shards"]) / 1e6 / hours, 1),
     }
-
-
-@contextlib.contextmanager
-def timing(module: Any, names: list[str]) -> Iterator[dict[str, float]]:
-    """Inside the ``with``, each function ``names`` of ``module`` adds its wall time to the
-    dict yielded (under its name)."""
-    spent = dict.fromkeys(names, 0.0)
-    originals = {name: getattr(module, name) for name in names}
-
-    def timed(name: str, function: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - started
-
-        return call
-
-    for name, function in originals.items():
-        setattr(module, name, timed(name, function))
-    try:
-        yield spent
-    finally:
-        for name, function in originals.items():
-            setattr(module, name, function)
 
 
 def split_row(cache: Path, weights: Path) -> dict[str, Any]:
