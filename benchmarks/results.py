@@ -122,13 +122,14 @@ def trainer_table(quick: bool, data: Path | None = None) -> str:
         [
             f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
             f"--only trainer`: {o['rounds']} rounds of {o['steps_per_round']} steps per loop, "
-            f"{o['precision']}, bare loop {o['bare_ms_per_step_cpu']} CPU ms per step.",
+            f"{o['precision']}, bare loop {o['bare_ms_per_step_cpu']} CPU ms per step. Each figure "
+            "is a median of per-round ratios, so the two parts need not add up to the whole.",
             "",
             "| what | melcache | command |",
             "|---|---|---|",
             f"| trainer overhead vs a bare loop (median, CPU time / wall) | {cell('overhead')} | `{_cmd(command)}` |",
-            f"| of which the recipe's clipping (bare loop + `clip_grad_norm_` at {o['grad_clip']:g}, over the bare loop) | {cell('clipping')} | same |",
-            f"| of which the trainer's machinery (trainer over the clipped bare loop) | {cell('overhead_over_clipped')} | same |",
+            f"| the recipe's clipping alone (the bare loop + `clip_grad_norm_` at `optim.grad_clip` = {o['grad_clip']:g}, over the bare loop) | {cell('clipping')} | same |",
+            f"| the trainer's machinery alone (the trainer over that clipped bare loop) | {cell('overhead_over_clipped')} | same |",
             f"| trainer data wait, 2-process run on the sample corpus (steady) | {trainer['data_wait']['data_wait_pct_steady']:.1f} % | same |",
         ]
     )
