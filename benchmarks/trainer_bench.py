@@ -14,6 +14,9 @@
 2. **Data wait**: the README quick-start job (``torchrun --nproc-per-node 2``, tiny config)
    on the sample corpus, reading ``data_wait_pct`` from its metrics.jsonl.
 
+Both run on the GPU where there is one (the overhead on ``cuda:0``, synchronised at the ends
+of each timed loop; the job with one rank per GPU), else on CPU.
+
 Usage::
 
     python benchmarks/trainer_bench.py [--shards DIR] [--steps 30] [--rounds 5]
@@ -66,10 +69,14 @@ class InMemory:
         pass
 
 
-def timed(fn) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of ``fn()``."""
+def timed(fn, device: torch.device) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of ``fn()``, its work on ``device`` finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -80,9 +87,10 @@ def bare_steps(
     norm at ``clip`` if given."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the trainer's optimizer
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.parts.precision)
+    device = trainer.env.device
     for i in range(steps):
-        b = batches[i % len(batches)]
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        b = batches[i % len(batches)].to(device)  # the host batch, as the loader hands it over
+        with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             out = model(b.mel, b.mel_lengths, b.text, b.text_lengths)
         (out["loss_sum"] / b.mel_lengths.sum()).backward()
         if clip:
@@ -98,7 +106,8 @@ def trainer_steps(trainer: Trainer, steps: int) -> None:
 
 def overhead(shards: str, steps: int, rounds: int, overrides: list[str]) -> dict:
     torch.set_num_threads(1)  # two shared cores: one thread gives steadier numbers
-    env = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    env = Env(rank=0, world_size=1, local_rank=0, device=device)
     cfg = load_config(TINY, [*overrides, "data.num_workers=0", "train.log_every=10"])
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(cfg, shards, Path(out), env)
@@ -109,6 +118,7 @@ def overhead(shards: str, steps: int, rounds: int, overrides: list[str]) -> dict
         trainer.save = lambda: None  # checkpoint I/O is not step overhead
         bare_model = type(trainer.parts.raw_model)(n_mels=cfg.model.n_mels, **cfg.model.args)
         bare_model.load_state_dict(trainer.parts.raw_model.state_dict())
+        bare_model.to(device)
         clip = cfg.optim.grad_clip
         loops = {
             "bare": lambda: bare_steps(trainer, bare_model, batches, steps),
@@ -121,10 +131,11 @@ def overhead(shards: str, steps: int, rounds: int, overrides: list[str]) -> dict
         names = list(loops)
         for r in range(rounds):
             order = names[r % 3 :] + names[: r % 3]  # each loop first, second and last in turn
-            times = {name: timed(loops[name]) for name in order}
+            times = {name: timed(loops[name], device) for name in order}
             rounds_ms.append({n: [round(1000 * x / steps, 2) for x in times[n]] for n in loops})
         trainer.close()
-    out = {"precision": trainer.parts.precision, "steps_per_round": steps, "rounds": rounds}
+    out = {"device": str(device), "precision": trainer.parts.precision}
+    out.update(steps_per_round=steps, rounds=rounds)
     out["grad_clip"] = clip
     for i, clock in enumerate(("wall", "cpu")):
         for name in loops:
@@ -159,7 +170,7 @@ def data_wait(shards: str, steps: int) -> dict:
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            "2",
+            str(torch.cuda.device_count() or 2),  # one rank per GPU
             "-m",
             "train",
             "--shards",
