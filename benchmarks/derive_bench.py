@@ -11,7 +11,14 @@
 2. Per device (CPU; CUDA too where there is one): ``preprocess derive --field codes`` of the
    whole cache with that file, timed: utterances/s and audio hours per hour; then the field's
    bytes per audio hour (the sidecar shards as stored, and the codes alone).
-3. Side by side, per batch of the loader (``[data] batch_frames`` 2000, one process): the
+3. Where derive's time goes, on CPU: every shard's real ``derive_shard`` (one process, one
+   thread, as one worker runs it), with the calls it makes timed: reading the mel shard
+   (read, checked, split into samples), decoding the mels, the encoder's forward
+   (``run_encoder``: the batch to the device, the forward, the result back), padding the
+   batches and checking the results (the rest of ``encode_all``), and writing the field shard
+   and its receipt (the rest). The forward's share is derive's throughput over its encoder's
+   bare forward on the same batches.
+4. Side by side, per batch of the loader (``[data] batch_frames`` 2000, one process): the
    encoder's forward on the batch's mel (what a trainer would do at every step without the
    field), against what reading the field adds to the loader (batches with ``data.fields =
    ["codes"]`` against without), and against a loader reading the field alone
@@ -33,6 +40,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.timed_calls import timing
 from benchmarks.trainer_bench import build_sample_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +86,47 @@ def derive_row(cache: Path, weights: Path, device: str, workers: int) -> dict[st
         "field_mb_per_audio_hour": round(entry["totals"]["bytes"] / 1e6 / hours, 2),
         "codes_alone_mb_per_audio_hour": round(payload / 1e6 / hours, 3),
         "mel_mb_per_audio_hour": round(sum(s["bytes"] for s in index["shards"]) / 1e6 / hours, 1),
+    }
+
+
+def split_row(cache: Path, weights: Path) -> dict[str, Any]:
+    """Each shard's ``derive_shard`` on CPU in this process, the calls it makes timed."""
+    from melcache.index import index_storage
+    from preprocess.write import field_shard
+    from preprocess.write.field_shard import DeriveJob, init_worker, load_encoder
+
+    index = json.loads((cache / "index.json").read_text())
+    init_worker(load_encoder(ENCODER, str(weights), "cpu"), "cpu")
+    out = Path(tempfile.mkdtemp(prefix="derive-split-"))
+    jobs = [
+        DeriveJob(str(cache), entry, out, out / f"{entry['name']}.json", "codes", "bench",
+                  int(index["features"]["n_mels"]), index_storage(index),
+                  field_shard.log_floor_value(index["features"]))
+        for entry in index["shards"]
+    ]  # fmt: skip
+    calls = ["read_shard", "load_shard", "decode_mel", "encode_all", "run_encoder"]
+    field_shard.derive_shard(jobs[0])  # warm: the first forward allocates
+    with timing(field_shard, calls) as spent:
+        started = time.perf_counter()
+        for job in jobs:
+            field_shard.derive_shard(job)
+        total = time.perf_counter() - started
+    shutil.rmtree(out)
+    parts = {
+        "read_s": spent["read_shard"] + spent["load_shard"],
+        "decode_s": spent["decode_mel"],
+        "forward_s": spent["run_encoder"],
+        "pad_and_check_s": spent["encode_all"] - spent["run_encoder"],
+    }
+    parts["write_s"] = total - sum(parts.values())
+    return {
+        "row": "derive split (cpu, 1 thread)",
+        "shards": len(jobs),
+        "utterances": index["totals"]["utterances"],
+        "total_s": round(total, 3),
+        **{name: round(seconds, 4) for name, seconds in parts.items()},
+        **{f"{name[:-2]}_pct": round(100 * seconds / total, 2) for name, seconds in parts.items()},
+        "derive_over_bare_forward": round(parts["forward_s"] / total, 3),
     }
 
 
@@ -143,6 +192,7 @@ def main() -> None:
     torch.set_num_threads(1)  # as derive's workers run; the step's forward on one thread too
     devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     rows = [derive_row(cache, weights, device, args.workers) for device in devices]
+    rows.append(split_row(cache, weights))
     derived = args.data / f"derived-{args.size}"
     if not (derived / "index.json").exists() or "fields" not in json.loads(
         (derived / "index.json").read_text()

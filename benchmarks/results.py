@@ -1,13 +1,14 @@
 """Run the benchmarks and write their results tables into docs/results.md (between markers).
 
-    python -m benchmarks.results [--quick] [--only results|loader|scale|tars|storage|budgets|trackers|gpu]
-        [--data DIR]
+    python -m benchmarks.results [--quick]
+        [--only results|trainer|loader|scale|tars|storage|budgets|trackers|gpu] [--data DIR]
 
 Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
-against a naive librosa loop) and ``benchmarks/trainer_bench.py`` (trainer overhead and data
-wait), collects the JSON lines they print, and replaces the section of docs/results.md between
-``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table naming each row's
-command and the machine; ``benchmarks.loader_bench`` (streaming loader against on-the-fly
+against a naive librosa loop), collects the JSON lines it prints, and replaces the section of
+docs/results.md between ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table
+naming each row's command and the machine; ``benchmarks/trainer_bench.py`` (trainer overhead
+and data wait) fills ``<!-- trainer:begin -->`` … ``<!-- trainer:end -->``,
+``benchmarks.loader_bench`` (streaming loader against on-the-fly
 extraction, and its shard check) fills ``<!-- loader:begin -->`` … ``<!-- loader:end -->``
 the same way, ``benchmarks.scale_bench`` (planning time and memory per utterance)
 ``<!-- scale:begin -->``, ``benchmarks.tar_bench`` (tars of mp3 against loose wav)
@@ -78,20 +79,10 @@ def machine() -> str:
 
 
 def table(quick: bool, data: Path | None = None) -> str:
-    """Run the build and trainer benchmarks and render their rows as markdown."""
+    """Run the build benchmark and render its rows as markdown."""
     py = sys.executable
     build_cmd = [py, "-m", "benchmarks.build_bench", "--hours", "0.5" if quick else "3"]
-    trainer_cmd = [
-        py,
-        "benchmarks/trainer_bench.py",
-        "--steps",
-        "10" if quick else "20",
-        "--rounds",
-        "3" if quick else "10",
-    ]
     build = {row["row"]: row for row in run_json(build_cmd, data and data / "build")}
-    trainer = run_json(trainer_cmd)[0]  # one indented JSON object
-    overhead = trainer["overhead"]
     b, naive, comp = (
         build["preprocess build"],
         build["naive librosa loop"],
@@ -110,10 +101,38 @@ def table(quick: bool, data: Path | None = None) -> str:
         f"| the issue's reference recipe alone (libsndfile float decode + soxr HQ + stock torchaudio mel), same run, × {b['workers']} cores | | {stock_bound}× (per core: decode {comp['decode_stock_real_time_x']}×, mel {comp['mel_stock_real_time_x']}×) | | same |",
         f"| build wall time per hour of audio | {b['wall_s_per_audio_hour']} s | | | same |",
         f"| storage per hour of audio (float16 mel) | {b['cache_mb_per_audio_hour']} MB | 172.8 MB raw 16-bit 24 kHz PCM | | same |",
-        f"| trainer overhead vs a bare loop (median, CPU time / wall) | {overhead['overhead_pct_cpu']:+.1f} % / {overhead['overhead_pct_wall']:+.1f} % | | | `{_cmd(trainer_cmd)}` |",
-        f"| trainer data wait, 2-process run on the sample corpus (steady) | {trainer['data_wait']['data_wait_pct_steady']:.1f} % | | | same |",
     ]
     return "\n".join(lines)
+
+
+def trainer_table(quick: bool, data: Path | None = None) -> str:
+    """Run the trainer benchmark and render its rows as markdown: each overhead as the median
+    per-round ratio, CPU time / wall, with the CPU time's interquartile range."""
+    command = [sys.executable, "benchmarks/trainer_bench.py"]
+    command += ["--steps", "10" if quick else "20", "--rounds", "3" if quick else "30"]
+    trainer = run_json(command)[0]  # one indented JSON object
+    o = trainer["overhead"]
+
+    def cell(key: str) -> str:
+        iqr = o.get(f"{key}_pct_cpu_iqr")
+        spread = f" (CPU IQR {iqr[0]:+.1f} … {iqr[1]:+.1f})" if iqr else ""
+        return f"{o[f'{key}_pct_cpu']:+.1f} % / {o[f'{key}_pct_wall']:+.1f} %{spread}"
+
+    return "\n".join(
+        [
+            f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
+            f"--only trainer`: {o['rounds']} rounds of {o['steps_per_round']} steps per loop, "
+            f"{o['precision']}, bare loop {o['bare_ms_per_step_cpu']} CPU ms per step. Each figure "
+            "is a median of per-round ratios, so the two parts need not add up to the whole.",
+            "",
+            "| what | melcache | command |",
+            "|---|---|---|",
+            f"| trainer overhead vs a bare loop (median, CPU time / wall) | {cell('overhead')} | `{_cmd(command)}` |",
+            f"| the recipe's clipping alone (the bare loop + `clip_grad_norm_` at `optim.grad_clip` = {o['grad_clip']:g}, over the bare loop) | {cell('clipping')} | same |",
+            f"| the trainer's machinery alone (the trainer over that clipped bare loop) | {cell('overhead_over_clipped')} | same |",
+            f"| trainer data wait, 2-process run on the sample corpus (steady) | {trainer['data_wait']['data_wait_pct_steady']:.1f} % | same |",
+        ]
+    )
 
 
 def loader_table(quick: bool, data: Path | None = None) -> str:
@@ -329,6 +348,7 @@ def gpu_table(quick: bool, data: Path | None = None) -> str:
 
 SECTIONS = {
     "results": table,
+    "trainer": trainer_table,
     "loader": loader_table,
     "scale": scale_table,
     "tars": tar_table,

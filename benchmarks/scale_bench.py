@@ -30,6 +30,8 @@ from typing import Any
 
 import soundfile as sf
 
+from benchmarks.timed_calls import timing
+
 REPO = Path(__file__).resolve().parents[1]
 PER_FOLDER = 1000
 LINKS_PER_COPY = 50_000  # ext4 allows 65,000 hard links to one file
@@ -78,33 +80,20 @@ def child(manifest: Path, out: Path, part: str, workers: int) -> None:
     import preprocess.build as build_module
     from preprocess.config import load_config
 
-    timings = {"scan": 0.0, "plan": 0.0}
-
-    def timed(name: str, function: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                timings[name] += time.perf_counter() - started
-
-        return run
-
-    build_module.scan_part = timed("scan", build_module.scan_part)
-    build_module.make_plan = timed("plan", build_module.make_plan)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     k, n = (int(x) for x in part.split("/"))
     features, config = load_config(None)
     options = build_module.BuildOptions(manifest, out, workers, (k, n), dry_run=True)
-    started = time.perf_counter()
-    build_module.build(options, features, config)
-    wall = time.perf_counter() - started
+    with timing(build_module, ["scan_part", "make_plan"]) as spent:
+        started = time.perf_counter()
+        build_module.build(options, features, config)
+        wall = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(
         json.dumps(
             {
-                "scan_s": round(timings["scan"], 3),
-                "plan_s": round(timings["plan"], 3),
+                "scan_s": round(spent["scan_part"], 3),
+                "plan_s": round(spent["make_plan"], 3),
                 "wall_s": round(wall, 3),
                 "peak_rss_mb": round(peak / 1024, 1),
                 "rss_before_mb": round(before / 1024, 1),

@@ -333,6 +333,27 @@ def test_tracker_bench_prints_each_setting_and_the_hand_off(tmp_path: Path) -> N
     assert (tmp_path / "data" / "cache" / "index.json").exists()  # --data keeps the cache
 
 
+@pytest.mark.slow  # three loops timed, then a 2-process run
+def test_trainer_bench_prints_every_figure_the_results_page_reads(train_cache: Path) -> None:
+    command = [sys.executable, "benchmarks/trainer_bench.py", "--shards", str(train_cache)]
+    command += ["--steps", "2", "--rounds", "4", "--wait-steps", "10"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    overhead = result["overhead"]
+    for loop in ("bare", "bare_clipped", "trainer"):
+        for clock in ("wall", "cpu"):
+            assert overhead[f"{loop}_ms_per_step_{clock}"] > 0, (loop, clock)
+    for key in ("overhead", "clipping", "overhead_over_clipped"):
+        for clock in ("wall", "cpu"):
+            low, high = overhead[f"{key}_pct_{clock}_iqr"]
+            assert low <= overhead[f"{key}_pct_{clock}"] <= high, (key, clock)
+    # each round times every loop once, each first in turn
+    assert [sorted(r) for r in overhead["rounds_ms"]] == [["bare", "bare_clipped", "trainer"]] * 4
+    assert overhead["grad_clip"] == 1.0  # configs/tiny.toml's
+    assert 0 <= result["data_wait"]["data_wait_pct_steady"] <= 100
+
+
 @pytest.mark.slow
 def test_derive_bench_prints_every_row(tmp_path: Path) -> None:
     rows = {
@@ -349,6 +370,12 @@ def test_derive_bench_prints_every_row(tmp_path: Path) -> None:
     ):
         assert rows[name]["ms_per_batch"] > 0
     assert rows["DVAE encoder forward in the step (cpu)"]["ms_per_batch"] > 0
+    split = rows["derive split (cpu, 1 thread)"]
+    assert split["shards"] == 30 and split["forward_s"] > 0
+    parts = ("read", "decode", "forward", "pad_and_check", "write")
+    assert sum(split[f"{part}_s"] for part in parts) == pytest.approx(split["total_s"], abs=2e-3)
+    assert all(0 <= split[f"{part}_pct"] <= 100 for part in parts)
+    assert split["derive_over_bare_forward"] == pytest.approx(split["forward_pct"] / 100, abs=1e-3)
 
 
 @pytest.mark.slow  # jobs of 4 ranks × 2 worker processes

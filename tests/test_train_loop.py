@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import signal
 from pathlib import Path
 
@@ -88,6 +90,26 @@ def test_sigterm_checkpoints_and_resume_continues(train_cache: Path, tmp_path: P
     finally:
         resumed.close()
     assert resumed.step == 6
+
+
+def test_rank_0_logs_one_line_per_window(
+    train_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = make_trainer(train_cache, tmp_path)
+    try:
+        with caplog.at_level(logging.INFO, logger="train.run.metrics"):
+            trainer.fit(max_steps=4)
+    finally:
+        trainer.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "train.run.metrics"]
+    assert len(lines) == 2, lines  # log_every = 2
+    for step, line in zip((2, 4), lines, strict=True):
+        assert re.fullmatch(
+            rf"step {step}/4 \| loss \d+\.\d{{4}} \| \d+\.\d samples/s \| "
+            r"data wait \d+\.\d % \| \d+:\d\d:\d\d left",
+            line,
+        ), line
+    assert lines[-1].endswith("| 0:00:00 left")
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

@@ -101,7 +101,6 @@ class Trainer:
                     self.meter.add_wait(time.perf_counter() - t0)
                     verdict = self.train_step(micro)
                     self.step += 1
-                    metrics.advance()
                     for record in verdict.records:  # a skipped step, a lowered budget
                         metrics.event(self.step, record)
                     if self.parts.budgets.exhausted:  # the same on every rank
@@ -139,7 +138,8 @@ class Trainer:
         """One optimizer step over ``micro``, or, if any rank ran out of memory, none on any."""
         self.parts.budgets.reset()
         passes = self.parts.budgets.split(micro)  # batches over their bucket's lowered budget, cut
-        inv_frames = self._inverse_global_frames(micro)
+        frames = sum(int(b.mel_lengths.sum()) for b in micro)  # host tensors: no sync
+        inv_frames = self._inverse_global_frames(frames)
         # DDP averages gradients over ranks; × world size turns that mean into the sum.
         loss_sums = self._forward_backward(passes, inv_frames * self.env.world_size)
         votes = [self.stop.local, float(self.parts.budgets.lost), self.parts.measures.spike_vote()]
@@ -155,7 +155,6 @@ class Trainer:
         self.parts.scaler.unscale_(self.parts.optimizer)
         if inv_count is not inv_frames:
             rescale_gradients(self.parts.raw_model, inv_count / inv_frames)
-        frames = sum(int(b.mel_lengths.sum()) for b in micro)
         loss_share = sum(s["loss_sum"] for s in loss_sums) * inv_count
         norm, skip = self.parts.measures.measure(
             self.parts.raw_model,
@@ -222,7 +221,6 @@ class Trainer:
             "batches_skipped": drawn - drawn_then,  # on each rank
         }
         metrics.event(start, record)
-        metrics.advance(self.step - start)
         self.meter = Meter(self.env)  # the window's steps are undone
         self._lr = self.parts.optimizer.param_groups[0]["lr"]
         if self.env.is_main:
@@ -237,9 +235,8 @@ class Trainer:
         (votes,) = self.parts.vote.sum([self.parts.measures.spike_vote()])
         return self.parts.measures.settle(votes, self.step)
 
-    def _inverse_global_frames(self, micro: list[Batch]) -> torch.Tensor:
-        """1 / the valid mel frames of this step on all ranks, on the device."""
-        frames = sum(int(b.mel_lengths.sum()) for b in micro)  # host tensors: no sync
+    def _inverse_global_frames(self, frames: int) -> torch.Tensor:
+        """1 / the valid mel ``frames`` of this step summed over all ranks, on the device."""
         counts = torch.tensor([frames], dtype=torch.float64)
         if self.env.device.type == "cuda":  # a pageable source would serialise the copy
             counts = counts.pin_memory()

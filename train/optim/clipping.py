@@ -41,6 +41,9 @@ class GradClip:
             )
         self.cfg = cfg
         self._norm: torch.Tensor | None = None  # the last total_norm as torch computed it
+        self._model: nn.Module | None = None  # whose parameters ``_params`` lists
+        self._params: list[nn.Parameter] = []
+        self._with_grads: list[nn.Parameter] = []  # those with a gradient at the last total_norm
         zero = torch.zeros((), dtype=torch.float64, device=device)
         # zclip: steps seen, then Σ norm and Σ norm² in warm-up, mean and variance after it.
         self.state = {"steps": zero.clone(), "first": zero.clone(), "second": zero.clone()}
@@ -51,14 +54,18 @@ class GradClip:
 
     def total_norm(self, model: nn.Module) -> torch.Tensor:
         """The unclipped global norm of the gradients (a plain tensor, equal on every rank)."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if model is not self._model:  # listed once: walking the modules costs as much as the norm
+            self._model, self._params = model, list(model.parameters())
+        self._with_grads = [p for p in self._params if p.grad is not None]
+        grads = [p.grad for p in self._with_grads]
         self._norm = torch.nn.utils.get_total_norm(grads, foreach=True)  # DTensor under FSDP2
         return self._norm.full_tensor() if isinstance(self._norm, DTensor) else self._norm
 
     def clip(self, model: nn.Module, norm: torch.Tensor, skip: torch.Tensor | None) -> None:
         """Scale the gradients down to this step's limit; a trained step (``skip`` false or
-        ``None``) updates the adaptive state."""
-        params = [p for p in model.parameters() if p.grad is not None]
+        ``None``) updates the adaptive state. Call right after :meth:`total_norm` of ``model``."""
+        assert model is self._model, "clip() follows total_norm() of the same model"
+        params = self._with_grads
         if self.mode == "norm":
             if math.isfinite(self.ceiling):
                 torch.nn.utils.clip_grads_with_norm_(params, self.ceiling, self._norm, foreach=True)

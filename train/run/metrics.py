@@ -4,11 +4,13 @@ Batch sizes, frame and token counts come from the batches while they are still i
 memory, so counting them costs nothing. Losses and grad norms stay on the device as running
 sums; every ``log_every`` steps :meth:`Meter.summary` all-reduces everything in one tensor
 and reads it once. Rank 0 appends a JSON line to ``OUT/metrics.jsonl``, hands the same record
-to the run's trackers (``train/run/trackers.py``: TensorBoard, W&B) and updates a tqdm bar.
+to the run's trackers (``train/run/trackers.py``: TensorBoard, W&B) and logs one line (step of
+max, loss, samples/s, data wait, time left), as torchtitan and nanoGPT print theirs.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -19,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from melcache.bounded import loads_json, read_limited
 from melcache.errors import UserError
@@ -137,7 +138,7 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 
 class MetricsLog:
-    """Rank 0's ``metrics.jsonl``, trackers and progress bar; a no-op object on other ranks."""
+    """Rank 0's ``metrics.jsonl``, trackers and progress lines; a no-op object on other ranks."""
 
     def __init__(
         self,
@@ -151,17 +152,9 @@ class MetricsLog:
         self.enabled = env.is_main
         self.path = Path(out) / METRICS_NAME
         self.trackers = trackers or Trackers()
-        self.bar: tqdm | None = None
-        if not self.enabled:
-            return
-        _truncate_after(self.path, start_step)
-        # disable=None: a bar on a terminal, nothing in logs and test pipes.
-        self.bar = tqdm(total=max_steps, initial=start_step, unit="step", disable=None)
-
-    def advance(self, steps: int = 1) -> None:
-        """``steps`` steps done (host-only bookkeeping; negative after a rewind)."""
-        if self.bar is not None:
-            self.bar.update(steps)
+        self.max_steps = max_steps
+        if self.enabled:
+            _truncate_after(self.path, start_step)
 
     def event(self, step: int, record: dict[str, Any]) -> None:
         """Append ``{"step": step, **record}`` (an out-of-memory error, say) to metrics.jsonl."""
@@ -169,19 +162,14 @@ class MetricsLog:
             self._append({"step": step, **record})
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        """Append ``{"step": step, **values}`` to metrics.jsonl and show the main numbers."""
+        """Append ``{"step": step, **values}`` to metrics.jsonl; a training window's record
+        (one with a loss and a step time) also as one line in the log."""
         if not self.enabled:
             return
         record = {"step": step, **{k: _round(v) for k, v in values.items()}}
         self._append(record)
-        if self.bar is not None and "loss" in values:
-            self.bar.set_postfix(
-                loss=f"{values['loss']:.4f}",
-                lr=f"{values['lr']:.2e}",
-                fps=f"{values['frames_per_s']:.0f}",
-                wait=f"{values['data_wait_pct']:.0f}%",
-                refresh=False,
-            )
+        if "loss" in values and "step_time_s" in values:
+            log.info("%s", progress_line(step, self.max_steps, values))
         log.debug("step %d %s", step, record)
 
     def picture(self, step: int, tag: str, path: Path | None) -> None:
@@ -198,12 +186,19 @@ class MetricsLog:
         self.trackers.record(record)  # what metrics.jsonl holds, nothing else
 
     def close(self) -> None:
-        """Close the progress bar and the trackers (each waits a bounded time)."""
-        try:
-            if self.bar is not None:
-                self.bar.close()
-        finally:
-            self.trackers.close()
+        """Close the trackers (each waits a bounded time)."""
+        self.trackers.close()
+
+
+def progress_line(step: int, max_steps: int, values: dict[str, Any]) -> str:
+    """One window in a line: ``step 40/50 | loss 1.2345 | 123.4 samples/s | data wait 0.9 %
+    | 0:00:12 left``; the time left is the window's step time × the steps to go."""
+    left = datetime.timedelta(seconds=round(max(max_steps - step, 0) * values["step_time_s"]))
+    return (
+        f"step {step}/{max_steps} | loss {values['loss']:.4f} | "
+        f"{values['samples_per_s']:.1f} samples/s | data wait {values['data_wait_pct']:.1f} % "
+        f"| {left} left"
+    )
 
 
 def _round(value: Any) -> Any:
