@@ -9,6 +9,7 @@ a cycle waiting to happen. README "Layout" explains why each room exists.
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,54 @@ def test_an_upward_import_is_caught(where: str, source: str, upward: bool) -> No
     """The check itself: each upward import is reported, and a downward one is not."""
     found = violations(REPO / where, source)
     assert bool(found) == upward, found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module → the house's modules it imports (every import, also in functions and under
+    ``TYPE_CHECKING``), each named by the longest prefix that is a module file: ``from
+    melcache.loader.make import StreamLoader`` is an edge to ``melcache.loader.make``."""
+    files = package_files()
+    modules = {module_name(path) for path in files}
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        module = module_name(path)
+        source = path.read_text(encoding="utf-8")
+        edges = graph.setdefault(module, set())
+        for _, imported in imports_of(source, module, path.name == "__init__.py"):
+            parts = imported.split(".")
+            target = next(
+                (
+                    ".".join(parts[:end])
+                    for end in range(len(parts), 0, -1)
+                    if ".".join(parts[:end]) in modules
+                ),
+                None,
+            )
+            if target is not None and target != module:
+                edges.add(target)
+    return graph
+
+
+def circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` (its modules in order), or ``[]`` when there is none."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        return list(exc.args[1])
+    return []
+
+
+def test_no_file_imports_itself_in_a_circle() -> None:
+    """The layer table allows any import inside a room; this finds a circle between files."""
+    graph = import_graph()
+    assert len(graph) > 80, graph  # the walk found the packages
+    assert not circle(graph), " → ".join(circle(graph))
+
+
+def test_a_circle_is_caught() -> None:
+    """The check itself: the stream importing back from a stage below it (as under
+    ``TYPE_CHECKING`` before the spec module) closes a circle."""
+    graph = import_graph()
+    assert "melcache.loader.spec" in graph["melcache.loader.shard_reads"]
+    graph["melcache.loader.spec"].add("melcache.loader.stream")
+    assert circle(graph), graph

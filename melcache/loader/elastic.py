@@ -22,7 +22,7 @@ from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import MAX_ATTENTION_FRAMES, MAX_SYNC_SPLIT, DataConfig
 from melcache.loader.mix import same_cache, shards_digest
 from melcache.loader.schedule import Deal, SubStream, chunk_size, fresh_deal
-from melcache.loader.stream import StreamSpec
+from melcache.loader.spec import StreamSpec
 
 
 def unread(sub: SubStream, deal: Deal, num_slots: int, taken: Sequence[int]) -> Deal:

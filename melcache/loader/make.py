@@ -85,7 +85,8 @@ from melcache.loader.mix import (
 )
 from melcache.loader.same_job import STATE_VERSION, restore, state_identity
 from melcache.loader.schedule import make_schedule, substreams
-from melcache.loader.stream import Cursor, StreamSpec, progress
+from melcache.loader.spec import Cursor, StreamSpec
+from melcache.loader.stream import progress
 from melcache.loader.workers import check_shared_memory, worker_batches
 from melcache.sections import require
 
@@ -153,7 +154,7 @@ class StreamLoader:
         self.close()  # one live stream at a time: it owns the state
         positions = [list(p) for p in self._positions]
         stream = worker_batches(self.spec, positions, self._batches, self.pin_memory)
-        iterator = BatchIterator(self, stream)
+        iterator = BatchIterator(self, stream, self._consume)
         # Held weakly: the iterator keeps this loader alive, not the other way round, so the
         # workers stop as soon as the last iterator is dropped, whether or not the loader is.
         self._active = weakref.ref(iterator)

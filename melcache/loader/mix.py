@@ -23,7 +23,7 @@ from melcache.index import read_index
 from melcache.loader.batching import round_up
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
-from melcache.loader.stream import Source
+from melcache.loader.spec import Source
 from melcache.location import is_url, member_location, reads_ranges
 from melcache.remote import objectstore
 from melcache.remote.disk_cache import check_bound, check_folder

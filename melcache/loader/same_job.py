@@ -20,7 +20,7 @@ from melcache.loader.elastic import (
     parse_deals,
 )
 from melcache.loader.mix import shards_digest
-from melcache.loader.stream import StreamSpec
+from melcache.loader.spec import StreamSpec
 
 STATE_VERSION = 4
 # Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
