@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +180,20 @@ def test_a_circle_is_caught() -> None:
     assert "melcache.loader.spec" in graph["melcache.loader.shard_reads"]
     graph["melcache.loader.spec"].add("melcache.loader.stream")
     assert circle(graph), graph
+
+
+def test_the_loaders_face_is_lazy_and_whole() -> None:
+    """``from melcache.loader import DataConfig`` loads the [data] table, not the workers;
+    every name in ``__all__`` (the errors callers catch included) resolves."""
+    code = (
+        "import sys, melcache.loader as L\n"
+        "from melcache.loader import DataConfig\n"
+        "assert 'melcache.loader.workers' not in sys.modules, sorted(sys.modules)\n"
+        "assert 'melcache.loader.make' not in sys.modules, sorted(sys.modules)\n"
+        "assert sorted(L.__all__) == sorted(L._WHERE), L.__all__\n"
+        "assert all(getattr(L, name) is not None for name in L.__all__)\n"
+        "assert issubclass(L.LoaderStateError, Exception)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -84,7 +84,7 @@ from melcache.loader.mix import (
     with_fields,
 )
 from melcache.loader.same_job import STATE_VERSION, restore, state_identity
-from melcache.loader.schedule import make_schedule, substreams
+from melcache.loader.schedule import SubStream, make_schedule, substreams
 from melcache.loader.spec import Cursor, StreamSpec
 from melcache.loader.stream import progress
 from melcache.loader.workers import check_shared_memory, worker_batches
@@ -309,7 +309,7 @@ def make_loader(
             logger.warning(line)
     spec = StreamSpec(
         sources=mix.sources,
-        **schedules(mix, data, seed),
+        **schedules(mix, data, seed, subs),
         data=data,
         rank=rank,
         world_size=world_size,
@@ -322,10 +322,13 @@ def make_loader(
     return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
 
 
-def schedules(mix: OpenedMix, data: DataConfig, seed: int) -> dict[str, Any]:
+def schedules(
+    mix: OpenedMix, data: DataConfig, seed: int, subs: tuple[SubStream, ...] | None = None
+) -> dict[str, Any]:
     """A stream's sub-streams and the schedules of its mix's phases, as ``StreamSpec`` takes
-    them."""
-    subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+    them; ``subs``: the sub-streams where the caller has computed them already."""
+    if subs is None:
+        subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
     return {
         "subs": subs,
         "schedule": make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),
