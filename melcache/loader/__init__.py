@@ -23,7 +23,7 @@ _WHERE = {
     "BatchIterator": "melcache.loader.batch_iterator",
     "LoaderClosed": "melcache.loader.batch_iterator",
     "DataConfig": "melcache.loader.data_config",
-    "LoaderStateError": "melcache.loader.elastic",
+    "LoaderStateError": "melcache.loader.resume.elsewhere",
     "StreamLoader": "melcache.loader.make",
     "make_loader": "melcache.loader.make",
     "bucket_lengths": "melcache.loader.mix",
@@ -47,9 +47,9 @@ if TYPE_CHECKING:  # what a type checker and an editor see; never run
     from melcache.loader.batch import BYTE_VOCAB_SIZE, PAD_ID, Batch, utf8_tokens
     from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
     from melcache.loader.data_config import DataConfig
-    from melcache.loader.elastic import LoaderStateError
     from melcache.loader.make import StreamLoader, make_loader
     from melcache.loader.mix import bucket_lengths
+    from melcache.loader.resume.elsewhere import LoaderStateError
 
 
 def __getattr__(name: str) -> Any:

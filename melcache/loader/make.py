@@ -28,8 +28,8 @@ Resume: DataLoader hands out its workers' batches round-robin, and each batch ca
 worker's position after it in its sub-stream (``melcache/loader/stream.py``); the loader records it as
 the batch is handed to the caller. A restore re-reads at most one shard (or unit) per worker and
 sub-stream, skipping its consumed batches without decoding a mel. A rank's own state resumes
-the same job batch for batch (``melcache/loader/same_job.py``); the list of every rank's
-state resumes a job of another world size, worker count or mix (``melcache/loader/elastic.py``);
+the same job batch for batch (``melcache/loader/resume/same_job.py``); the list of every rank's
+state resumes a job of another world size, worker count or mix (``melcache/loader/resume/elsewhere.py``);
 a state of another seed or batch budget is refused, naming the key.
 
 Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
@@ -64,15 +64,6 @@ from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
 from melcache.loader.data_config import DataConfig
-from melcache.loader.elastic import (
-    ELASTIC_VERSIONS,
-    LoaderStateError,
-    Resumed,
-    resume_elsewhere,
-    saved_deals,
-    state_cut,
-    stream_keys,
-)
 from melcache.loader.mix import (
     CacheArg,
     OpenedMix,
@@ -83,7 +74,16 @@ from melcache.loader.mix import (
     whole_shared_reads,
     with_fields,
 )
-from melcache.loader.same_job import STATE_VERSION, restore, state_identity
+from melcache.loader.resume.elsewhere import (
+    ELASTIC_VERSIONS,
+    LoaderStateError,
+    Resumed,
+    resume_elsewhere,
+    saved_deals,
+    state_cut,
+    stream_keys,
+)
+from melcache.loader.resume.same_job import STATE_VERSION, restore, state_identity
 from melcache.loader.schedule import SubStream, make_schedule, substreams
 from melcache.loader.spec import Cursor, StreamSpec
 from melcache.loader.stream import progress
@@ -204,7 +204,7 @@ class StreamLoader:
 
         ``state``: this rank's state of the same job (batch for batch, as before), or the
         list of every rank's state of a job of any size, worker count or mix, in rank order
-        (``melcache/loader/elastic.py``: what the old job left unread of each sub-stream's
+        (``melcache/loader/resume/elsewhere.py``: what the old job left unread of each sub-stream's
         epoch in progress is read once, then epochs go on as in a fresh job; an added cache
         starts at its epoch 0). ``resume_changes`` then says what changed. Call before
         iterating (a running iterator stops). Raises :class:`UserError` naming the key when
@@ -239,7 +239,7 @@ class StreamLoader:
         self.resume_changes = resumed.changes
 
     def _make_batches_of(self, state: Mapping[str, Any]) -> None:
-        """Cut batches as ``state``'s loader did (:func:`~melcache.loader.elastic.state_cut`),
+        """Cut batches as ``state``'s loader did (:func:`~melcache.loader.resume.elsewhere.state_cut`),
         so a state of an earlier release still continues batch for batch."""
         data = self.spec.data
         plan, split, attention = state_cut(state, data)
@@ -260,7 +260,7 @@ class StreamLoader:
         )
 
     def _identity(self) -> dict[str, Any]:
-        """What this loader's states are valid for (``melcache/loader/same_job.py``)."""
+        """What this loader's states are valid for (``melcache/loader/resume/same_job.py``)."""
         return state_identity(self.spec, self.weights)
 
 

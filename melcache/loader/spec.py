@@ -67,7 +67,7 @@ class StreamSpec:
     pad_value: float
     tokenizer: Tokenizer
     # How the job's slots share each bucket sub-stream: fresh, or after a resume from a job of
-    # another size or mix (melcache/loader/elastic.py); empty: all fresh.
+    # another size or mix (melcache/loader/resume/elsewhere.py); empty: all fresh.
     deals: tuple[Deal, ...] = ()
     # data.mix_schedule: (first rank-level batch, schedule) of each later phase of the mix
     phases: tuple[tuple[int, Schedule], ...] = ()

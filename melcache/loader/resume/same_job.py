@@ -3,7 +3,7 @@
 A state is valid only for the job that saved it (:func:`state_identity`: its layout, seed,
 caches, mix and batch budget); this module checks that and reads its positions back,
 earlier releases' versions included. The list of every rank's state of another job goes to
-``melcache/loader/elastic.py`` instead.
+``melcache/loader/resume/elsewhere.py`` instead.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from melcache.loader.batching import COST_CUT_PLAN
-from melcache.loader.elastic import (
+from melcache.loader.mix import shards_digest
+from melcache.loader.resume.elsewhere import (
     ELASTIC_VERSIONS,
     STATE_KEYS,
     LoaderStateError,
     Resumed,
     parse_deals,
 )
-from melcache.loader.mix import shards_digest
 from melcache.loader.spec import StreamSpec
 
 STATE_VERSION = 4

@@ -1,0 +1,1 @@
+"""Resuming the loader: the saved state and its two readers."""
