@@ -23,7 +23,7 @@ _WHERE = {
     "BatchIterator": "melcache.loader.batch_iterator",
     "LoaderClosed": "melcache.loader.batch_iterator",
     "DataConfig": "melcache.loader.data_config",
-    "LoaderStateError": "melcache.loader.resume.elsewhere",
+    "LoaderStateError": "melcache.loader.resume.state",
     "StreamLoader": "melcache.loader.make",
     "make_loader": "melcache.loader.make",
     "bucket_lengths": "melcache.loader.mix",
@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # what a type checker and an editor see; never run
     from melcache.loader.data_config import DataConfig
     from melcache.loader.make import StreamLoader, make_loader
     from melcache.loader.mix import bucket_lengths
-    from melcache.loader.resume.elsewhere import LoaderStateError
+    from melcache.loader.resume.state import LoaderStateError
 
 
 def __getattr__(name: str) -> Any:

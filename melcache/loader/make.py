@@ -74,16 +74,18 @@ from melcache.loader.mix import (
     whole_shared_reads,
     with_fields,
 )
-from melcache.loader.resume.elsewhere import (
+from melcache.loader.resume import (
     ELASTIC_VERSIONS,
+    STATE_VERSION,
     LoaderStateError,
     Resumed,
+    restore,
     resume_elsewhere,
     saved_deals,
     state_cut,
+    state_identity,
     stream_keys,
 )
-from melcache.loader.resume.same_job import STATE_VERSION, restore, state_identity
 from melcache.loader.schedule import SubStream, make_schedule, substreams
 from melcache.loader.spec import Cursor, StreamSpec
 from melcache.loader.stream import progress

@@ -3,7 +3,7 @@
 A state is valid only for the job that saved it (:func:`state_identity`: its layout, seed,
 caches, mix and batch budget); this module checks that and reads its positions back,
 earlier releases' versions included. The list of every rank's state of another job goes to
-``melcache/loader/resume/elsewhere.py`` instead.
+``melcache/loader/resume/elsewhere.py`` instead; both read the state of ``state.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from melcache.loader.batching import COST_CUT_PLAN
 from melcache.loader.mix import shards_digest
-from melcache.loader.resume.elsewhere import (
+from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,
     STATE_KEYS,
     LoaderStateError,
