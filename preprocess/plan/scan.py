@@ -62,7 +62,6 @@ _COLUMNS = {
 }
 # A scan's stamps and rejections grow with the corpus (a stamp per folder); far below this.
 LISTING_LIMIT = 2**30
-_BATCH = 4096  # inputs handed to the workers at once: keeps them busy, bounds what waits
 
 SCAN_META = "meta.json"  # written last: a scan folder holding it is finished
 
