@@ -197,3 +197,27 @@ def test_the_loaders_face_is_lazy_and_whole() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# Public module-level functions that share a name on purpose (docs/layout.md, "One name, one
+# meaning"): each is the same role in a parallel room, reached through its module's name.
+SHARED_NAMES = {
+    "main": "each command's entry point (preprocess/cli.py, train/__main__.py)",
+    "load_config": "each package's own TOML (the build's, the trainer's); they never meet",
+    "init_worker": "each pool's initializer (a shard writer's, a field encoder's)",
+    "read_range": "location.read_range dispatches to objectstore.read_range for s3://",
+    "save": "resume.save checkpoints a run; it calls dcp.save for the sharded weights",
+}
+
+
+def test_each_function_name_is_defined_once() -> None:
+    """No twins: a public module-level function name means one thing across the packages."""
+    where: dict[str, list[str]] = {}
+    for path in package_files():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            public = not getattr(node, "name", "_").startswith("_")
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and public:
+                where.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    twins = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert set(twins) <= set(SHARED_NAMES), {n: twins[n] for n in set(twins) - set(SHARED_NAMES)}
+    assert set(SHARED_NAMES) <= set(twins), set(SHARED_NAMES) - set(twins)  # none left stale

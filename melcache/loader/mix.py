@@ -275,7 +275,7 @@ def largest_batch(sources: Sequence[Source], data: DataConfig) -> int:
     )
 
 
-def shards_digest(shards: tuple[dict[str, Any], ...]) -> str:
+def content_digest(shards: tuple[dict[str, Any], ...]) -> str:
     """A short digest of a cache's content as its index lists it."""
     blob = json.dumps([[s["name"], s["samples"], s.get("sha256")] for s in shards]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -43,7 +43,7 @@ from preprocess.inputs.layout import (
     Slice,
     Stamp,
     key_base,
-    key_hash,
+    key_digest,
     unit_of,
     utterance_hash,
 )
@@ -186,7 +186,7 @@ def scan_piece(
                 lengths.append(result[0])
                 locators.append(item.locator)  # type: ignore[union-attr]
                 contents.append(result[1])
-                keys.append(key_hash(key_base(item.source)))
+                keys.append(key_digest(key_base(item.source)))
                 audio_at.append(item.audio_at)  # type: ignore[union-attr]
                 sources.extend(item.source.encode())
                 ends.append(len(sources))

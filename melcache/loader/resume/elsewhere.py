@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from melcache.loader.mix import same_cache, shards_digest
+from melcache.loader.mix import content_digest, same_cache
 from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,
     SAME_BATCHES,
@@ -110,7 +110,7 @@ def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def stream_keys(spec: StreamSpec) -> list[list[Any]]:
     """Each sub-stream's ``[cache, content digest, bucket]``: what a state's positions are of."""
-    digests = [shards_digest(source.shards) for source in spec.sources]
+    digests = [content_digest(source.shards) for source in spec.sources]
     return [
         [same_cache(spec.sources[sub.source].location), digests[sub.source], sub.bucket]
         + ([sub.part] if sub.part else [])  # data.sync_split's ranges: the keys before it alone

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from melcache.loader.batching import COST_CUT_PLAN
-from melcache.loader.mix import shards_digest
+from melcache.loader.mix import content_digest
 from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,
     STATE_KEYS,
@@ -37,7 +37,7 @@ def state_identity(spec: StreamSpec, weights: Sequence[float]) -> dict[str, Any]
     """What a state is only valid for: job layout, seed, caches and mix (``weights``, the
     caches' frame shares), and budget."""
     data = spec.data
-    digests = [shards_digest(source.shards) for source in spec.sources]
+    digests = [content_digest(source.shards) for source in spec.sources]
     return {
         "rank": spec.rank,
         "world_size": spec.world_size,
