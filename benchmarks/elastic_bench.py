@@ -5,7 +5,7 @@ in an epoch.
 
 Two parts, each at 1 % and 90 % of an epoch:
 
-- plan: :func:`melcache.loader.elastic.unread` for one bucket sub-stream of a 200 h-sized
+- plan: :func:`melcache.loader.resume.elsewhere.unread` for one bucket sub-stream of a 200 h-sized
   cache (100,000 batches per epoch in 2,000 units), from a job of 512 ranks × 4 workers whose
   slots stand up to 3 batches apart, for a job of 256 × 4; the same job's resume computes
   nothing here (its positions are the state's);
@@ -28,7 +28,7 @@ from pathlib import Path
 from benchmarks.trainer_bench import build_sample_cache
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.batching import BATCH_PLAN_VERSION
-from melcache.loader.elastic import unread
+from melcache.loader.resume.elsewhere import unread
 from melcache.loader.schedule import SubStream, fresh_deal
 
 # One utterance a batch, one length range a bucket: the sample corpus's largest sub-stream has

@@ -63,7 +63,8 @@ from benchmarks.step_costs import (
 from benchmarks.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.batching import BATCH_PLAN_VERSION
-from melcache.loader.stream import StreamSpec, planned_stream
+from melcache.loader.spec import StreamSpec
+from melcache.loader.stream import planned_stream
 
 BATCH_FRAMES = 32_000
 

@@ -22,7 +22,8 @@ from melcache.loader.batch import BYTE_VOCAB_SIZE, utf8_tokens
 from melcache.loader.batching import COST_CUT_PLAN, padding_fraction, round_up
 from melcache.loader.data_config import ATTENTION_FRAMES
 from melcache.loader.schedule import make_schedule
-from melcache.loader.stream import StreamSpec, planned_stream
+from melcache.loader.spec import StreamSpec
+from melcache.loader.stream import planned_stream
 from melcache.reader import RawSample
 from melcache.sections import find_config
 from train.config.tables import load_config

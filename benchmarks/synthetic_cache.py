@@ -25,7 +25,7 @@ from melcache.loader.batch import utf8_tokens
 from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import make_schedule, substreams
-from melcache.loader.stream import Source, StreamSpec
+from melcache.loader.spec import Source, StreamSpec
 from melcache.reader import RawSample
 from melcache.storage import BYTES_PER_VALUE
 from preprocess.config import BuildConfig

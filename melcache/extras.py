@@ -20,7 +20,7 @@ REFERENCE = "reference"  # per utterance, the row of another utterance of its sp
 META_FIELD = "extras"  # the member of a sample's json that holds them
 
 
-def name_problem(names: tuple[str, ...]) -> str | None:
+def extras_problem(names: tuple[str, ...]) -> str | None:
     """Why ``names`` cannot be a cache's extras (``None``: they can)."""
     if any(not isinstance(n, str) or not n for n in names):
         return "non-empty field names"

@@ -14,7 +14,7 @@ Readers decode only these members, ``np.load(..., allow_pickle=False)`` for the 
 ignore anything else, so a planted ``.pickle`` member is never deserialised.
 
 The writer and the readers live side by side here. The general readers
-(:func:`iter_members`, tarfile in stream mode; :func:`decode_mel`, ``np.load``) accept any
+(:func:`iter_members`, tarfile in stream mode; :func:`decode_mel_npy`, ``np.load``) accept any
 valid tar and ``.npy``; they cost ~200 µs and ~130 µs per sample, more than the rest of the
 loader together, so :func:`tar_members` walks the plain ustar headers the writer makes by
 slicing an in-memory shard (members become zero-copy views) and :func:`fast_decode_mel`
@@ -107,7 +107,7 @@ def encode_npy(mel: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def decode_mel(data: bytes, n_mels: int, where: str) -> np.ndarray:
+def decode_mel_npy(data: bytes, n_mels: int, where: str) -> np.ndarray:
     """Parse a ``mel.npy`` member without unpickling; check dtype and shape."""
     try:
         mel = np.load(io.BytesIO(data), allow_pickle=False)
@@ -339,9 +339,9 @@ def _octal(field: bytes) -> int:
 
 
 def fast_decode_mel(data: bytes | memoryview, n_mels: int, where: str) -> np.ndarray:
-    """:func:`decode_mel` without its ~130 µs ``np.load`` for the header the build
+    """:func:`decode_mel_npy` without its ~130 µs ``np.load`` for the header the build
     writes: a read-only array viewing ``data``. Never unpickles; anything else goes to
-    ``decode_mel`` (which checks it and raises :class:`ShardError`)."""
+    ``decode_mel_npy`` (which checks it and raises :class:`ShardError`)."""
     if data[:8] == _NPY_MAGIC:
         end = 10 + int.from_bytes(data[8:10], "little")
         match = _NPY_HEADER.fullmatch(data[10:end])
@@ -349,4 +349,4 @@ def fast_decode_mel(data: bytes | memoryview, n_mels: int, where: str) -> np.nda
             count = int(match[1]) * n_mels
             if len(data) == end + count * MEL_DTYPE.itemsize:
                 return np.frombuffer(data, MEL_DTYPE, count, end).reshape(-1, n_mels)
-    return decode_mel(data, n_mels, where)
+    return decode_mel_npy(data, n_mels, where)

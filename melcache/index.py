@@ -21,7 +21,7 @@ import zarr
 
 from melcache.bounded import loads_json
 from melcache.errors import UserError
-from melcache.extras import META_FIELD, name_problem
+from melcache.extras import META_FIELD, extras_problem
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.format import (
     FORMAT_VERSION,
@@ -99,7 +99,7 @@ def read_index(cache: str | Path) -> dict[str, Any]:
             f"reads ({', '.join(STORAGES)}); upgrade melcache"
         )
     extras = index["build"].get(META_FIELD, [])
-    problem = "a list" if not isinstance(extras, list) else name_problem(tuple(extras))
+    problem = "a list" if not isinstance(extras, list) else extras_problem(tuple(extras))
     if problem:
         raise UserError(f"{location}: build.extras = {extras!r} is invalid: expected {problem}")
     for number, entry in enumerate(index["shards"]):

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from melcache.extras import name_problem
+from melcache.extras import extras_problem
 from melcache.features import FeatureConfig
 from melcache.sections import bounded, check_numbers, load_toml, make_section, require
 from melcache.storage import FP16, STORAGES
@@ -60,7 +60,7 @@ class BuildConfig:
         )
 
         extras = self.extras
-        problem = name_problem(extras) if isinstance(extras, tuple) else "a list of field names"
+        problem = extras_problem(extras) if isinstance(extras, tuple) else "a list of field names"
         shown = list(extras) if isinstance(extras, tuple) else extras
         require(problem is None, "build.extras", shown, problem or "")
 

@@ -1,12 +1,12 @@
 """How a job's slots share a bucket sub-stream's endless sequence of batches (batch plan 4's
 deal by epoch, ``melcache/loader/schedule.py``), and what a job left unread of it
-(``melcache/loader/elastic.py``), over many random shapes of epoch, job and leftover."""
+(``melcache/loader/resume/elsewhere.py``), over many random shapes of epoch, job and leftover."""
 
 from __future__ import annotations
 
 import random
 
-from melcache.loader.elastic import unread
+from melcache.loader.resume.elsewhere import unread
 from melcache.loader.schedule import Deal, SubStream
 
 

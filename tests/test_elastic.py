@@ -19,7 +19,7 @@ from helpers import REPO
 
 from melcache.errors import UserError
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
-from melcache.loader.elastic import STATE_KEYS, LoaderStateError, parse_deals
+from melcache.loader.resume.state import STATE_KEYS, LoaderStateError, parse_deals
 
 # Epochs of 6, 2, 2 and 1 batches in the sample cache's four buckets. One-process ranks read
 # each epoch whole before the next at any job size (batch plan 4's deal); the chunks of the

@@ -51,7 +51,7 @@ from melcache.format import (
     HOST_TAG,
     INDEX_NAME,
     REJECTED_NAME,
-    decode_mel,
+    decode_mel_npy,
     decode_meta,
     group_samples,
     iter_members,
@@ -89,7 +89,7 @@ def written_samples(out: Path) -> dict[str, tuple[dict, np.ndarray]]:
     for entry in json.loads((out / INDEX_NAME).read_text())["shards"]:
         for sample in read_samples(out / entry["name"]):
             meta = decode_meta(sample["json"], entry["name"])
-            found[meta["source"]] = (meta, decode_mel(sample["mel.npy"], 100, entry["name"]))
+            found[meta["source"]] = (meta, decode_mel_npy(sample["mel.npy"], 100, entry["name"]))
     return found
 
 

@@ -9,6 +9,10 @@ a cycle waiting to happen. README "Layout" explains why each room exists.
 from __future__ import annotations
 
 import ast
+import graphlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +129,95 @@ def test_an_upward_import_is_caught(where: str, source: str, upward: bool) -> No
     """The check itself: each upward import is reported, and a downward one is not."""
     found = violations(REPO / where, source)
     assert bool(found) == upward, found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module → the house's modules it imports (every import, also in functions and under
+    ``TYPE_CHECKING``), each named by the longest prefix that is a module file: ``from
+    melcache.loader.make import StreamLoader`` is an edge to ``melcache.loader.make``."""
+    files = package_files()
+    modules = {module_name(path) for path in files}
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        module = module_name(path)
+        source = path.read_text(encoding="utf-8")
+        edges = graph.setdefault(module, set())
+        for _, imported in imports_of(source, module, path.name == "__init__.py"):
+            parts = imported.split(".")
+            target = next(
+                (
+                    ".".join(parts[:end])
+                    for end in range(len(parts), 0, -1)
+                    if ".".join(parts[:end]) in modules
+                ),
+                None,
+            )
+            if target is not None and target != module:
+                edges.add(target)
+    return graph
+
+
+def circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` (its modules in order), or ``[]`` when there is none."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        return list(exc.args[1])
+    return []
+
+
+def test_no_file_imports_itself_in_a_circle() -> None:
+    """The layer table allows any import inside a room; this finds a circle between files."""
+    graph = import_graph()
+    assert len(graph) > 80, graph  # the walk found the packages
+    assert not circle(graph), " → ".join(circle(graph))
+
+
+def test_a_circle_is_caught() -> None:
+    """The check itself: the stream importing back from a stage below it (as under
+    ``TYPE_CHECKING`` before the spec module) closes a circle."""
+    graph = import_graph()
+    assert "melcache.loader.spec" in graph["melcache.loader.shard_reads"]
+    graph["melcache.loader.spec"].add("melcache.loader.stream")
+    assert circle(graph), graph
+
+
+def test_the_loaders_face_is_lazy_and_whole() -> None:
+    """``from melcache.loader import DataConfig`` loads the [data] table, not the workers;
+    every name in ``__all__`` (the errors callers catch included) resolves."""
+    code = (
+        "import sys, melcache.loader as L\n"
+        "from melcache.loader import DataConfig\n"
+        "assert 'melcache.loader.workers' not in sys.modules, sorted(sys.modules)\n"
+        "assert 'melcache.loader.make' not in sys.modules, sorted(sys.modules)\n"
+        "assert sorted(L.__all__) == sorted(L._WHERE), L.__all__\n"
+        "assert all(getattr(L, name) is not None for name in L.__all__)\n"
+        "assert issubclass(L.LoaderStateError, Exception)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+# Public module-level functions that share a name on purpose (docs/layout.md, "One name, one
+# meaning"): each is the same role in a parallel room, reached through its module's name.
+SHARED_NAMES = {
+    "main": "each command's entry point (preprocess/cli.py, train/__main__.py)",
+    "load_config": "each package's own TOML (the build's, the trainer's); they never meet",
+    "init_worker": "each pool's initializer (a shard writer's, a field encoder's)",
+    "read_range": "location.read_range dispatches to objectstore.read_range for s3://",
+    "save": "resume.save checkpoints a run; it calls dcp.save for the sharded weights",
+}
+
+
+def test_each_function_name_is_defined_once() -> None:
+    """No twins: a public module-level function name means one thing across the packages."""
+    where: dict[str, list[str]] = {}
+    for path in package_files():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            public = not getattr(node, "name", "_").startswith("_")
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and public:
+                where.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    twins = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert set(twins) <= set(SHARED_NAMES), {n: twins[n] for n in set(twins) - set(SHARED_NAMES)}
+    assert set(SHARED_NAMES) <= set(twins), set(SHARED_NAMES) - set(twins)  # none left stale

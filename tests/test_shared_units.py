@@ -19,7 +19,7 @@ import pytest
 
 import melcache.access
 import melcache.loader.shard_reads
-import melcache.loader.stream
+import melcache.loader.spec
 import melcache.loader.units
 from melcache.access import Cache
 from melcache.errors import ShardError, UserError
@@ -37,7 +37,7 @@ def make(cache: Path, rank: int, **data: object) -> StreamLoader:
     return make_loader(cache, options, rank=rank, world_size=RANKS, seed=1)
 
 
-def planned_keys(spec: melcache.loader.stream.StreamSpec, steps: int) -> list[list[str]]:
+def planned_keys(spec: melcache.loader.spec.StreamSpec, steps: int) -> list[list[str]]:
     stream = planned_stream(spec, 0)
     keys = [[s.key for s in planned[2]] for _, planned in zip(range(steps), stream, strict=False)]
     stream.close()

@@ -4,20 +4,30 @@
 
     loader = make_loader("shards/", DataConfig(batch_frames=20_000), rank=rank, world_size=world)
 
-Modules, in the order a batch is made: ``data_config`` (the keys), ``mix`` (open the caches,
-weigh them, check their layout), ``schedule`` (the sub-streams and their order),
-``batching`` (the pure shard dealing and batch plans, which ``inspect`` shares),
-``units`` (shards grouped into the units slots share), ``stream`` (one slot's batches from
-its cursor), ``workers`` (worker processes and their shared memory), ``transport`` (the
-fixed-size slots batches cross processes in), ``batch`` (collation into :class:`Batch`),
-``prefetch`` (host-to-device copies ahead of the step) and ``make`` (``make_loader``, the
-loader's state and resume).
+This face is lazy (PEP 562): ``from melcache.loader import DataConfig`` loads the ``[data]``
+table alone, not the workers and torch's ``DataLoader``, so ``preprocess inspect`` and the
+trainer's config stay light. docs/layout.md lists the loader's modules and what each holds.
 """
 
-from melcache.loader.batch import BYTE_VOCAB_SIZE, PAD_ID, Batch, utf8_tokens
-from melcache.loader.data_config import DataConfig
-from melcache.loader.make import BatchIterator, LoaderClosed, StreamLoader, make_loader
-from melcache.loader.mix import bucket_lengths
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name → the module that defines it; every name a caller catches is here too.
+_WHERE = {
+    "BYTE_VOCAB_SIZE": "melcache.loader.batch",
+    "PAD_ID": "melcache.loader.batch",
+    "Batch": "melcache.loader.batch",
+    "utf8_tokens": "melcache.loader.batch",
+    "BatchIterator": "melcache.loader.batch_iterator",
+    "LoaderClosed": "melcache.loader.batch_iterator",
+    "DataConfig": "melcache.loader.data_config",
+    "LoaderStateError": "melcache.loader.resume.state",
+    "StreamLoader": "melcache.loader.make",
+    "make_loader": "melcache.loader.make",
+    "bucket_lengths": "melcache.loader.mix",
+}
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -26,8 +36,30 @@ __all__ = [
     "BatchIterator",
     "DataConfig",
     "LoaderClosed",
+    "LoaderStateError",
     "StreamLoader",
     "bucket_lengths",
     "make_loader",
     "utf8_tokens",
 ]
+
+if TYPE_CHECKING:  # what a type checker and an editor see; never run
+    from melcache.loader.batch import BYTE_VOCAB_SIZE, PAD_ID, Batch, utf8_tokens
+    from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
+    from melcache.loader.data_config import DataConfig
+    from melcache.loader.make import StreamLoader, make_loader
+    from melcache.loader.mix import bucket_lengths
+    from melcache.loader.resume.state import LoaderStateError
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first use (PEP 562)."""
+    if name not in _WHERE:
+        raise AttributeError(f"module 'melcache.loader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,16 +1,20 @@
 """One pass over a :class:`melcache.loader.make.StreamLoader`: the iterator ``iter(loader)``
-returns, and the error an endless stream ends with."""
+returns, and the error an endless stream ends with. The iterator knows nothing of its
+loader: it reports each consumed batch's :class:`Cursor` through a callback."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from melcache.loader.batch import Batch
-from melcache.loader.stream import Cursor
+from melcache.loader.spec import Cursor
 
-if TYPE_CHECKING:  # the loader makes its iterators: make.py imports this module
-    from melcache.loader.make import StreamLoader
+
+class Closable(Protocol):
+    """What an iterator keeps alive: its loader, seen only as something that closes."""
+
+    def close(self) -> None: ...
 
 
 class LoaderClosed(RuntimeError):
@@ -18,17 +22,22 @@ class LoaderClosed(RuntimeError):
 
 
 class BatchIterator:
-    """One pass over a :class:`StreamLoader`: endless until closed, then raises
+    """One pass over a loader's stream: endless until closed, then raises
     :class:`LoaderClosed` (never ``StopIteration``, which would end a training loop as if
     it had succeeded).
 
-    It holds its loader, so ``for batch in make_loader(...)`` keeps the loader alive for as
-    long as it iterates; dropping the iterator frees the stream, whose ``finally`` stops the
-    worker processes.
+    ``consumed`` is told each batch's cursor as it is handed out. It holds its ``loader``, so
+    ``for batch in make_loader(...)`` keeps the loader alive for as long as it iterates;
+    dropping the iterator frees the stream, whose ``finally`` stops the worker processes.
     """
 
-    def __init__(self, loader: StreamLoader, stream: Iterator[tuple[Batch, Cursor]]) -> None:
-        self.loader, self._stream = loader, stream
+    def __init__(
+        self,
+        loader: Closable,
+        stream: Iterator[tuple[Batch, Cursor]],
+        consumed: Callable[[Cursor], None],
+    ) -> None:
+        self.loader, self._stream, self._consumed = loader, stream, consumed
         self._closed: str | None = None
 
     def __iter__(self) -> BatchIterator:
@@ -42,7 +51,7 @@ class BatchIterator:
         except StopIteration:
             self.close("its worker processes stopped before the endless stream could end")
             raise LoaderClosed(f"no more batches: {self._closed}") from None
-        self.loader._consume(cursor)
+        self._consumed(cursor)
         return batch
 
     def close(self, reason: str = "the iterator was closed") -> None:

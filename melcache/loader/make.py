@@ -28,8 +28,8 @@ Resume: DataLoader hands out its workers' batches round-robin, and each batch ca
 worker's position after it in its sub-stream (``melcache/loader/stream.py``); the loader records it as
 the batch is handed to the caller. A restore re-reads at most one shard (or unit) per worker and
 sub-stream, skipping its consumed batches without decoding a mel. A rank's own state resumes
-the same job batch for batch (``melcache/loader/same_job.py``); the list of every rank's
-state resumes a job of another world size, worker count or mix (``melcache/loader/elastic.py``);
+the same job batch for batch (``melcache/loader/resume/same_job.py``); the list of every rank's
+state resumes a job of another world size, worker count or mix (``melcache/loader/resume/elsewhere.py``);
 a state of another seed or batch budget is refused, naming the key.
 
 Faults: ``on_error="raise"`` stops at the first unreadable, truncated or (unless
@@ -64,15 +64,6 @@ from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
 from melcache.loader.data_config import DataConfig
-from melcache.loader.elastic import (
-    ELASTIC_VERSIONS,
-    LoaderStateError,
-    Resumed,
-    resume_elsewhere,
-    saved_deals,
-    state_cut,
-    stream_keys,
-)
 from melcache.loader.mix import (
     CacheArg,
     OpenedMix,
@@ -83,9 +74,21 @@ from melcache.loader.mix import (
     whole_shared_reads,
     with_fields,
 )
-from melcache.loader.same_job import STATE_VERSION, restore, state_identity
-from melcache.loader.schedule import make_schedule, substreams
-from melcache.loader.stream import Cursor, StreamSpec, progress
+from melcache.loader.resume import (
+    ELASTIC_VERSIONS,
+    STATE_VERSION,
+    LoaderStateError,
+    Resumed,
+    restore,
+    resume_elsewhere,
+    saved_deals,
+    state_cut,
+    state_identity,
+    stream_keys,
+)
+from melcache.loader.schedule import SubStream, make_schedule, substreams
+from melcache.loader.spec import Cursor, StreamSpec
+from melcache.loader.stream import progress
 from melcache.loader.workers import check_shared_memory, worker_batches
 from melcache.sections import require
 
@@ -153,7 +156,7 @@ class StreamLoader:
         self.close()  # one live stream at a time: it owns the state
         positions = [list(p) for p in self._positions]
         stream = worker_batches(self.spec, positions, self._batches, self.pin_memory)
-        iterator = BatchIterator(self, stream)
+        iterator = BatchIterator(self, stream, self._consume)
         # Held weakly: the iterator keeps this loader alive, not the other way round, so the
         # workers stop as soon as the last iterator is dropped, whether or not the loader is.
         self._active = weakref.ref(iterator)
@@ -203,7 +206,7 @@ class StreamLoader:
 
         ``state``: this rank's state of the same job (batch for batch, as before), or the
         list of every rank's state of a job of any size, worker count or mix, in rank order
-        (``melcache/loader/elastic.py``: what the old job left unread of each sub-stream's
+        (``melcache/loader/resume/elsewhere.py``: what the old job left unread of each sub-stream's
         epoch in progress is read once, then epochs go on as in a fresh job; an added cache
         starts at its epoch 0). ``resume_changes`` then says what changed. Call before
         iterating (a running iterator stops). Raises :class:`UserError` naming the key when
@@ -238,7 +241,7 @@ class StreamLoader:
         self.resume_changes = resumed.changes
 
     def _make_batches_of(self, state: Mapping[str, Any]) -> None:
-        """Cut batches as ``state``'s loader did (:func:`~melcache.loader.elastic.state_cut`),
+        """Cut batches as ``state``'s loader did (:func:`~melcache.loader.resume.elsewhere.state_cut`),
         so a state of an earlier release still continues batch for batch."""
         data = self.spec.data
         plan, split, attention = state_cut(state, data)
@@ -259,7 +262,7 @@ class StreamLoader:
         )
 
     def _identity(self) -> dict[str, Any]:
-        """What this loader's states are valid for (``melcache/loader/same_job.py``)."""
+        """What this loader's states are valid for (``melcache/loader/resume/same_job.py``)."""
         return state_identity(self.spec, self.weights)
 
 
@@ -308,7 +311,7 @@ def make_loader(
             logger.warning(line)
     spec = StreamSpec(
         sources=mix.sources,
-        **schedules(mix, data, seed),
+        **schedules(mix, data, seed, subs),
         data=data,
         rank=rank,
         world_size=world_size,
@@ -321,10 +324,13 @@ def make_loader(
     return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
 
 
-def schedules(mix: OpenedMix, data: DataConfig, seed: int) -> dict[str, Any]:
+def schedules(
+    mix: OpenedMix, data: DataConfig, seed: int, subs: tuple[SubStream, ...] | None = None
+) -> dict[str, Any]:
     """A stream's sub-streams and the schedules of its mix's phases, as ``StreamSpec`` takes
-    them."""
-    subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+    them; ``subs``: the sub-streams where the caller has computed them already."""
+    if subs is None:
+        subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
     return {
         "subs": subs,
         "schedule": make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),

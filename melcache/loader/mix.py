@@ -23,7 +23,7 @@ from melcache.index import read_index
 from melcache.loader.batching import round_up
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
-from melcache.loader.stream import Source
+from melcache.loader.spec import Source
 from melcache.location import is_url, member_location, reads_ranges
 from melcache.remote import objectstore
 from melcache.remote.disk_cache import check_bound, check_folder
@@ -275,7 +275,7 @@ def largest_batch(sources: Sequence[Source], data: DataConfig) -> int:
     )
 
 
-def shards_digest(shards: tuple[dict[str, Any], ...]) -> str:
+def content_digest(shards: tuple[dict[str, Any], ...]) -> str:
     """A short digest of a cache's content as its index lists it."""
     blob = json.dumps([[s["name"], s["samples"], s.get("sha256")] for s in shards]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

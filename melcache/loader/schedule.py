@@ -230,7 +230,7 @@ def global_batch(sub: SubStream, *, slot: int, num_slots: int, taken: int) -> in
 class Deal:
     """How the slots of a job share one sub-stream's endless sequence of batches.
 
-    A job resumed from a job of another size or mix (``melcache/loader/elastic.py``) first
+    A job resumed from a job of another size or mix (``melcache/loader/resume/elsewhere.py``) first
     reads ``leftover``, the batches before ``frontier`` (an epoch boundary) that the old job
     left unread (sorted, disjoint ``[start, stop)`` runs), then deals the sequence from
     ``frontier`` on as a fresh job of its size deals it from 0.

@@ -5,16 +5,12 @@ when the cache is in a store (``data.cache_dir``), and a bad one skipped or rais
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from melcache.errors import ShardError
 from melcache.fields.store import read_field_shard
+from melcache.loader.spec import StreamSpec
 from melcache.location import is_url, member_location
 from melcache.reader import RawSample, ShardCheck, read_shard
 from melcache.remote.disk_cache import DiskCache, for_process
-
-if TYPE_CHECKING:  # the worker's spec is stream.py's, which reads through this module
-    from melcache.loader.stream import StreamSpec
 
 
 class SkipLog:

@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from melcache.errors import UserError
 from melcache.loader.batch import Batch, PackedBatch
 from melcache.loader.mix import largest_batch
-from melcache.loader.stream import Cursor, StreamSpec, worker_stream
+from melcache.loader.spec import Cursor, StreamSpec
+from melcache.loader.stream import worker_stream
 from melcache.loader.transport import BatchRing
 
 logger = logging.getLogger(__name__)

@@ -159,7 +159,7 @@ def key_base(source: str) -> str:
     return re.sub(r"[^\w\-]+", "_", source.rsplit(".", 1)[0]).strip("_") or "utt"
 
 
-def key_hash(key: str) -> int:
+def key_digest(key: str) -> int:
     """A 64-bit digest of a key, the same in every process (``hash`` is salted)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 

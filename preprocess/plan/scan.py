@@ -43,7 +43,7 @@ from preprocess.inputs.layout import (
     Slice,
     Stamp,
     key_base,
-    key_hash,
+    key_digest,
     unit_of,
     utterance_hash,
 )
@@ -62,7 +62,6 @@ _COLUMNS = {
 }
 # A scan's stamps and rejections grow with the corpus (a stamp per folder); far below this.
 LISTING_LIMIT = 2**30
-_BATCH = 4096  # inputs handed to the workers at once: keeps them busy, bounds what waits
 
 SCAN_META = "meta.json"  # written last: a scan folder holding it is finished
 
@@ -187,7 +186,7 @@ def scan_piece(
                 lengths.append(result[0])
                 locators.append(item.locator)  # type: ignore[union-attr]
                 contents.append(result[1])
-                keys.append(key_hash(key_base(item.source)))
+                keys.append(key_digest(key_base(item.source)))
                 audio_at.append(item.audio_at)  # type: ignore[union-attr]
                 sources.extend(item.source.encode())
                 ends.append(len(sources))

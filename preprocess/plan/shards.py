@@ -26,7 +26,7 @@ from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, shard_name, temp_path
 from melcache.storage import BYTES_PER_VALUE
 from preprocess.config import BuildConfig
-from preprocess.inputs.layout import Rejection, key_base, key_hash
+from preprocess.inputs.layout import Rejection, key_base, key_digest
 from preprocess.plan.scan import Scan
 
 # Per-sample bytes besides the mel: three 512-byte tar headers, npy header, json.
@@ -260,8 +260,8 @@ def _key_suffixes(
         while True:
             number += 1
             key = f"{base}_{number}"
-            place = np.searchsorted(taken, key_hash(key))
-            if key not in made and not (place < len(taken) and taken[place] == key_hash(key)):
+            place = np.searchsorted(taken, key_digest(key))
+            if key not in made and not (place < len(taken) and taken[place] == key_digest(key)):
                 break
         made.add(key)
         numbers[ordinal] = number

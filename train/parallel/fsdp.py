@@ -67,15 +67,6 @@ def device_mesh(env: Env, cfg: ParallelConfig) -> DeviceMesh:
     return init_device_mesh(kind, shape, mesh_dim_names=("replicate", "shard"))
 
 
-def set_gradient_sync(model: nn.Module, sync: bool) -> bool:
-    """FSDP2's accumulation switch (no reduce-scatter until the last micro-batch); False
-    when ``model`` is not sharded (DDP uses ``no_sync`` instead)."""
-    if not isinstance(model, FSDPModule):
-        return False
-    model.set_requires_gradient_sync(sync)
-    return True
-
-
 def abandon_step(model: nn.Module) -> None:
     """After a step abandoned midway (an out-of-memory error every rank agreed on): drop its
     gradients and reset FSDP2's per-iteration state (it reshards what was all-gathered), so

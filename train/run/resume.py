@@ -15,7 +15,7 @@ import torch
 
 from melcache.errors import UserError
 from melcache.index import read_stats
-from melcache.loader.make import LoaderStateError
+from melcache.loader import LoaderStateError
 from train.config.renamed import move_renamed_keys
 from train.config.tables import Config
 from train.parallel.fsdp import load_weights, weights_state

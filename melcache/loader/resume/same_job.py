@@ -3,7 +3,7 @@
 A state is valid only for the job that saved it (:func:`state_identity`: its layout, seed,
 caches, mix and batch budget); this module checks that and reads its positions back,
 earlier releases' versions included. The list of every rank's state of another job goes to
-``melcache/loader/elastic.py`` instead.
+``melcache/loader/resume/elsewhere.py`` instead; both read the state of ``state.py``.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from melcache.loader.batching import COST_CUT_PLAN
-from melcache.loader.elastic import (
+from melcache.loader.mix import content_digest
+from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,
     STATE_KEYS,
     LoaderStateError,
     Resumed,
     parse_deals,
 )
-from melcache.loader.mix import shards_digest
-from melcache.loader.stream import StreamSpec
+from melcache.loader.spec import StreamSpec
 
 STATE_VERSION = 4
 # Version 1 (before sub-streams) holds one (epoch, shard, batch) per worker: the whole-cache
@@ -37,7 +37,7 @@ def state_identity(spec: StreamSpec, weights: Sequence[float]) -> dict[str, Any]
     """What a state is only valid for: job layout, seed, caches and mix (``weights``, the
     caches' frame shares), and budget."""
     data = spec.data
-    digests = [shards_digest(source.shards) for source in spec.sources]
+    digests = [content_digest(source.shards) for source in spec.sources]
     return {
         "rank": spec.rank,
         "world_size": spec.world_size,
