@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import needs_extra
 
 from melcache.errors import UserError
 from train.config.tables import load_config
@@ -91,7 +92,7 @@ def test_sigterm_checkpoints_and_resume_continues(train_cache: Path, tmp_path: P
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    needs_extra("matplotlib", "plot")
     from train.__main__ import main
 
     lines = [
@@ -126,7 +127,7 @@ HOSTILE_METRICS = [
 def test_a_hostile_metrics_file_is_plotted_and_resumed_past(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pytest.importorskip("matplotlib")
+    needs_extra("matplotlib", "plot")
     from train.__main__ import main
     from train.run.metrics import MetricsLog
 
