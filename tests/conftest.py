@@ -19,6 +19,7 @@ from helpers import (
     TRAIN_CACHE_TOML,
     build_cache,
     derive_args,
+    needs_extra,
     run_ok,
     run_preprocess,
 )
@@ -59,7 +60,7 @@ def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def dvae_run(train_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ChatTTS's DVAE example trained 4 steps (one process) on ``train_cache``: its run folder."""
-    pytest.importorskip("ChatTTS")
+    needs_extra("ChatTTS", "chattts")
     out = tmp_path_factory.mktemp("dvae") / "run"
     config = REPO / "examples" / "chattts_dvae" / "config.toml"
     command = [sys.executable, "-m", "train", "--shards", str(train_cache), "--config"]

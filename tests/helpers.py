@@ -475,3 +475,11 @@ def derive_args(cache: Path, run: Path, *extra: str) -> list[str]:
 
 
 S3_BUCKET = "caches"  # the bucket conftest's endpoint fixture makes on its S3 server
+
+
+def needs_extra(module: str, extra: str) -> object:
+    """``module`` imported, or the test skipped with a reason naming the pyproject ``extra``
+    that brings it: the README installs only ``.[test]``, CI adds the examples' extras."""
+    return pytest.importorskip(
+        module, reason=f"needs the {extra!r} extra: pip install -e '.[{extra}]'"
+    )

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import needs_extra
 
 from benchmarks import padding_bounds, results
 
@@ -356,6 +357,7 @@ def test_trainer_bench_prints_every_figure_the_results_page_reads(train_cache: P
 
 @pytest.mark.slow
 def test_derive_bench_prints_every_row(tmp_path: Path) -> None:
+    needs_extra("ChatTTS", "chattts")  # benchmarks.derive_bench runs examples.chattts_dvae
     rows = {
         r["row"]: r
         for r in bench_rows("derive_bench", tmp_path, "--size", "tiny", "--batches", "3")

@@ -21,6 +21,7 @@ from helpers import (
     DVAE_ENCODER,
     derive_args,
     metrics,
+    needs_extra,
     run_ok,
     run_preprocess,
     started,
@@ -335,7 +336,7 @@ def test_a_released_layout_safetensors_loads_and_gives_chattts_own_indices(tmp_p
     its own ``Config``, as ``ChatTTS.core`` builds it, saved by safetensors; random weights, as
     none can be downloaded here) loads by ``--checkpoint FILE``, its sizes read off the
     tensors; the codes are ChatTTS's own ``GFSQ.forward`` indices, transposed to [B, T, 4]."""
-    pytest.importorskip("ChatTTS")
+    needs_extra("ChatTTS", "chattts")
     from dataclasses import asdict
 
     from ChatTTS.config.config import Config

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, build_cache, checkpoint, load, metrics, run_ok, torchrun
+from helpers import REPO, build_cache, checkpoint, load, metrics, needs_extra, run_ok, torchrun
 
 from melcache.loader import DataConfig, make_loader
 from train.config.tables import load_config
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = {"f5tts": "f5_tts", "chattts_dvae": "ChatTTS"}
+EXAMPLES = {"f5tts": ("f5_tts", "f5tts"), "chattts_dvae": ("ChatTTS", "chattts")}
 STEPS = 30
 
 
@@ -38,7 +38,7 @@ def train(name: str, cache: Path, out: Path, steps: int, *extra: str) -> None:
 def test_example_trains_on_two_ranks_and_resumes_bitwise(
     name: str, train_cache: Path, tmp_path: Path
 ) -> None:
-    pytest.importorskip(EXAMPLES[name])
+    needs_extra(*EXAMPLES[name])
     train(name, train_cache, tmp_path / "whole", STEPS)
     losses = [r["loss"] for r in metrics(tmp_path / "whole") if "loss" in r]
     print(f"{name}: loss per window {losses}")
@@ -76,7 +76,7 @@ def test_the_quick_start_cache_gives_batches_of_several_utterances(tmp_path: Pat
 def test_f5tts_predicts_the_rest_of_each_utterance_and_pictures_it(
     train_cache: Path, tmp_path: Path
 ) -> None:
-    pytest.importorskip("f5_tts")
+    needs_extra("f5_tts", "f5tts")
     from examples.f5tts.adapter import F5TTS
 
     model = F5TTS(n_mels=100, vocab_size=257, dim=64, depth=2, heads=4, text_dim=32, conv_layers=1)

@@ -16,6 +16,7 @@ from helpers import (
     checkpoint,
     load,
     metrics,
+    needs_extra,
     run_ok,
     same_ddp_run,
     same_weights,
@@ -201,7 +202,7 @@ def test_autoclip_clips_at_a_percentile_of_past_norms() -> None:
 
 
 def test_the_plot_draws_the_noise_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("matplotlib")
+    needs_extra("matplotlib", "plot")
     from train.plot import plot_run
 
     rows = [

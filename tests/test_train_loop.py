@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import needs_extra
 
 from melcache.errors import UserError
 from train.config.tables import load_config
@@ -113,7 +114,7 @@ def test_rank_0_logs_one_line_per_window(
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    needs_extra("matplotlib", "plot")
     from train.__main__ import main
 
     lines = [
@@ -148,7 +149,7 @@ HOSTILE_METRICS = [
 def test_a_hostile_metrics_file_is_plotted_and_resumed_past(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pytest.importorskip("matplotlib")
+    needs_extra("matplotlib", "plot")
     from train.__main__ import main
     from train.run.metrics import MetricsLog
 
