@@ -183,4 +183,12 @@ def _check_type(value: Any, field: dataclasses.Field, key: str) -> None:
         return
     wrong_bool = isinstance(value, bool) and field.type != "bool"
     if wrong_bool or not isinstance(value, expected):
-        raise UserError(f"config key {key} = {value!r} is invalid: expected a {field.type}")
+        kind = {
+            "int": "an integer",
+            "float": "a number",
+            "bool": "true or false",
+            "str": "a string",
+        }
+        raise UserError(
+            f"config key {key} = {value!r} is invalid: expected {kind[str(field.type)]}"
+        )

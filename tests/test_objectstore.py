@@ -367,3 +367,17 @@ def test_a_build_into_a_wrong_bucket_without_credentials_or_server_is_one_line(
     assert "no S3 credentials" in one_line_error(*build, env=bare)
     closed = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
     assert "giving up after" in one_line_error(*build, env=closed)
+
+
+def test_store_urls_with_dot_dot_or_empty_segments_are_refused_in_one_line() -> None:
+    """A store keeps ``..`` as part of a key (``s3://b/../x`` was sent as ``../x/index.json``):
+    refused before any request, by every command that takes a location (no server here)."""
+    from melcache.remote.objectstore import split
+
+    for bad, what in [("s3://b/../x", "'..'"), ("s3://b/a/./x", "'.'"), ("s3://b//x", "empty"),
+                      ("s3://../x", "'..'")]:  # fmt: skip
+        with pytest.raises(UserError, match=rf"^{bad}: an? {what} path segment"):
+            split(bad)
+    assert split("s3://b/a/cache/") == ("b", "a/cache/")  # a trailing slash is fine
+    line = one_line_error("verify", "s3://b/../x", env=dict(os.environ))
+    assert "'..' path segment" in line and "s3://b/../x" in line

@@ -179,3 +179,10 @@ def test_trackers_default_to_none_and_round_trip() -> None:
     cfg = load_config(None, ['train.trackers=["wandb", "tensorboard"]'])
     assert cfg.train.trackers == ("wandb", "tensorboard")
     assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_config_value_of_the_wrong_type_names_the_type_in_words() -> None:
+    with pytest.raises(
+        UserError, match=r"data\.num_workers = 'two' is invalid: expected an integer$"
+    ):
+        load_config(None, ["data.num_workers='two'"])

@@ -69,10 +69,20 @@ def is_store(location: object) -> bool:
 
 
 def split(location: str) -> tuple[str, str]:
-    """``(bucket, key)`` of ``s3://bucket/key``; :class:`UserError` without a bucket."""
+    """``(bucket, key)`` of ``s3://bucket/key``; :class:`UserError` without a bucket, or with a
+    ``.``, ``..`` or empty path segment (a store does not resolve them: ``s3://b/../x`` would
+    be the key ``../x``; a trailing ``/`` is allowed)."""
     bucket, _, key = location.removeprefix("s3://").partition("/")
     if not bucket:
         raise UserError(f"{location}: no bucket named (expected s3://bucket/prefix)")
+    segments = key.removesuffix("/").split("/") if key else []
+    bad = next((s for s in segments if s in ("", ".", "..")), None)
+    if bad is not None or bucket in (".", ".."):
+        what = "an empty" if bad == "" else f"a {bad or bucket!r}"
+        raise UserError(
+            f"{location}: {what} path segment, which an object store keeps as part of the key "
+            "instead of resolving it: name the prefix plainly (s3://bucket/path/to/cache)"
+        )
     return bucket, key
 
 
