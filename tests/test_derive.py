@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 from helpers import (
     DVAE_ENCODER,
+    REPO,
     derive_args,
     metrics,
     needs_extra,
@@ -392,3 +395,56 @@ def test_a_forged_field_entry_is_one_line_before_any_file_is_opened(
     with pytest.raises(UserError, match=re.escape(said)) as raised:
         melcache.open(cache)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.slow
+def test_non_finite_encoder_outputs_never_enter_a_field(train_cache: Path, tmp_path: Path) -> None:
+    """NaN from the encoder, or finite values that overflow the field's float16, are refused in
+    one line naming the shard and key; nothing is listed in the index."""
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    for factory, why in [("nan_encoder", r"\d+ non-finite values \(NaN or infinity\), refused"),
+                         ("huge_encoder", r"overflows float16")]:  # fmt: skip
+        done = run_preprocess("derive", str(cache), "--field", "bad", "--encoder",
+                              f"tests._plugin_encoders:{factory}", "--workers", "1", check=False)  # fmt: skip
+        assert done.returncode == 2 and one_error(done.stderr), done.stderr
+        assert re.search(rf"/b\d+-\d+\.tar:\S+: the encoder.*({why})", done.stderr), done.stderr
+        assert "bad" not in json.loads((cache / "index.json").read_text()).get("fields", {})
+
+
+# A derive of an older release, which stored what its encoder gave (_stored did not look): a
+# sitecustomize, so derive's spawned workers run it too.
+OLDER_DERIVE = """
+import preprocess.write.field_shard as field_shard
+field_shard._stored = lambda values, encoder, frames: values.astype(encoder.dtype)
+"""
+
+
+@pytest.mark.slow
+def test_a_stored_non_finite_field_is_refused_by_verify_random_access_and_the_loader(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    args = ["derive", str(cache), "--field", "bad", "--encoder", "tests._plugin_encoders:nan_encoder",
+            "--workers", "1"]  # fmt: skip
+    (tmp_path / "older").mkdir()
+    (tmp_path / "older" / "sitecustomize.py").write_text(OLDER_DERIVE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "older"), str(REPO)])}
+    done = subprocess.run([sys.executable, "-m", "preprocess", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr  # digests and all: its shards check out
+    done = run_preprocess("verify", str(cache), check=False)
+    assert done.returncode != 0 and "non-finite values (NaN or infinity) in a float field" in (
+        done.stdout + done.stderr
+    )
+    import melcache
+    from melcache.errors import ShardError
+
+    with melcache.open(cache) as opened, pytest.raises(ShardError, match=r"non-finite values"):
+        opened[0].fields["bad"]
+    from melcache.loader import DataConfig, make_loader
+
+    config = DataConfig(batch_frames=2000, fields=("bad",), num_workers=0)
+    with pytest.raises(ShardError, match=r"\.tar:\S+: non-finite values \(NaN or infinity\)"):
+        next(iter(make_loader(str(cache), config)))

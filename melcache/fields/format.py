@@ -259,6 +259,8 @@ def decode_field(data: bytes | memoryview, entry: Mapping[str, Any], where: str)
             f"{where}: {array.dtype} {array.shape}, the index says {entry['dtype']} [T, "
             f"{', '.join(map(str, shape))}]"
         )
+    if array.dtype.kind == "f" and not np.isfinite(array).all():  # written by an older derive
+        raise ShardError(f"{where}: non-finite values (NaN or infinity) in a float field")
     return array
 
 

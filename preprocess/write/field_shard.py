@@ -94,7 +94,8 @@ def derive_shard(job: DeriveJob) -> dict[str, Any]:
     # Each sample's json member verbatim: a model that reads fields alone reads no mel shard.
     metas = [bytes(s[META_MEMBER]) for s in shard_samples(load_shard(mel_location), mel_location)]
     mels = [decode_mel(s.mel, s.storage, job.n_mels, f"{mel_location}:{s.key}") for s in samples]
-    values = encode_all(_encoder, mels, job.pad_value, _device)
+    names = [f"{mel_location}:{s.key}" for s in samples]
+    values = encode_all(_encoder, mels, job.pad_value, _device, names)
     final = job.out / job.mel_entry["name"]
     temp = temp_path(final)
     try:
@@ -140,9 +141,14 @@ def derive_shard(job: DeriveJob) -> dict[str, Any]:
 
 
 def encode_all(
-    encoder: FieldEncoder, mels: list[np.ndarray], pad_value: float, device: torch.device
+    encoder: FieldEncoder,
+    mels: list[np.ndarray],
+    pad_value: float,
+    device: torch.device,
+    names: list[str],
 ) -> list[np.ndarray]:
-    """The field of every mel, in order, from batches of equal padded length."""
+    """The field of every mel, in order, from batches of equal padded length; an output the
+    field cannot store is one line naming its utterance (``names``: shard and key)."""
     out: list[np.ndarray | None] = [None] * len(mels)
     for rows in _batches(encoder, [len(m) for m in mels]):
         length = -(-len(mels[rows[0]]) // encoder.mel_multiple) * encoder.mel_multiple
@@ -151,7 +157,10 @@ def encode_all(
             batch[i, : len(mels[row])] = mels[row]
         result = run_encoder(encoder, torch.from_numpy(batch), device)
         for i, row in enumerate(rows):
-            out[row] = _stored(result[i], encoder, len(mels[row]))
+            try:
+                out[row] = _stored(result[i], encoder, len(mels[row]))
+            except UserError as exc:
+                raise UserError(f"{names[row]}: {exc}") from None
     return out  # type: ignore[return-value]
 
 
@@ -175,6 +184,9 @@ def _stored(values: np.ndarray, encoder: FieldEncoder, mel_frames: int) -> np.nd
             f"[{frames}, {', '.join(map(str, encoder.shape))}]"
         )
     kind = np.dtype(encoder.dtype)
+    if values.dtype.kind == "f" and not np.isfinite(values).all():  # never into a field
+        bad = int(np.size(values) - np.isfinite(values).sum())
+        raise UserError(f"the encoder gave {bad} non-finite values (NaN or infinity), refused")
     if (
         kind.kind in "iu"
         and values.dtype.kind == "f"
@@ -187,7 +199,10 @@ def _stored(values: np.ndarray, encoder: FieldEncoder, mel_frames: int) -> np.nd
             raise UserError(
                 f"the encoder's output {values.min()}..{values.max()} does not fit {kind}"
             )
-    return values.astype(kind)
+    stored = values.astype(kind)
+    if kind.kind == "f" and not np.isfinite(stored).all():
+        raise UserError(f"the encoder's output {values.min()}..{values.max()} overflows {kind}")
+    return stored
 
 
 def _batches(encoder: FieldEncoder, frames: list[int]) -> Iterator[list[int]]:
