@@ -185,3 +185,12 @@ def test_wandb_offline_holds_the_history_and_a_resume_continues_its_run(
     for row in pictures:
         assert row["val/mel/_type"] == "image-file" and row["val/mel/format"] == "png"
         assert list(tmp_path.glob(f"wandb/offline-run-*/files/{row['val/mel/path']}"))
+
+
+def test_a_tracker_that_cannot_write_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    """``OUT/tensorboard`` a file lost every record, said only at the run's end."""
+    env = Env(0, 1, 0, __import__("torch").device("cpu"))
+    (tmp_path / "tensorboard").write_text("not a folder")
+    with pytest.raises(UserError, match=r"^tracker tensorboard writes into \S+/tensorboard, which "
+                       r"is a file, not a folder$"):  # fmt: skip
+        open_trackers(("tensorboard",), env, Opening(tmp_path, 0, None, {}))

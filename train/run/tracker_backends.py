@@ -102,4 +102,9 @@ class WandB:
 # The names train.trackers accepts (train/config/train_table.py TRACKERS), each with the
 # package it needs installed and how it opens.
 MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+# The folder each tracker writes into, checked before the first step (train/run/trackers.py).
+DESTINATIONS: dict[str, Callable[[Opening], Path]] = {
+    "tensorboard": lambda opening: opening.out / "tensorboard",
+    "wandb": lambda opening: Path(os.environ.get("WANDB_DIR") or opening.out),
+}
 OPENERS: dict[str, Callable[[Opening], Backend]] = {"tensorboard": TensorBoard, "wandb": WandB}

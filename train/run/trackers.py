@@ -27,7 +27,7 @@ from typing import Any
 
 from melcache.errors import UserError
 from train.parallel.env import Env
-from train.run.tracker_backends import MODULES, OPENERS, Backend, Opening
+from train.run.tracker_backends import DESTINATIONS, MODULES, OPENERS, Backend, Opening
 
 log = logging.getLogger(__name__)
 
@@ -201,4 +201,19 @@ def open_trackers(names: tuple[str, ...], env: Env, opening: Opening, **limits: 
                 f"train.trackers names {name}, but its package {MODULES[name]} is not "
                 "installed: pip install 'melcache[trackers]'"
             )
+        _check_destination(name, DESTINATIONS[name](opening))
     return Trackers([Tracked(name, lambda o=OPENERS[name]: o(opening), **limits) for name in names])
+
+
+def _check_destination(name: str, folder: Path) -> None:
+    """Refuse, in one line before the first step, a tracker that could not write a record:
+    every record of the run would be lost, and the run would say so only at its end."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = (
+            "is a file, not a folder" if folder.is_file() else f"cannot be made ({exc.strerror})"
+        )
+        raise UserError(f"tracker {name} writes into {folder}, which {reason}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"tracker {name} writes into {folder}, which is not writable")
