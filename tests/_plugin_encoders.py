@@ -35,3 +35,13 @@ def nan_encoder(checkpoint: str | None = None, device: str = "cpu", **_: Any) ->
 def huge_encoder(checkpoint: str | None = None, device: str = "cpu", **_: Any) -> FieldEncoder:
     """A float16 field of finite float32 values beyond float16's range (infinity once stored)."""
     return _field(1e6)
+
+
+class _Failing(torch.nn.Module):
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom inside encoder")
+
+
+def failing_encoder(checkpoint: str | None = None, device: str = "cpu", **_: Any) -> FieldEncoder:
+    """An encoder whose forward raises."""
+    return FieldEncoder(module=_Failing(), config={}, dtype="int16", shape=(1,))

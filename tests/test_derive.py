@@ -448,3 +448,29 @@ def test_a_stored_non_finite_field_is_refused_by_verify_random_access_and_the_lo
     config = DataConfig(batch_frames=2000, fields=("bad",), num_workers=0)
     with pytest.raises(ShardError, match=r"\.tar:\S+: non-finite values \(NaN or infinity\)"):
         next(iter(make_loader(str(cache), config)))
+
+
+@pytest.mark.slow
+def test_failing_user_code_is_one_line_naming_it_then_its_own_frames(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+
+    def derive(encoder: str) -> list[str]:
+        done = run_preprocess("derive", str(cache), "--field", "x", "--encoder", encoder,
+                              "--workers", "1", check=False)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        return [line for line in done.stderr.splitlines() if not line.startswith("deriving ")]
+
+    first, *frames = derive("tests._plugin_encoders:failing_encoder")
+    assert re.fullmatch(
+        r"error: the encoder tests\._plugin_encoders\._Failing failed on \S+/b\d+-\d+\.tar:\S+ "
+        r"\(its batch's first key; mel \[\d+, \d+, 100\]\): RuntimeError: boom inside encoder",
+        first,
+    ), first
+    assert any("_plugin_encoders.py" in f for f in frames) and "raise RuntimeError" in frames[-1]
+    assert not any("/preprocess/" in f or "/torch/" in f for f in frames), frames
+    (line,) = derive("os:system")  # no factory, and no frame of the user's to show
+    assert line.startswith("error: --encoder 'os:system' failed when called as a factory")
+    assert "TypeError" in line

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from melcache.codec import decode_mel
-from melcache.errors import UserError
+from melcache.errors import UserError, user_code_error
 from melcache.fields.format import BOUND_NAME, FieldEncoder, bound_member, encode_field
 from melcache.format import (
     META_MEMBER,
@@ -69,7 +69,16 @@ def load_encoder(spec: str, checkpoint: str | None, device: str) -> FieldEncoder
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise UserError(f"--encoder {spec!r} cannot be imported: {exc}") from None
-    made = factory(checkpoint=checkpoint, device=device)
+    try:
+        made = factory(checkpoint=checkpoint, device=device)
+    except UserError:
+        raise
+    except Exception as exc:  # the user's factory, or what is no factory (os:system)
+        raise user_code_error(
+            f"--encoder {spec!r} failed when called as a factory (checkpoint={checkpoint!r}, "
+            f"device={device!r})",
+            exc,
+        ) from None
     if not isinstance(made, FieldEncoder):
         raise UserError(f"--encoder {spec!r} returned {type(made).__name__}, not a FieldEncoder")
     return made
@@ -155,7 +164,15 @@ def encode_all(
         batch = np.full((len(rows), length, mels[rows[0]].shape[1]), pad_value, np.float32)
         for i, row in enumerate(rows):
             batch[i, : len(mels[row])] = mels[row]
-        result = run_encoder(encoder, torch.from_numpy(batch), device)
+        try:
+            result = run_encoder(encoder, torch.from_numpy(batch), device)
+        except Exception as exc:  # the user's module: name it and its batch, keep its frames
+            module = type(encoder.module)
+            raise user_code_error(
+                f"the encoder {module.__module__}.{module.__qualname__} failed on {names[rows[0]]} "
+                f"(its batch's first key; mel {list(batch.shape)})",
+                exc,
+            ) from None
         for i, row in enumerate(rows):
             try:
                 out[row] = _stored(result[i], encoder, len(mels[row]))
