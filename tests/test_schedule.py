@@ -34,6 +34,7 @@ from melcache.loader.batching import (
 from melcache.loader.data_config import SYNC_SPLIT
 from melcache.loader.schedule import locate
 from melcache.loader.stream import planned_stream
+from train.run.metrics import epochs_names
 
 DATA = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0}
 
@@ -330,8 +331,10 @@ def test_the_trainer_trains_on_a_weighted_mix(
     entry = ("-m", "train", "--shards", str(sample_cache))  # options before the overrides
     run_ok(train_cmd(train_cache, out, mix, "data.batch_frames=3000", entry=entry))
     logged = [m for m in metrics(out) if "loss" in m]
-    assert logged and all(m[f"epochs {train_cache}"] >= 0 for m in logged)
-    assert logged[-1][f"epochs {sample_cache}"] > 0 and logged[-1][f"epochs {train_cache}"] > 0
+    names = epochs_names([str(sample_cache), str(train_cache)])  # --shards in the given order
+    assert names == [f"epochs/0_{sample_cache.name}", f"epochs/1_{train_cache.name}"]
+    assert logged and all(m[names[1]] >= 0 for m in logged)  # a tag: no path, no space
+    assert logged[-1][names[0]] > 0 and logged[-1][names[1]] > 0
 
 
 def test_a_version_2_state_resumes_one_whole_cache_and_is_refused_otherwise(

@@ -39,7 +39,7 @@ from train.parallel.ddp import no_sync
 from train.parallel.env import Env, all_reduce_sum, setup, teardown
 from train.parallel.votes import StopFlag
 from train.run.folder import owned_run_folder
-from train.run.metrics import Meter, MetricsLog
+from train.run.metrics import Meter, MetricsLog, epochs_names
 from train.run.parts import RunParts, build_run_parts, wrap_for_training
 from train.run.resume import resume_or_start, rewind, save
 from train.run.tracker_backends import Opening
@@ -352,8 +352,8 @@ class Trainer:
         values = self.meter.summary()  # all ranks: one all-reduce, one host read
         values["lr"] = self._lr
         values.update(self.parts.measures.summary())  # the noise scale: a few more values
-        for where, epochs in self.parts.loader.epochs().items():  # per cache of the mix
-            values[f"epochs {where}"] = epochs
+        epochs = self.parts.loader.epochs()  # per cache of the mix, by its location
+        values.update(zip(epochs_names(list(epochs)), epochs.values(), strict=True))
         for name, count in (self.parts.loader.disk_cache or {}).items():  # data.cache_dir
             values[f"disk_cache_{name}"] = count
         if values.get("amp_skip_rate", 0.0) > HIGH_SKIP_RATE:

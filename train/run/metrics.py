@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import time
 from pathlib import Path
@@ -188,6 +189,19 @@ class MetricsLog:
     def close(self) -> None:
         """Close the trackers (each waits a bounded time)."""
         self.trackers.close()
+
+
+def epochs_names(locations: list[str]) -> list[str]:
+    """The metric name of each cache's epochs consumed: ``epochs`` for one cache, else
+    ``epochs/I_NAME`` (its place in the mix and its folder's name, characters TensorBoard
+    takes in a tag): no path, no space, as a tag must be."""
+    if len(locations) == 1:
+        return ["epochs"]
+    names = [
+        re.sub(r"[^A-Za-z0-9_.\-]", "_", str(loc).rstrip("/").rsplit("/", 1)[-1])
+        for loc in locations
+    ]
+    return [f"epochs/{i}_{name}" for i, name in enumerate(names)]
 
 
 def progress_line(step: int, max_steps: int, values: dict[str, Any]) -> str:
