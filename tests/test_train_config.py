@@ -186,3 +186,12 @@ def test_a_config_value_of_the_wrong_type_names_the_type_in_words() -> None:
         UserError, match=r"data\.num_workers = 'two' is invalid: expected an integer$"
     ):
         load_config(None, ["data.num_workers='two'"])
+
+
+def test_a_list_override_whose_quotes_the_shell_dropped_says_to_quote_it() -> None:
+    """``train.trackers=["tensorboard"]`` typed unquoted in a shell arrives as ``[tensorboard]``."""
+    with pytest.raises(UserError, match=r"""quote the whole override, as in 'train\.trackers=\["""):
+        parse_overrides(["train.trackers=[tensorboard]"])
+    assert parse_overrides(['train.trackers=["tensorboard"]']) == {
+        "train": {"trackers": ["tensorboard"]}
+    }

@@ -181,6 +181,12 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
+            if raw.lstrip().startswith(("[", "{")):  # a list or table the shell unquoted
+                raise UserError(
+                    f"override {item!r}: {raw.strip()} is not a TOML list or table (a shell "
+                    f"drops the quotes inside it): quote the whole override, as in "
+                    f"'{key.strip()}=[\"tensorboard\"]'"
+                ) from None
             value = raw
         except RecursionError:
             raise UserError(f"override {key.strip()}: its value is nested too deeply") from None
