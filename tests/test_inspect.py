@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_preprocess
+from helpers import needs_extra, run_preprocess
 from PIL import Image
 
 from melcache.format import INDEX_NAME
@@ -40,3 +40,23 @@ def test_pictures_are_real_images(sample_cache: Path, tmp_path: Path) -> None:
             assert image.format == "PNG" and width >= 600 and height >= 150
             # not a blank canvas: a real plot has many distinct colours
             assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 50
+
+
+def test_the_durations_picture_says_what_it_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It reads up to 16 shards a bucket: a 30-utterance cache once showed '29 utterances'."""
+    plt = needs_extra("matplotlib.pyplot", "plot")
+    from preprocess.check.inspect import _plot_durations
+
+    index = {"totals": {"utterances": 30},
+             "buckets": [{"bucket": 0, "min_seconds": 0.0, "max_seconds": 9.0}]}  # fmt: skip
+    samples = [{"seconds": 1.0 + i / 10, "bucket": 0, "shard": f"s{i}", "frames": 90 + i}
+               for i in range(29)]  # fmt: skip
+    titles: list[str] = []
+    monkeypatch.setattr(plt, "close", lambda figure: titles.append(figure.axes[0].get_title()))
+    _plot_durations(plt, index, samples, 2000, 16, tmp_path / "d.png")
+    index["totals"]["utterances"] = 29
+    _plot_durations(plt, index, samples, 2000, 16, tmp_path / "d.png")
+    assert titles[0].startswith("29 of 30 utterances (up to 16 shards a bucket read)"), titles
+    assert titles[1].startswith("29 utterances; red: bucket edges"), titles

@@ -193,8 +193,12 @@ def _plot_durations(
             )
     axis.set_xlabel("utterance duration (s)")
     axis.set_ylabel("utterances")
+    total = index["totals"]["utterances"]
+    counted = f"{len(seconds)} utterances" if len(seconds) == total else (
+        f"{len(seconds)} of {total} utterances (up to {SHARDS_PER_BUCKET} shards a bucket read)"
+    )  # fmt: skip
     axis.set_title(
-        f"{len(seconds)} utterances; red: bucket edges; text: padding at batch_frames={batch_frames}"
+        f"{counted}; red: bucket edges; text: padding at batch_frames={batch_frames}", fontsize=10
     )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
