@@ -381,3 +381,40 @@ def test_store_urls_with_dot_dot_or_empty_segments_are_refused_in_one_line() -> 
     assert split("s3://b/a/cache/") == ("b", "a/cache/")  # a trailing slash is fine
     line = one_line_error("verify", "s3://b/../x", env=dict(os.environ))
     assert "'..' path segment" in line and "s3://b/../x" in line
+
+
+@pytest.mark.slow  # subprocesses against a real S3 server, as GCS's interoperability API
+def test_gs_caches_go_through_the_store_client_with_its_deadlines(
+    pushed: str, endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gs://`` went through webdataset's ``gsutil cat`` pipe: 615 s without network, deaf to
+    SIGTERM, then a traceback. Now it is the store client's, at GCS's S3-compatible endpoint
+    (here the moto server standing in for it)."""
+    gs = pushed.replace("s3://", "gs://")
+    env = {**os.environ, **CREDENTIALS, "MELCACHE_GS_ENDPOINT": endpoint}
+    env.pop("AWS_ENDPOINT_URL", None)  # gs:// has its own endpoint
+    done = subprocess.run([sys.executable, "-m", "preprocess", "verify", gs], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and f"{gs}: OK" in done.stdout, done.stdout + done.stderr
+    monkeypatch.setenv("MELCACHE_GS_ENDPOINT", endpoint)
+    with melcache.open(gs) as cache, melcache.open(pushed) as same:
+        assert np.array_equal(cache[3].mel, same[3].mel)  # random access, one ranged read
+    closed = {**env, "MELCACHE_GS_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    for command in ("verify", "inspect"):
+        began = time.monotonic()
+        assert "giving up after" in one_line_error(command, gs, env=closed)
+        assert time.monotonic() - began < 30
+    train = [sys.executable, "-m", "train", "--shards", gs, "--config", "tiny", "--out",
+             str(tmp_path / "run")]  # fmt: skip
+    began = time.monotonic()
+    done = subprocess.run(train, cwd=REPO, env=closed, capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.strip().splitlines() if "Traceback" not in line]
+    assert done.returncode == 2 and "giving up after" in lines[-1], done.stderr[-2000:]
+    assert time.monotonic() - began < 30
+    with subprocess.Popen([sys.executable, "-m", "preprocess", "verify", gs], cwd=REPO, env=closed,
+                          stderr=subprocess.PIPE) as proc:  # fmt: skip
+        time.sleep(3)  # inside its retries
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert time.monotonic() - sent < 5, "a process asked to stop stops within seconds"

@@ -5,8 +5,11 @@ against fork-safety: obstore read 1.3–1.7× faster against a local moto server
 runtime, once started in the loader's parent (which reads ``index.json``), hangs forked workers
 (LitData #872); boto3 is plain Python and a client made after ``fork`` is safe. Credentials and endpoint come from the
 standard environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, …, the default credential
-chain), so any S3-compatible store (MinIO, Ceph RGW, R2) works. boto3 gives no ``gs://`` or
-``az://``: GCS is reached through its S3 interoperability endpoint.
+chain), so any S3-compatible store (MinIO, Ceph RGW, R2) works. ``gs://bucket/prefix`` goes
+through the same client, deadlines and retry budget, at GCS's S3 interoperability endpoint
+(:data:`GCS_ENDPOINT`, or ``MELCACHE_GS_ENDPOINT``; credentials: GCS HMAC keys in the same
+variables), never through webdataset's ``gsutil cat`` pipe, which had no deadline and ignored
+SIGTERM. boto3 gives no ``az://``.
 
 Clients are made lazily, one per process (a forked child never uses its parent's, and none is
 ever pickled: callers hold locations, plain strings). botocore's own retries are off: it
@@ -29,13 +32,17 @@ from typing import Any
 
 from melcache.errors import UserError
 
-SCHEMES = ("s3://",)
+SCHEMES = ("s3://", "gs://")
+GCS_ENDPOINT = "https://storage.googleapis.com"  # GCS's S3-compatible XML API
 MAX_REQUESTS = 16  # in flight per process: a loader worker, a push thread pool
 ATTEMPTS = 10  # failed attempts in a row (no byte gained) before a read gives up
 # The first back-off's ceiling, doubled per failed attempt up to the cap: a lone 503 costs a
 # few ms, a store that keeps refusing is left alone for seconds (10 attempts: ~10 s at most).
 BACKOFF_S = 0.01
 BACKOFF_CAP_S = 5.0
+# Failures in a row for this long also end the attempts: a blackholed endpoint costs a connect
+# timeout (5 s) per attempt, and a command on an unreachable store must end within ~30 s.
+GIVE_UP_S = 20.0
 CHUNK = 1 << 20  # a body is read in pieces: what arrived before a reset is kept
 
 # Error codes worth another attempt: the store is busy or failed, not the request wrong.
@@ -43,7 +50,7 @@ _RETRY_CODES = {"SlowDown", "Throttling", "RequestTimeout", "InternalError", "Se
                 "ConditionalRequestConflict"}  # fmt: skip
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 
-_clients: dict[int, Any] = {}  # pid → client: a forked child makes its own
+_clients: dict[tuple[int, str], Any] = {}  # (pid, scheme) → client: a forked child makes its own
 _limit = threading.BoundedSemaphore(MAX_REQUESTS)
 _lock = threading.Lock()
 
@@ -64,17 +71,18 @@ class StoreError(OSError):
 
 
 def is_store(location: object) -> bool:
-    """True when ``location`` names an object-store prefix or object (``s3://…``)."""
+    """True when ``location`` names an object-store prefix or object (``s3://…``, ``gs://…``)."""
     return isinstance(location, str) and location.startswith(SCHEMES)
 
 
 def split(location: str) -> tuple[str, str]:
-    """``(bucket, key)`` of ``s3://bucket/key``; :class:`UserError` without a bucket, or with a
+    """``(bucket, key)`` of ``s3://bucket/key`` (or ``gs://``); :class:`UserError` without a bucket, or with a
     ``.``, ``..`` or empty path segment (a store does not resolve them: ``s3://b/../x`` would
     be the key ``../x``; a trailing ``/`` is allowed)."""
-    bucket, _, key = location.removeprefix("s3://").partition("/")
+    scheme = location[: location.index("://") + 3]
+    bucket, _, key = location.removeprefix(scheme).partition("/")
     if not bucket:
-        raise UserError(f"{location}: no bucket named (expected s3://bucket/prefix)")
+        raise UserError(f"{location}: no bucket named (expected {scheme}bucket/prefix)")
     segments = key.removesuffix("/").split("/") if key else []
     bad = next((s for s in segments if s in ("", ".", "..")), None)
     if bad is not None or bucket in (".", ".."):
@@ -97,22 +105,23 @@ def forget_clients() -> None:
         _clients.clear()
 
 
-def _client() -> Any:
-    """This process's client, made on first use."""
-    pid = os.getpid()
+def _client(location: str) -> Any:
+    """This process's client for ``location``'s store, made on first use."""
+    at = (os.getpid(), location[:5])
     with _lock:
-        if pid not in _clients:
-            _clients.clear()  # another process's (a fork that skipped the hook)
-            _clients[pid] = _new_client()
-        return _clients[pid]
+        if at not in _clients:
+            for other in [k for k in _clients if k[0] != at[0]]:  # a fork that skipped the hook
+                del _clients[other]
+            _clients[at] = _new_client(at[1])
+        return _clients[at]
 
 
-def _new_client() -> Any:
+def _new_client(scheme: str) -> Any:
     try:
         import boto3
         import botocore.config
     except ImportError:
-        raise UserError("s3:// caches need boto3: pip install 'melcache[s3]'") from None
+        raise UserError(f"{scheme} caches need boto3: pip install 'melcache[s3]'") from None
     # botocore says at INFO where it found credentials, once per client: a line per worker.
     logging.getLogger("botocore").setLevel(max(logging.WARNING, logging.getLogger().level))
     config = botocore.config.Config(
@@ -121,7 +130,8 @@ def _new_client() -> Any:
         read_timeout=30,
         max_pool_connections=MAX_REQUESTS,
     )
-    return boto3.session.Session().client("s3", config=config)
+    endpoint = os.environ.get("MELCACHE_GS_ENDPOINT", GCS_ENDPOINT) if scheme == "gs://" else None
+    return boto3.session.Session().client("s3", config=config, endpoint_url=endpoint)
 
 
 def read_object(location: str) -> bytes:
@@ -193,18 +203,24 @@ def key_exists(location: str) -> bool:
 
 def _retrying(location: str, request: Any) -> Any:
     """``request(client)`` (a request with no body to resume), retried as reads are."""
-    failures = 0
+    failures, since = 0, time.monotonic()
     while True:
         try:
             with _limit:
                 return _call(location, request, retry=True)
         except _Retry as exc:
             failures += 1
-            if failures >= ATTEMPTS:
+            if _spent(failures, since):
                 raise StoreError(
-                    f"{location}: giving up after {ATTEMPTS} attempts ({exc})"
+                    f"{location}: giving up after {failures} attempts in "
+                    f"{time.monotonic() - since:.0f} s ({exc})"
                 ) from None
             _back_off(failures)
+
+
+def _spent(failures: int, since: float) -> bool:
+    """Whether a run of ``failures`` in a row, begun at ``since``, ends the attempts."""
+    return failures >= ATTEMPTS or time.monotonic() - since >= GIVE_UP_S
 
 
 def _back_off(failures: int) -> None:
@@ -217,7 +233,7 @@ def _ranged(location: str, start: int, stop: int | None) -> bytes:
     """Bytes ``start`` to ``stop`` (the end when ``None``) of an object, resuming after each
     failure from the last good byte; a body cut short is a failure, never the end."""
     got = bytearray()
-    failures = 0
+    failures, since = 0, time.monotonic()
     while True:
         at = start + len(got)
         if stop is not None and at >= stop:
@@ -229,9 +245,15 @@ def _ranged(location: str, start: int, stop: int | None) -> bytes:
             problem = f"body cut short at byte {start + len(got)}"
         except _Retry as exc:
             problem = str(exc)
-        failures = 0 if start + len(got) > at else failures + 1
-        if failures >= ATTEMPTS:
-            raise StoreError(f"{location}: giving up after {ATTEMPTS} attempts ({problem})")
+        if start + len(got) > at:  # bytes gained: a new run of failures
+            failures, since = 0, time.monotonic()
+        else:
+            failures += 1
+        if _spent(failures, since):
+            raise StoreError(
+                f"{location}: giving up after {failures} attempts in "
+                f"{time.monotonic() - since:.0f} s ({problem})"
+            )
         _back_off(failures)
 
 
@@ -279,7 +301,7 @@ def _call(location: str, request: Any, *, retry: bool = False) -> Any:
     from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
 
     try:
-        return request(_client())
+        return request(_client(location))
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
