@@ -196,3 +196,10 @@ class CodesOnly(nn.Module):
         ).view(B, T, 4)
         valid = torch.arange(T, device=codes.device) < lengths[:, None]
         return {"loss_sum": loss.sum(2)[valid].sum(), "loss_count": valid.sum().float()}
+
+
+class RaisesInForward(TextToMel):
+    """A model whose own code fails in its forward (a user's bug)."""
+
+    def forward(self, mel, mel_lengths, text, text_lengths):
+        raise ValueError(f"cannot take a mel of {mel.shape[-1]} bands")

@@ -180,3 +180,21 @@ def test_an_fsdp2_resume_with_another_model_shape_is_one_line(
     assert len(errors) == 2 and all("cannot be loaded as this model's sharded" in e for e in errors)
     ranks = done.stderr.split("ChildFailedError")[0]  # before torchrun's own summary
     assert "CheckpointException" not in ranks and "Size mismatch" not in ranks, ranks[-3000:]
+
+
+def test_a_model_failing_in_its_forward_is_one_line_naming_it_then_its_frames(
+    train_cache: Path, tmp_path: Path
+) -> None:
+    """A user's model that raises: the model, the step and the batch in one line, then the
+    model's own frames, not the trainer's traceback."""
+    impl = "tests._plugin_models:RaisesInForward"
+    with pytest.raises(UserError) as failed:
+        tiny_fit(train_cache, tmp_path / "run", 2, [*IN_PROCESS, f"model.impl={impl!r}"])
+    first, *frames = str(failed.value).splitlines()
+    assert re.fullmatch(
+        rf"{impl} failed in its forward at step 1 \(bucket \d+, first key '\S+', mel \[\d+, \d+, "
+        r"\d+\]\): ValueError: cannot take a mel of \d+ bands",
+        first,
+    ), first
+    assert any("_plugin_models.py" in f for f in frames) and "raise ValueError" in frames[-1]
+    assert not any("/train/" in f for f in frames), frames

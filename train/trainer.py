@@ -304,11 +304,15 @@ class Trainer:
         try:
             with self._autocast(), self.parts.first.forward():  # collectives refused at the first
                 out = normalise(self.model(*model_inputs(batch, self.parts.spec)))
+        except (torch.OutOfMemoryError, torch.distributed.DistError, UserError):
+            raise  # out-of-memory steps are survived; the group's and the guards' are ours
         except RuntimeError as exc:  # DDP's unused-parameter error, in names
             named = translate_ddp_error(exc, self.parts.raw_model)
-            if named is exc:
-                raise
-            raise named from None
+            raise (
+                self.parts.first.failed(exc, batch, self.step + 1) if named is exc else named
+            ) from None
+        except Exception as exc:  # the model's own code: named, with its frames
+            raise self.parts.first.failed(exc, batch, self.step + 1) from None
         self.parts.first.outputs(out)
         return out
 

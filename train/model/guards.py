@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from melcache.errors import UserError
+from melcache.errors import UserError, user_code_error
 from train.model.contract import check_outputs
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,12 @@ class FirstStep:
                 f"{self.impl}'s training forward calls torch.distributed collectives ({found}): "
                 f"out-of-memory recovery would leave the ranks out of step; {_FIX}"
             )
+
+    def failed(self, exc: Exception, batch: Any, step: int) -> UserError:
+        """The model's own code raised ``exc`` in its forward: one line naming the model and
+        the batch, then the model's own frames (:func:`melcache.errors.user_code_error`)."""
+        given = f"bucket {batch.bucket}, first key {batch.keys[0]!r}, mel {list(batch.mel.shape)}"
+        return user_code_error(f"{self.impl} failed in its forward at step {step} ({given})", exc)
 
     def outputs(self, out: Any) -> None:
         """The first forward's outputs, checked (:func:`train.model.contract.check_outputs`)."""
