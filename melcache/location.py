@@ -17,6 +17,7 @@ from melcache.bounded import open_regular
 from melcache.errors import ShardError
 from melcache.remote import objectstore
 
+HTTP_TIMEOUT_S = 30  # connect and each read of an http(s):// file
 RANGED_SCHEMES = ("http://", "https://", *objectstore.SCHEMES)
 
 
@@ -46,11 +47,27 @@ def read_bytes(location: str) -> bytes | mmap.mmap:
         return mapped
     if objectstore.is_store(location):
         return objectstore.read_object(location)
-    stream = gopen(location, "rb")
+    if location.startswith(("http://", "https://")):
+        return _http_get(location)
+    stream = gopen(location, "rb")  # pipe: and the other schemes webdataset opens
     try:
         return stream.read()
     finally:
         stream.close()  # a pipe reports its command's exit status only here
+
+
+def _http_get(location: str) -> bytes:
+    """A whole file over HTTP with a deadline (webdataset's ``curl`` pipe retries for minutes
+    on a server that is gone); ``FileNotFoundError`` for a 404, else ``OSError`` naming it."""
+    try:
+        with urllib.request.urlopen(location, timeout=HTTP_TIMEOUT_S) as response:
+            return response.read()
+    except urllib.error.HTTPError as exc:
+        error = FileNotFoundError if exc.code == 404 else OSError
+        raise error(f"{location}: the server answered {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise OSError(f"{location}: cannot be read ({reason})") from None
 
 
 def reads_ranges(cache: str | Path) -> bool:

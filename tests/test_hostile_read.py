@@ -10,10 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, run_preprocess
 
 import melcache
 from melcache.access import BadKey, UnknownKey
@@ -211,3 +212,16 @@ def test_a_mix_table_naming_caches_not_read_is_refused(
     )
     assert loader.weights == pytest.approx((0.25, 0.75))
     loader.close()
+
+
+@pytest.mark.slow  # subprocesses
+def test_an_http_cache_that_cannot_be_reached_is_one_line_within_seconds() -> None:
+    """webdataset's ``curl`` pipe retried a gone server for over a minute; now a deadline."""
+    from benchmarks.s3_server import free_port
+
+    location = f"http://127.0.0.1:{free_port()}/cache"
+    for command in ("inspect", "verify"):
+        began = time.monotonic()
+        done = run_preprocess(command, location, check=False)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "cannot be read (" in done.stderr and time.monotonic() - began < 30
