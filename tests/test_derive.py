@@ -397,12 +397,16 @@ def test_a_forged_field_entry_is_one_line_before_any_file_is_opened(
     assert "\n" not in str(raised.value)
 
 
+@pytest.fixture
+def cache(train_cache: Path, tmp_path: Path) -> Path:
+    """A copy of ``train_cache`` to derive into."""
+    return Path(shutil.copytree(train_cache, tmp_path / "cache"))
+
+
 @pytest.mark.slow
-def test_non_finite_encoder_outputs_never_enter_a_field(train_cache: Path, tmp_path: Path) -> None:
+def test_non_finite_encoder_outputs_never_enter_a_field(cache: Path) -> None:
     """NaN from the encoder, or finite values that overflow the field's float16, are refused in
     one line naming the shard and key; nothing is listed in the index."""
-    cache = tmp_path / "cache"
-    shutil.copytree(train_cache, cache)
     for factory, why in [("nan_encoder", r"\d+ non-finite values \(NaN or infinity\), refused"),
                          ("huge_encoder", r"overflows float16")]:  # fmt: skip
         done = run_preprocess("derive", str(cache), "--field", "bad", "--encoder",
@@ -422,10 +426,8 @@ field_shard._stored = lambda values, encoder, frames: values.astype(encoder.dtyp
 
 @pytest.mark.slow
 def test_a_stored_non_finite_field_is_refused_by_verify_random_access_and_the_loader(
-    train_cache: Path, tmp_path: Path
+    cache: Path, tmp_path: Path
 ) -> None:
-    cache = tmp_path / "cache"
-    shutil.copytree(train_cache, cache)
     args = ["derive", str(cache), "--field", "bad", "--encoder", "tests._plugin_encoders:nan_encoder",
             "--workers", "1"]  # fmt: skip
     (tmp_path / "older").mkdir()
@@ -451,11 +453,7 @@ def test_a_stored_non_finite_field_is_refused_by_verify_random_access_and_the_lo
 
 
 @pytest.mark.slow
-def test_failing_user_code_is_one_line_naming_it_then_its_own_frames(
-    train_cache: Path, tmp_path: Path
-) -> None:
-    cache = tmp_path / "cache"
-    shutil.copytree(train_cache, cache)
+def test_failing_user_code_is_one_line_naming_it_then_its_own_frames(cache: Path) -> None:
 
     def derive(encoder: str) -> list[str]:
         done = run_preprocess("derive", str(cache), "--field", "x", "--encoder", encoder,
