@@ -82,7 +82,7 @@ def derived(train_cache: Path, dvae_run: Path, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="session")
 def chattts_tokenizer(train_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ChatTTS tokenizer trained on ``train_cache``'s texts (the GPT example's from scratch)."""
-    pytest.importorskip("ChatTTS", reason="needs the chattts extra: pip install -e '.[chattts]'")
+    pytest.importorskip("ChatTTS", reason="needs the 'chattts' extra: pip install -e '.[chattts]'")
     from examples.chattts_gpt.tokenizer import cache_texts, train_tokenizer
 
     out = tmp_path_factory.mktemp("chattts_tokenizer")

@@ -18,8 +18,8 @@ import pytest
 import torch
 from helpers import REPO, checkpoint, derive_args, load, run_ok, run_preprocess, torchrun
 
-pytest.importorskip("ChatTTS", reason="needs the chattts extra: pip install -e '.[chattts]'")
-pytest.importorskip("vocos", reason="needs the chattts extra: pip install -e '.[chattts]'")
+pytest.importorskip("ChatTTS", reason="needs the 'chattts' extra: pip install -e '.[chattts]'")
+pytest.importorskip("vocos", reason="needs the 'chattts' extra: pip install -e '.[chattts]'")
 
 from safetensors.torch import load_file
 
