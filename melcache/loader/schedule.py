@@ -73,11 +73,18 @@ class SubStream:
 
 
 def substreams(
-    sources: Sequence[Sequence[Mapping[str, Any]]], data: DataConfig, sync: bool
+    sources: Sequence[Sequence[Mapping[str, Any]]],
+    data: DataConfig,
+    sync: bool,
+    tops: Sequence[Sequence[int] | None] = (),
 ) -> tuple[SubStream, ...]:
-    """The sub-streams of a mix: one per (cache, bucket) when ``sync``, else one per cache."""
+    """The sub-streams of a mix: one per (cache, bucket) when ``sync``, else one per cache.
+    ``tops``: per cache, each shard's longest declared sequence (``data.sequence``,
+    melcache/loader/sequence.py) where it is not the index's ``max_frames``."""
     out = []
     for source, shards in enumerate(sources):
+        given = tops[source] if source < len(tops) else None
+        top = given or [entry["max_frames"] for entry in shards]
         groups: dict[int, list[int]] = {}
         for shard_id, entry in enumerate(shards):
             groups.setdefault(entry["bucket"] if sync else WHOLE, []).append(shard_id)
@@ -87,12 +94,12 @@ def substreams(
                 cut = {"batch_frames": data.budget(bucket), "max_batch_size": data.max_batch_size,
                        "pad_multiple": data.pad_multiple}  # fmt: skip
                 grouped = even_units([shards[i]["samples"] for i in ids],
-                                     [shards[i]["max_frames"] for i in ids], **cut)  # fmt: skip
+                                     [top[i] for i in ids], **cut)  # fmt: skip
                 units = [[ids[j] for j in unit] for unit in grouped]
             counts = [
                 even_batch_count(
                     sum(shards[i]["samples"] for i in unit),
-                    max(shards[i]["max_frames"] for i in unit),
+                    max(top[i] for i in unit),
                     batch_frames=data.budget(shards[unit[0]]["bucket"]),
                     max_batch_size=data.max_batch_size,
                     pad_multiple=data.pad_multiple,
