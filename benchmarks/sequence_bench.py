@@ -16,6 +16,13 @@ own readers (``planned_stream``: the batches the loader yields, no mel decoded).
 - ``efficiency``: Σ over steps of the ranks' mean cost ÷ Σ of their max, by the GPT's FLOP
   model ``B·(24·d²·S + 4·d·S²)``, ``d`` = 768 (ChatTTS's hidden size), ``S`` = max ``S_i``.
 
+``--field codes`` plans as the GPT example reads (``"mel": False``): on the field's frames.
+With no trained DVAE at hand, :func:`half_rate_codes` derives codes of ChatTTS's shape and
+rate (4 codebooks, half the mel's frames) whose values mean nothing; only their lengths are
+planned on::
+
+    python -m preprocess derive CACHE --field codes --encoder benchmarks.sequence_bench:half_rate_codes
+
 Also the cache's text × frames distribution (``distribution``: utterances by seconds and by
 tokens per second) and the positions a batch holds. Prints one JSON line per measurement.
 """
@@ -29,7 +36,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
+from melcache.fields.format import FieldEncoder
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.batch import token_ids, utf8_tokens
 from melcache.loader.batching import round_up
@@ -38,6 +47,22 @@ from melcache.loader.stream import planned_stream
 
 DIM = 768  # ChatTTS's GPT hidden size
 ARMS = ("frames", "text+frames")
+
+
+class _HalfRate(torch.nn.Module):
+    """Codes ``[B, T / 2, 4]``: each pair of frames' mean log-mel, quantised to 0..625."""
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        pairs = mel.float().unflatten(1, (-1, 2)).mean(dim=(2, 3))  # [B, T / 2]
+        codes = ((pairs + 12.0) * 30.0).clamp(0, 625).long()
+        return codes[..., None].expand(-1, -1, 4)
+
+
+def half_rate_codes(checkpoint: str | None = None, device: str = "cpu", **_: Any) -> FieldEncoder:
+    """A stand-in for ChatTTS's DVAE encoder (``preprocess derive --encoder``): its codes'
+    shape, dtype and frame rate, not its values."""
+    return FieldEncoder(module=_HalfRate(), config={"stand_in": "half_rate_codes"},
+                        dtype="int16", shape=(4,), frame_rate=0.5, mel_multiple=2)  # fmt: skip
 
 
 def gpt_cost(longest: int, batch: int) -> float:
@@ -54,7 +79,7 @@ def rank_batches(
     out = []
     for _, (_, _, samples, _, _) in zip(range(steps), planned_stream(loader.spec, 0), strict=False):
         out.append(([count(s.text) for s in samples], [s.frames for s in samples]))
-    return out
+    return out  # (a field's reader gives the field's frames as each sample's)
 
 
 def measure(
@@ -119,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[120, 30, 30])
     p.add_argument("--batch-frames", type=int, default=32_000)
     p.add_argument("--attention-frames", type=int, default=6 * DIM)
+    p.add_argument("--field", default="", help='plan on a derived field\'s frames ("mel": False)')
     args = p.parse_args(argv)
     tokenizer: Callable[[str], Any] = utf8_tokens
     if args.tokenizer:
@@ -127,8 +153,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer = ChatTTSTokenizer(args.tokenizer)
     print(json.dumps(distribution(args.cache, tokenizer, "")), flush=True)
     for arm in ARMS:
+        fields = {"fields": (args.field,), "read_mel": False} if args.field else {}
         data = DataConfig(batch_frames=args.batch_frames, max_batch_size=64, num_workers=1,
-                          attention_frames=args.attention_frames, sequence=arm)  # fmt: skip
+                          attention_frames=args.attention_frames, sequence=arm, **fields)  # fmt: skip
         for ranks, steps in zip(args.ranks, args.steps, strict=False):
             row = measure(args.cache, data, tokenizer, ranks, steps)
             print(json.dumps({"measure": "plan", "sequence": arm, **row}), flush=True)

@@ -8,10 +8,12 @@ import collections
 import hashlib
 import itertools
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_preprocess
 
 from melcache.access import Cache
 from melcache.errors import UserError
@@ -190,3 +192,28 @@ def test_4_ranks_resume_on_the_same_job_and_on_2_reading_each_epoch_whole(
     afresh, _ = job(sample_cache, world_size, 120 // world_size)  # the check can fail
     fresh = {b: before.get(b, []) + afresh.get(b, []) for b in {*before, *afresh}}
     assert repeats_before_whole(fresh) > 0
+
+
+@pytest.fixture(scope="module")
+def half_rate_cache(sample_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample cache with codes at half its frame rate (the GPT example's shape)."""
+    cache = tmp_path_factory.mktemp("codes") / "cache"
+    shutil.copytree(sample_cache, cache)
+    encoder = "benchmarks.sequence_bench:half_rate_codes"
+    run_preprocess("derive", str(cache), "--field", "codes", "--encoder", encoder, "--workers", "1")
+    return cache
+
+
+def test_a_model_of_fields_alone_plans_on_text_plus_the_fields_frames(
+    half_rate_cache: Path, sidecars: Path
+) -> None:
+    codes = {"fields": ("codes",), "read_mel": False, **TEXT}
+    spec = loader(half_rate_cache, batch_frames=800, **codes).spec
+    with Cache(half_rate_cache) as cache:
+        halves = cache.fields.rows("codes")[:, 2]
+        assert (halves * 2 >= cache.lengths).all() and (halves < cache.lengths).all()
+    assert spec.sources[0].text.frames.tolist() == halves.tolist()
+    for _, _, samples, _, _ in itertools.islice(planned_stream(spec, 0), 60):
+        longest = max(s.frames + len(utf8_tokens(s.text)) for s in samples)
+        assert len(samples) * round_up(longest, 8) <= 800
+        assert all(s.frames in halves for s in samples)  # the codes' frames, not the mel's

@@ -31,11 +31,13 @@ import xxhash
 
 from melcache.access import Cache
 from melcache.errors import ShardError, UserError
+from melcache.fields.format import ROW_COLUMNS
 from melcache.format import write_atomic
 from melcache.loader.batch import token_ids
 from melcache.loader.data_config import SEQUENCES
 
 FRAMES, TEXT_FRAMES = SEQUENCES
+FIELD_FRAMES = ROW_COLUMNS.index("frames")  # a field's rows.npy column of each row's frames
 SIDECAR_VERSION = 1
 # Texts the fingerprint tokenises: scripts, digits, punctuation and ChatTTS's control tokens,
 # so two tokenizers (or vocabularies) that split any of them otherwise differ.
@@ -54,26 +56,19 @@ class TextLengths:
 
     per_row: np.ndarray  # int32, tokens of each row's text under the run's tokenizer
     shard_rows: np.ndarray  # the first row of each shard, then the row count
-    frames: np.ndarray  # the table's frames of each row
+    frames: np.ndarray  # the frames the loader counts of each row: the mel's, or a field's
 
     def of_shard(self, shard: int) -> np.ndarray:
         """Text tokens of shard number ``shard``'s rows, in tar order."""
         return self.per_row[int(self.shard_rows[shard]) : int(self.shard_rows[shard + 1])]
 
-    def tops(self, shards: Sequence[Mapping[str, Any]], exact: bool) -> list[int]:
-        """Each shard's longest ``text + frames``: from the table's frames where ``exact``
-        (the shards are the table's), else an upper bound, the shard's ``max_frames`` plus
-        its longest text (field shards, whose frames the table does not hold)."""
+    def tops(self, shards: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Each shard's longest ``text + frames`` (an empty shard: its ``max_frames``)."""
         out = []
         for shard, entry in enumerate(shards):
-            text = self.of_shard(shard)
-            if not len(text):
-                out.append(int(entry["max_frames"]))
-            elif exact:
-                rows = slice(int(self.shard_rows[shard]), int(self.shard_rows[shard + 1]))
-                out.append(int((self.frames[rows].astype(np.int64) + text).max()))
-            else:
-                out.append(int(entry["max_frames"]) + int(text.max()))
+            rows = slice(int(self.shard_rows[shard]), int(self.shard_rows[shard + 1]))
+            held = self.frames[rows].astype(np.int64) + self.per_row[rows]
+            out.append(int(held.max()) if len(held) else int(entry["max_frames"]))
         return out
 
 
@@ -96,12 +91,17 @@ def sidecar_folder(cache_dir: str) -> Path:
 
 
 def text_lengths(
-    location: str, index: Mapping[str, Any], tokenizer: Callable[[str], Any], folder: Path
+    location: str,
+    index: Mapping[str, Any],
+    tokenizer: Callable[[str], Any],
+    folder: Path,
+    field: str | None = None,
 ) -> TextLengths:
     """The cache's text tokens per table row under ``tokenizer``: the sidecar in ``folder``
     when it is this table's and tokenizer's and whole, else counted from the texts (the json
-    members only) and written there. A cache without a table is refused, naming the
-    command that writes one."""
+    members only) and written there; with the frames of each row the loader counts, the
+    table's or derived field ``field``'s (its ``rows.npy``). A cache without a table is
+    refused, naming the command that writes one."""
     if not index.get("table"):
         raise UserError(
             f"cache {location}: data.sequence = {TEXT_FRAMES!r} plans on text lengths by the "
@@ -121,7 +121,8 @@ def text_lengths(
             np.save(stem.with_suffix(".npy"), per_row, allow_pickle=False)
             header = {**binding, "rows": len(per_row), "xxh3_64": _digest(per_row)}
             write_atomic(stem.with_suffix(".json"), json.dumps(header).encode())
-        return TextLengths(per_row, shard_rows, cache.lengths)
+        frames = cache.lengths if field is None else cache.fields.rows(field)[:, FIELD_FRAMES]
+        return TextLengths(per_row, shard_rows, np.asarray(frames))
 
 
 def _digest(values: np.ndarray) -> str:
@@ -191,8 +192,11 @@ def with_text(
     if data.sequence == FRAMES:
         return tuple(sources)
     folder = sidecar_folder(data.cache_dir)
+    field = None if data.read_mel else data.fields[0]  # what the loader counts: docs/fields.md
     return tuple(
-        dataclasses.replace(source, text=text_lengths(source.location, index, tokenizer, folder))
+        dataclasses.replace(
+            source, text=text_lengths(source.location, index, tokenizer, folder, field)
+        )
         for source, index in zip(sources, indexes, strict=True)
     )
 
@@ -205,7 +209,7 @@ def sequence_tops(sources: Sequence[Any], data: Any) -> list[list[int] | None]:
         if source.text is None:
             out.append(None)
             continue
-        tops = source.text.tops(source.shards, exact=data.read_mel)
+        tops = source.text.tops(source.shards)
         for entry, top in zip(source.shards, tops, strict=True):
             budget = data.budget(entry["bucket"])
             if -(-top // data.pad_multiple) * data.pad_multiple > budget:
