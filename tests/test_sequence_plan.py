@@ -217,3 +217,20 @@ def test_a_model_of_fields_alone_plans_on_text_plus_the_fields_frames(
         longest = max(s.frames + len(utf8_tokens(s.text)) for s in samples)
         assert len(samples) * round_up(longest, 8) <= 800
         assert all(s.frames in halves for s in samples)  # the codes' frames, not the mel's
+
+
+def test_the_trainers_metrics_report_text_and_sequence_padding() -> None:
+    import torch
+
+    from train.parallel.env import Env
+    from train.run.metrics import Meter
+
+    meter = Meter(Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    # Rows of 2 + 10 and 6 + 4 positions: text padded to 6 (12 slots, 8 real), frames to 16
+    # (32 slots, 14 real; T = 16), text then frames to 12 (24 slots, 22 real).
+    meter.add_batch(torch.tensor([10, 4]), torch.Size([2, 16, 100]), torch.tensor([2, 6]))
+    meter.end_step()
+    out = meter.summary()
+    assert out["text_padding_pct"] == pytest.approx(100 * 4 / 12)
+    assert out["padding_pct"] == pytest.approx(100 * 18 / 32)
+    assert out["sequence_padding_pct"] == pytest.approx(100 * 2 / 24)
