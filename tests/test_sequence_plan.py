@@ -234,3 +234,18 @@ def test_the_trainers_metrics_report_text_and_sequence_padding() -> None:
     assert out["text_padding_pct"] == pytest.approx(100 * 4 / 12)
     assert out["padding_pct"] == pytest.approx(100 * 18 / 32)
     assert out["sequence_padding_pct"] == pytest.approx(100 * 2 / 24)
+
+
+def test_a_4_rank_job_resumes_batch_for_batch(sample_cache: Path, sidecars: Path) -> None:
+    def ranks(states=None):
+        made = [loader(sample_cache, r, 4, **TEXT) for r in range(4)]
+        for rank, each in enumerate(made if states is not None else ()):
+            each.load_state_dict(states[rank])  # each rank its own state: the same job
+        return made, [iter(each) for each in made]
+
+    _, whole = ranks()
+    uninterrupted = [[next(s).keys for s in whole] for _ in range(50)]
+    first, streams = ranks()
+    assert [[next(s).keys for s in streams] for _ in range(20)] == uninterrupted[:20]
+    _, resumed = ranks([each.state_dict() for each in first])
+    assert [[next(s).keys for s in resumed] for _ in range(30)] == uninterrupted[20:]
