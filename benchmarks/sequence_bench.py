@@ -76,9 +76,11 @@ def rank_batches(
     """Rank ``rank`` of ``ranks``'s first ``steps`` batches: (text tokens, frames) per row."""
     loader = make_loader(cache, data, rank=rank, world_size=ranks, tokenizer=tokenizer)
     count = functools.lru_cache(maxsize=None)(lambda text: len(token_ids(tokenizer, text)))
-    out = []
-    for _, (_, _, samples, _, _) in zip(range(steps), planned_stream(loader.spec, 0), strict=False):
+    out, stream = [], planned_stream(loader.spec, 0)
+    for _, (_, _, samples, _, _) in zip(range(steps), stream, strict=False):
         out.append(([count(s.text) for s in samples], [s.frames for s in samples]))
+    stream.close()  # its shards' maps, before the next rank's: 512 ranks in one process
+    loader.close()
     return out  # (a field's reader gives the field's frames as each sample's)
 
 
@@ -144,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[120, 30, 30])
     p.add_argument("--batch-frames", type=int, default=32_000)
     p.add_argument("--attention-frames", type=int, default=6 * DIM)
+    p.add_argument("--sequences", nargs="+", default=list(ARMS), choices=ARMS)
     p.add_argument("--field", default="", help='plan on a derived field\'s frames ("mel": False)')
     args = p.parse_args(argv)
     tokenizer: Callable[[str], Any] = utf8_tokens
@@ -152,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         tokenizer = ChatTTSTokenizer(args.tokenizer)
     print(json.dumps(distribution(args.cache, tokenizer, "")), flush=True)
-    for arm in ARMS:
+    for arm in args.sequences:
         fields = {"fields": (args.field,), "read_mel": False} if args.field else {}
         data = DataConfig(batch_frames=args.batch_frames, max_batch_size=64, num_workers=1,
                           attention_frames=args.attention_frames, sequence=arm, **fields)  # fmt: skip
