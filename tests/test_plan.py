@@ -12,9 +12,9 @@ from helpers import SAMPLE_CORPUS
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
+from melcache.where import Where
 from preprocess.config import BuildConfig
 from preprocess.inputs.corpus import open_corpus
-from preprocess.inputs.where import Where
 from preprocess.plan.scan import Scan, part_folder, scan_folder, scan_part
 from preprocess.plan.shards import make_plan, planned_shard
 

@@ -72,6 +72,7 @@ from melcache.loader.mix import (
     check_layout,
     open_mix,
     whole_shared_reads,
+    with_choice,
     with_fields,
 )
 from melcache.loader.resume import (
@@ -299,12 +300,14 @@ def make_loader(
     require(isinstance(data, DataConfig), "loader data", data, "a DataConfig")
     require(tokenizer is None or callable(tokenizer), "loader tokenizer", tokenizer, "a callable")
     mix = with_fields(
-        open_mix(cache, data, expect_features), data, "data.fields / data.field_provenance"
+        with_choice(open_mix(cache, data, expect_features), data),
+        data,
+        "data.fields / data.field_provenance",
     )
     check_extras(mix, data.extras)
     num_slots = world_size * max(1, data.num_workers)
     check_layout(mix.sources, data, num_slots)
-    subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+    subs = substreams([s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen)
     check_disk_cache(mix.sources, subs, data)
     if rank == 0:  # one line per job, not per rank
         for line in whole_shared_reads(mix.sources, subs, data, num_slots):
@@ -330,7 +333,7 @@ def schedules(
     """A stream's sub-streams and the schedules of its mix's phases, as ``StreamSpec`` takes
     them; ``subs``: the sub-streams where the caller has computed them already."""
     if subs is None:
-        subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+        subs = substreams([s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen)
     return {
         "subs": subs,
         "schedule": make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),

@@ -40,6 +40,35 @@ class UnitMembers:
     frames: list[int]
     owners: list[dict[str, Any]]
     fetch: Callable[[Sequence[int]], list[tuple[int, RawSample]]]
+    rows: list[int] = dataclasses.field(default_factory=list)  # table row of each, if known
+
+    def chosen(self, rows: Sequence[int]) -> UnitMembers:
+        """The members at table ``rows`` (``data.where``, ``data.balance``: a row may come
+        more than once), those of shards that could not be read left out."""
+        place_of = {row: place for place, row in enumerate(self.rows)}
+        places = [place_of[row] for row in rows if row in place_of]
+        return UnitMembers(
+            [self.frames[p] for p in places],
+            [self.owners[p] for p in places],
+            functools.partial(_fetch_chosen, self.fetch, places),
+            [self.rows[p] for p in places],
+        )
+
+
+def _fetch_chosen(
+    fetch: Callable[[Sequence[int]], list[tuple[int, RawSample]]],
+    places: Sequence[int],
+    at: Sequence[int],
+) -> list[tuple[int, RawSample]]:
+    """``fetch`` of the chosen members ``at`` (their places in the unit: ``places``), each
+    given back at its chosen place; those that could not be read are left out, in order."""
+    found = iter(fetch([places[i] for i in at]))
+    out, held = [], next(found, None)
+    for i in at:
+        if held is not None and held[0] == places[i]:
+            out.append((i, held[1]))
+            held = next(found, None)
+    return out
 
 
 def takes_little(
@@ -56,17 +85,22 @@ def whole_unit(
     shards: Sequence[dict[str, Any]],
     unit: tuple[int, ...],
     read: Callable[[int], list[RawSample] | None],
+    first_rows: Sequence[int] = (),
 ) -> UnitMembers:
     """Every shard of the unit read whole by ``read`` (``None``: it could not be, and was
-    recorded), so the unit is cut from the others."""
+    recorded), so the unit is cut from the others; ``first_rows``: the table's first row of
+    each shard, where the members' rows are asked for."""
     samples: list[RawSample] = []
     owners: list[dict[str, Any]] = []
+    rows: list[int] = []
     for shard_id in unit:
         held = read(shard_id) or []
         samples += held
         owners += [shards[shard_id]] * len(held)
+        if first_rows:
+            rows += range(first_rows[shard_id], first_rows[shard_id] + len(held))
     return UnitMembers(
-        [s.frames for s in samples], owners, lambda at: [(i, samples[i]) for i in at]
+        [s.frames for s in samples], owners, lambda at: [(i, samples[i]) for i in at], rows
     )
 
 
@@ -97,7 +131,7 @@ def ranged_unit(
         rows += ids
         owners += [entry] * len(ids)
     fetch = functools.partial(_fetch_rows, cache, rows, owners, record)
-    return UnitMembers(lengths[rows].tolist(), owners, fetch)
+    return UnitMembers(lengths[rows].tolist(), owners, fetch, rows)
 
 
 def _fetch_rows(
