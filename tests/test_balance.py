@@ -234,3 +234,26 @@ def test_nothing_left_and_a_table_without_extras_are_one_line(cache: Path, tmp_p
     (bare / TABLE_NAME).unlink()
     with pytest.raises(UserError, match="python -m preprocess index-table"):
         make_loader(bare, DataConfig(num_workers=0, batch_frames=1200, where="dnsmos > 2"))
+
+
+@pytest.mark.slow  # 60 steps of the tiny model
+def test_a_run_reports_what_each_epoch_dealt_and_draws_it(cache: Path, tmp_path: Path) -> None:
+    from helpers import metrics, tiny_fit
+
+    from train.plot import plot_run
+
+    overrides = [
+        "data.balance.language_temperature=0",
+        'data.where="dnsmos >= 2.5"',
+        "data.batch_frames=1200",
+        "train.log_every=5",
+    ]
+    tiny_fit(cache, tmp_path / "run", 60, overrides)
+    reports = [r for r in metrics(tmp_path / "run") if "heard_epoch" in r]
+    assert [r["heard_epoch"] for r in reports][:2] == [0.0, 1.0]
+    for report in reports:  # τ = 0: the two languages' hours half and half, within a copy
+        assert report["target/language/en"] == pytest.approx(0.5)
+        # (one utterance is ~5 % of the 16 kept: the deal is within one copy of the target)
+        assert report["heard/language/zh"] == pytest.approx(0.5, abs=0.06)
+        assert report["heard/language_tv"] < 0.06
+    assert plot_run(tmp_path / "run").is_file()

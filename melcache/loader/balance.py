@@ -39,6 +39,7 @@ from melcache.table import Table
 from melcache.where import Where
 
 BALANCE_PICKS = 6  # purpose tag of the per-epoch systematic offsets (melcache.loader.batching)
+MOST_BINS = 10  # weights with more distinct values are not reported per value
 BALANCE_KEYS = {
     "speaker_temperature": "the speakers' shares go as hours^τ (1: natural, 0: uniform)",
     "language_temperature": "the languages' shares go as hours^τ (1: natural, 0: uniform)",
@@ -133,12 +134,16 @@ def _digest(value: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class Chosen:
     """One cache's selection: each table row's expected copies per epoch (``weights``), its
-    (language, speaker) cell, the table's first row per shard and each row's frames."""
+    (language, speaker) cell, the table's first row per shard and each row's frames; what
+    an epoch's report groups by: each row's speaker, language and weight (their codes,
+    and the languages' and weights' names)."""
 
     weights: np.ndarray
     cells: np.ndarray
     shard_rows: np.ndarray
     frames: np.ndarray
+    groups: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def choose(table: Table, where: str, balance: Mapping[str, Any], location: str) -> Chosen:
@@ -166,21 +171,29 @@ def weigh(
         raise UserError(f"cache {location}: data.where = {where!r} leaves no utterance")
     hours = np.where(keep, rows.frames, 0).astype(np.float64)
     total = hours.sum()
+    quality = None
     if "weight" in balance:
-        hours *= _weights(rows, keep, balance["weight"], location)
+        quality = _weights(rows, keep, balance["weight"], location)
+        hours *= quality
         if hours.sum() <= 0:
             raise UserError(
                 f"cache {location}: data.balance.weight = {balance['weight']!r} is 0 for every "
                 "utterance data.where leaves"
             )
-    languages = _codes([m.get(balance.get("language", "language")) for m in rows.meta])
+    language_names = [m.get(balance.get("language", "language")) for m in rows.meta]
+    languages = _codes(language_names)
     cells = languages * (int(rows.speakers.max(initial=0)) + 1) + rows.speakers
     target = _tempered(hours, languages, balance.get("language_temperature", 1.0))
     within = _tempered(hours, cells, balance.get("speaker_temperature", 1.0), languages)
     cell_hours = np.bincount(cells, hours, minlength=int(cells.max(initial=0)) + 1)[cells]
     share = np.divide(target * within, cell_hours, out=np.zeros_like(hours), where=hours > 0)
     weights = share * hours / np.maximum(rows.frames, 1) * total
-    return Chosen(weights, cells, shard_rows, rows.frames)
+    groups = {"speaker": rows.speakers, "language": languages}
+    names = {"language": tuple(str(v) for v in dict.fromkeys(language_names))}
+    if quality is not None and len(set(quality[keep].tolist())) <= MOST_BINS:
+        groups["weight"] = _codes(quality.tolist())
+        names["weight"] = tuple(f"{v:g}" for v in dict.fromkeys(quality.tolist()))
+    return Chosen(weights, cells, shard_rows, rows.frames, groups, names)
 
 
 def _weights(rows: Rows, keep: np.ndarray, text: str, location: str) -> np.ndarray:
@@ -296,3 +309,33 @@ def _largest_remainders(target: np.ndarray, size: int) -> np.ndarray:
             held = [i for i in np.argsort(rest, kind="stable").tolist() if counts[i] > 0]
             counts[held[:-short]] -= 1
     return counts
+
+
+def epoch_report(
+    subs: Sequence[Any], chosen: Sequence[Chosen], shares: Sequence[float], seed: int, epoch: int
+) -> dict[str, float]:
+    """What epoch ``epoch`` of every sub-stream deals, against the target: the hours' share
+    of each language and weight value (``heard/…`` and ``target/…``) and the total-variation
+    distance per speaker, language and weight (``heard/speaker_tv`` …), the caches of a mix
+    combined by their frame ``shares``."""
+    report: dict[str, float] = {}
+    for source, pick in enumerate(chosen):
+        copies = np.zeros(len(pick.weights))
+        for sub in subs:
+            if sub.source == source:
+                for unit, unit_picks in zip(sub.units, sub.picks, strict=True):
+                    np.add.at(copies, unit_picks.rows_of(seed, source, epoch, unit[0]), 1)
+        for group, codes in pick.groups.items():
+            size = int(codes.max(initial=0)) + 1
+            got = np.bincount(codes, copies * pick.frames, size)
+            want = np.bincount(codes, pick.weights * pick.frames, size)
+            got, want = got / max(got.sum(), 1), want / max(want.sum(), 1)
+            key = f"heard/{group}_tv"
+            report[key] = report.get(key, 0.0) + shares[source] * 0.5 * float(
+                np.abs(got - want).sum()
+            )
+            for code, name in enumerate(pick.names.get(group, ())):
+                for kind, values in (("heard", got), ("target", want)):
+                    label = f"{kind}/{group}/{name}"
+                    report[label] = report.get(label, 0.0) + shares[source] * float(values[code])
+    return {"heard_epoch": float(epoch), **{k: round(v, 5) for k, v in report.items()}}

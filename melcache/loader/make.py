@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from melcache.features import FeatureConfig
+from melcache.loader.balance import epoch_report
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
 from melcache.loader.data_config import DataConfig
@@ -122,6 +123,7 @@ class StreamLoader:
         self._next_worker = 0  # logical worker whose batch the consumer gets next
         self._batches = 0
         self._active: weakref.ref[BatchIterator] | None = None
+        self._reported = -1  # the last epoch heard() reported
 
     @property
     def epoch(self) -> int:
@@ -148,6 +150,17 @@ class StreamLoader:
             share[0] += mean * sub.frames
             share[1] += sub.frames
         return {where: round(total / frames, 4) for where, (total, frames) in out.items()}
+
+    def heard(self) -> dict[str, float]:
+        """Under ``data.where`` or ``[data.balance]``, once per epoch finished since the last
+        call: what that epoch dealt against the target
+        (:func:`~melcache.loader.balance.epoch_report`); else nothing."""
+        finished = self.epoch - 1
+        if not self._mix.chosen or finished <= self._reported:
+            return {}
+        self._reported = finished
+        spec = self.spec
+        return epoch_report(spec.subs, self._mix.chosen, self.weights, spec.seed, finished)
 
     def progress(self) -> list[list[float]]:
         """Per worker and sub-stream: epochs of it behind the worker's next batch."""
