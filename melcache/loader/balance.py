@@ -256,22 +256,25 @@ class UnitPicks:
         """Copies the unit holds each epoch."""
         return int(self.counts.sum())
 
-    def rows_of(self, seed: int, source: int, epoch: int, first_shard: int) -> list[int]:
-        """The table rows of the unit's copies in ``epoch`` (a row may come more than once)."""
+    def rows_of(self, seed: int, source: int, epoch: int, first_shard: int) -> np.ndarray:
+        """The table rows of the unit's copies in ``epoch`` (a row may come more than once):
+        per cell, its rows in an order drawn for the epoch, a systematic sample of
+        ``counts[cell]`` by weight. All cells at once: cell ``c`` spans ``[C_c, C_c +
+        counts[c])`` of one line (``C``: the counts before it), each row a stretch of its
+        cell's in proportion to its weight, and the marks ``C_c + k + u_c`` fall in them."""
         rng = make_rng(seed, BALANCE_PICKS, source, epoch, first_shard)
-        out: list[int] = []
-        for cell, count in enumerate(self.counts.tolist()):
-            if not count:
-                continue
-            start, stop = int(self.starts[cell]), int(self.starts[cell + 1])
-            order = rng.permutation(stop - start) + start
-            ends = np.cumsum(self.weights[order])
-            ends *= count / ends[-1]
-            marks = np.arange(count) + rng.random()
-            out += self.rows[
-                order[np.minimum(np.searchsorted(ends, marks, "right"), len(order) - 1)]
-            ].tolist()
-        return out
+        sizes = np.diff(self.starts)
+        cell = np.repeat(np.arange(len(sizes)), sizes)
+        order = np.lexsort((rng.random(len(cell)), cell))  # within each cell, shuffled
+        totals = np.add.reduceat(self.weights, self.starts[:-1]) if len(cell) else sizes
+        scale = np.divide(self.counts, totals, out=np.zeros(len(sizes)), where=totals > 0)
+        ends = np.cumsum(self.weights[order] * scale[cell])
+        before = np.cumsum(self.counts) - self.counts
+        offsets = rng.random(len(sizes))
+        marks = np.repeat(before + offsets, self.counts) + (
+            np.arange(self.size) - np.repeat(before, self.counts)
+        )
+        return self.rows[order[np.minimum(np.searchsorted(ends, marks, "right"), len(cell) - 1)]]
 
 
 def allocate(chosen: Chosen, units: Sequence[Sequence[int]]) -> list[UnitPicks]:

@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from melcache.access import Cache
 from melcache.errors import ShardError
 from melcache.loader.schedule import Deal, SubStream, visit_run
@@ -42,16 +44,19 @@ class UnitMembers:
     fetch: Callable[[Sequence[int]], list[tuple[int, RawSample]]]
     rows: list[int] = dataclasses.field(default_factory=list)  # table row of each, if known
 
-    def chosen(self, rows: Sequence[int]) -> UnitMembers:
+    def chosen(self, rows: np.ndarray) -> UnitMembers:
         """The members at table ``rows`` (``data.where``, ``data.balance``: a row may come
         more than once), those of shards that could not be read left out."""
-        place_of = {row: place for place, row in enumerate(self.rows)}
-        places = [place_of[row] for row in rows if row in place_of]
+        held = np.asarray(self.rows, np.int64)
+        order = np.argsort(held, kind="stable")
+        at = np.minimum(np.searchsorted(held[order], rows), max(len(held) - 1, 0))
+        found = held[order][at] == rows if len(held) else np.zeros(len(rows), bool)
+        places = order[at[found]].tolist()
         return UnitMembers(
-            [self.frames[p] for p in places],
+            np.asarray(self.frames)[places].tolist(),
             [self.owners[p] for p in places],
             functools.partial(_fetch_chosen, self.fetch, places),
-            [self.rows[p] for p in places],
+            rows[found].tolist(),
         )
 
 
