@@ -279,24 +279,26 @@ class UnitPicks:
 
 def allocate(chosen: Chosen, units: Sequence[Sequence[int]]) -> list[UnitPicks]:
     """The copies of each of a sub-stream's ``units`` (shard ids), dealt as the module
-    docstring says."""
-    weights, speakers, shard_rows = chosen.weights, chosen.cells, chosen.shard_rows
-    carry = np.zeros(int(speakers.max(initial=0)) + 1)
+    docstring says. A cell's remainder is carried in frames, not copies: a copy of a unit of
+    short utterances carried into one of long ones would move the cell's hours."""
+    weights, cells_of, shard_rows = chosen.weights, chosen.cells, chosen.shard_rows
+    carry = np.zeros(int(cells_of.max(initial=0)) + 1)  # frames owed to each cell
     done, out = 0.0, []
     for unit in units:
-        rows = np.concatenate([np.arange(shard_rows[s], shard_rows[s + 1]) for s in unit]).astype(
-            np.int64
-        )
-        rows = rows[weights[rows] > 0]
+        rows = np.concatenate([np.arange(shard_rows[s], shard_rows[s + 1]) for s in unit])
+        rows = rows[weights[rows] > 0].astype(np.int64)
+        rows = rows[np.argsort(cells_of[rows], kind="stable")]
         before = round(done)
         done += float(weights[rows].sum())
-        size = round(done) - before
-        rows = rows[np.argsort(speakers[rows], kind="stable")]
-        cells, starts = np.unique(speakers[rows], return_index=True)
-        expected = np.add.reduceat(weights[rows], starts) if len(rows) else np.zeros(0)
-        target = expected + carry[cells]
-        counts = _largest_remainders(target, size)
-        carry[cells] = target - counts
+        cells, starts = np.unique(cells_of[rows], return_index=True)
+        counts = np.zeros(0, np.int64)
+        if len(rows):
+            copies = np.add.reduceat(weights[rows], starts)
+            frames = np.add.reduceat(weights[rows] * chosen.frames[rows], starts)
+            per_copy = frames / copies
+            target = (frames + carry[cells]) / per_copy
+            counts = _largest_remainders(target, round(done) - before)
+            carry[cells] += frames - counts * per_copy
         out.append(UnitPicks(rows, np.append(starts, len(rows)), counts, weights[rows]))
     return out
 

@@ -107,17 +107,29 @@ def substreams(
                 )
                 for unit in units
             ]
-            parts = _split(source, bucket, units, counts, shards, data.split)
-            selection = chosen[source] if chosen else None
-            out += [_chosen(sub, selection, data) for sub in parts] if selection else parts
+            out += _split(source, bucket, units, counts, shards, data.split)
+    if chosen:
+        out = [
+            sub for source, pick in enumerate(chosen) for sub in _chosen(out, source, pick, data)
+        ]
     return tuple(sub for sub in out if sub.per_epoch)  # data.where may leave a range empty
 
 
-def _chosen(sub: SubStream, chosen: Chosen, data: DataConfig) -> SubStream:
-    """``sub`` with the copies ``chosen`` deals its units: each unit's batches and the
-    epoch's frames counted from them, the longest utterance a unit may hold that of its rows
-    ever picked."""
-    picks = allocate(chosen, sub.units)
+def _chosen(
+    subs: Sequence[SubStream], source: int, chosen: Chosen, data: DataConfig
+) -> list[SubStream]:
+    """The sub-streams of cache ``source`` with the copies ``chosen`` deals their units,
+    dealt over all of them at once (a speaker's remainder carried across buckets too)."""
+    mine = [sub for sub in subs if sub.source == source]
+    picks = iter(allocate(chosen, [unit for sub in mine for unit in sub.units]))
+    return [_picked(sub, [next(picks) for _ in sub.units], chosen, data) for sub in mine]
+
+
+def _picked(
+    sub: SubStream, picks: Sequence[UnitPicks], chosen: Chosen, data: DataConfig
+) -> SubStream:
+    """``sub`` with its units' ``picks``: each unit's batches and the epoch's frames counted
+    from them, the longest utterance a unit may hold that of its rows ever picked."""
     counts = tuple(
         even_batch_count(
             pick.size,
