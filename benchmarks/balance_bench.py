@@ -15,7 +15,9 @@ loader's own planning code then runs over it, with ``speaker_temperature = 0.5``
    mel decoded, so the selection's own cost is all that differs), in alternating rounds:
    median and spread of each, and the median ratio within a round;
 3. ``ranks``: padding and the FLOP model's efficiency of bucket-synchronous steps at 8, 64 and
-   512 ranks (``benchmarks/step_costs.py``).
+   512 ranks (``benchmarks/step_costs.py``);
+4. with ``--cache DIR`` (a built cache with a table): the real loader's samples/s (2 workers,
+   mels decoded) with ``speaker_temperature = 0.5`` and without, in alternating rounds.
 
 Prints one JSON line per measurement.
 """
@@ -35,6 +37,7 @@ import numpy as np
 from benchmarks.step_costs import plan_rows
 from benchmarks.synthetic_cache import LOCATION, SyntheticCache, draw_cache, reading
 from melcache.features import FeatureConfig
+from melcache.loader import make_loader
 from melcache.loader.balance import Chosen, Rows, weigh
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.data_config import DataConfig
@@ -135,6 +138,29 @@ def throughput(cache: SyntheticCache, chosen: Chosen, rounds: int, batches: int)
     }
 
 
+def loader_throughput(cache: str, rounds: int, batches: int) -> dict:
+    """Part 4: the real loader's samples/s with and without balance, alternating rounds."""
+    rates: dict[str, list[float]] = {"balanced": [], "plain": []}
+    for _ in range(rounds):
+        for name, balance in (("plain", {}), ("balanced", {"speaker_temperature": 0.5})):
+            data = DataConfig(batch_frames=32_000, num_workers=2, balance=balance)
+            loader = make_loader(cache, data)
+            stream = iter(loader)
+            next(stream)  # the workers started
+            start, samples = time.perf_counter(), 0
+            for batch in itertools.islice(stream, batches):
+                samples += len(batch)
+            rates[name].append(samples / (time.perf_counter() - start))
+            loader.close()
+    ratios = [b / p for b, p in zip(rates["balanced"], rates["plain"], strict=True)]
+    return {
+        "measure": f"loader samples/s, 2 workers, {cache}",
+        **{f"{k}_median": round(statistics.median(v)) for k, v in rates.items()},
+        **{f"{k}_spread": [round(min(v)), round(max(v))] for k, v in rates.items()},
+        "ratio_median": round(statistics.median(ratios), 3),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hours", type=float, default=50.0)
@@ -143,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batches", type=int, default=400, help="planned batches a round")
     p.add_argument("--ranks", type=int, nargs="*", default=[8, 64, 512])
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--cache", help="a built cache: the real loader's samples/s (part 4)")
     args = p.parse_args(argv)
+    if args.cache:
+        print(json.dumps(loader_throughput(args.cache, args.rounds, args.batches)))
     cache = draw_cache(args.hours)
     speaker, language = speakers_and_languages(cache, args.speakers)
     keys = [s.key for shard in cache.shards for s in cache.samples[shard["name"]]]
