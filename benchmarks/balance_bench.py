@@ -118,6 +118,24 @@ def epoch_shares(
     return out
 
 
+def windows(
+    spec: StreamSpec, rows_of_key: dict[str, int], codes: np.ndarray, target: np.ndarray
+) -> list[float]:
+    """Total-variation distance from ``target`` of the hours each of the first 5 windows of
+    200 batches of one rank's stream holds, per ``codes`` (a language): what a resume with a
+    new τ streams, its sub-streams started afresh under it."""
+    out = []
+    stream = planned_stream(spec, 0)
+    for _ in range(5):
+        heard = np.zeros(len(target))
+        for _, _, samples, _, _ in itertools.islice(stream, 200):
+            for sample in samples:
+                heard[codes[rows_of_key[sample.key]]] += sample.frames
+        out.append(round(0.5 * float(np.abs(heard / heard.sum() - target).sum()), 4))
+    stream.close()
+    return out
+
+
 def throughput(cache: SyntheticCache, chosen: Chosen, rounds: int, batches: int) -> dict:
     """Planned samples/s with and without balance, in alternating rounds."""
     rates: dict[str, list[float]] = {"balanced": [], "plain": []}
@@ -205,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(json.dumps({"measure": f"epoch 0 shares, {name}", "target": "balance" if pick is not None else "natural",
                               "target_language": [round(float(v), 3) for v in target["language"]],
                               **epoch_shares(spec, rows_of_key, groups, goal)}))  # fmt: skip
+        print(json.dumps({"measure": "windows of 200 batches after a change of τ: language TV",
+                          "tv": windows(balanced_spec(cache, chosen, 0, 1), rows_of_key,
+                                        language, target["language"])}))  # fmt: skip
         print(json.dumps(throughput(cache, chosen, args.rounds, args.batches)))
         for world in args.ranks:
             for name, pick in (("plain", None), ("balanced", chosen)):

@@ -226,6 +226,9 @@ def test_another_where_at_a_resume_is_a_data_change_and_new_weights_are_not(cach
 def test_nothing_left_and_a_table_without_extras_are_one_line(cache: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"data\.where = 'dnsmos > 9' leaves no utterance"):
         make_loader(cache, DataConfig(num_workers=0, batch_frames=1200, where="dnsmos > 9"))
+    unknown = DataConfig(num_workers=0, batch_frames=1200, balance={"weight": "snr"})
+    with pytest.raises(UserError, match=r"data\.balance\.weight names 'snr', which its utterances"):
+        make_loader(cache, unknown)
     bare = tmp_path / "bare"
     shutil.copytree(cache, bare)
     index = json.loads((bare / "index.json").read_text())

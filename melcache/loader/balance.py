@@ -146,14 +146,27 @@ class Chosen:
     names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
-def choose(table: Table, where: str, balance: Mapping[str, Any], location: str) -> Chosen:
-    """The selection of one cache from its table (see the module docstring); one line when
-    nothing is left, or a weight is not a finite number ≥ 0."""
-    fields = set(Where(where, "data.where").fields) if where else set()
+def choose(
+    table: Table, extras: Sequence[str], where: str, balance: Mapping[str, Any], location: str
+) -> Chosen:
+    """The selection of one cache from its table (see the module docstring; ``extras``: the
+    cache's, ``build.extras``); one line for a field the cache does not carry, when nothing
+    is left, or for a weight that is not a finite number ≥ 0."""
+    named = {"data.where": Where(where, "data.where").fields if where else []}
     if "weight" in balance:
-        fields |= set(Where(balance["weight"], "data.balance.weight").fields)
+        named["data.balance.weight"] = Where(balance["weight"], "data.balance.weight").fields
     if "language_temperature" in balance:
-        fields.add(balance.get("language", "language"))
+        named["data.balance.language"] = [balance.get("language", "language")]
+    known = ["speaker", "frames", "text_length", *extras]
+    for key, names in named.items():
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise UserError(
+                f"cache {location}: {key} names {unknown[0]!r}, which its utterances do not "
+                f"carry (they have {', '.join(known)}); a field of the corpus's metadata is "
+                'carried by [build] extras = ["NAME"]'
+            )
+    fields = {name for names in named.values() for name in names}
     shard_rows = table.column("shard_rows").astype(np.int64)
     return weigh(Rows.of(table, sorted(fields)), shard_rows, where, balance, location)
 

@@ -68,7 +68,8 @@ def with_choice(mix: OpenedMix, data: DataConfig) -> OpenedMix:
                 f"{len(table.column('shard_rows')) - 1} shards and the loader reads "
                 f"{len(source.shards)}; data.where and data.balance need them one for one"
             )
-        chosen.append(choose(table, data.where, data.balance, source.location))
+        extras = cache_extras(index)
+        chosen.append(choose(table, extras, data.where, data.balance, source.location))
         first = tuple(table.column("shard_rows").tolist())
         sources.append(dataclasses.replace(source, first_rows=first))
     return dataclasses.replace(mix, sources=tuple(sources), chosen=tuple(chosen))
