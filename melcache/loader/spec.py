@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.loader.batch import Tokenizer
-from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import Deal, Schedule, SubStream, fresh_deal
 
@@ -71,7 +71,7 @@ class StreamSpec:
     deals: tuple[Deal, ...] = ()
     # data.mix_schedule: (first rank-level batch, schedule) of each later phase of the mix
     phases: tuple[tuple[int, Schedule], ...] = ()
-    # How a unit's samples are sorted and cut (batching.plan_even_batches): a state of an
+    # How a unit's samples are sorted and cut (melcache.batch_plans.plan_even_batches): a state of an
     # earlier release continues with its own.
     plan: int = BATCH_PLAN_VERSION
 
