@@ -25,7 +25,7 @@ from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import make_schedule, substreams
-from melcache.loader.spec import Source, StreamSpec
+from melcache.loader.spec import MixCache, StreamSpec
 from melcache.reader import RawSample
 from melcache.storage import BYTES_PER_VALUE
 from preprocess.config import BuildConfig
@@ -95,7 +95,7 @@ def synthetic_spec(
 ) -> StreamSpec:
     """The spec ``make_loader`` would give rank ``rank`` of ``world_size`` over the cache
     (``plan``: the even cut's sort, ``melcache.batch_plans.sort_order``)."""
-    sources = (Source(LOCATION, cache.shards),)
+    sources = (MixCache(LOCATION, cache.shards),)
     subs = substreams([cache.shards], data, data.sync_buckets)
     schedule = make_schedule(subs, [1.0], seed=seed, sync=data.sync_buckets)
     return StreamSpec(sources=sources, subs=subs, schedule=schedule, data=data, rank=rank,
