@@ -3,7 +3,7 @@
 Each room has a rank; a module may import its own room and rooms of a lower rank in its
 stack, never a higher one nor a sibling of the same rank. Every import counts, also those
 inside functions and under ``TYPE_CHECKING``: an upward import hidden in a function is still
-a cycle waiting to happen. README "Layout" explains why each room exists.
+a cycle waiting to happen. docs/layout.md explains why each room exists.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, int]] = {
     "melcache.loader": ("base", 1),
     "preprocess.config": ("preprocess", 2),  # the [build] table
     "preprocess.job": ("preprocess", 2),  # how a build's processes cooperate
-    "preprocess.inputs": ("preprocess", 2),  # one file per corpus layout
+    "preprocess.inputs": ("preprocess", 2),  # the corpus layouts and the records they yield
     "preprocess.plan": ("preprocess", 3),
     "preprocess.write": ("preprocess", 4),
     "preprocess.check": ("preprocess", 5),
