@@ -42,7 +42,7 @@ from melcache.loader.balance import Chosen, Rows, weigh
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import make_schedule, substreams
-from melcache.loader.spec import Source, StreamSpec
+from melcache.loader.spec import MixCache, StreamSpec
 from melcache.loader.stream import planned_stream
 
 BALANCE = {"speaker_temperature": 0.5, "language_temperature": 0.3}
@@ -77,7 +77,7 @@ def balanced_spec(
     data = dataclasses.replace(DATA, balance=BALANCE if chosen is not None else {})
     subs = substreams([cache.shards], data, True, [chosen] if chosen is not None else ())
     return StreamSpec(
-        sources=(Source(LOCATION, cache.shards, first_rows=first),),
+        sources=(MixCache(LOCATION, cache.shards, first_rows=first),),
         subs=subs,
         schedule=make_schedule(subs, [1.0], seed=0, sync=True),
         data=data,

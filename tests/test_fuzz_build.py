@@ -28,8 +28,8 @@ from melcache.where import Where
 from preprocess.inputs.archives import audio_input, parse_text_member, read_member, tar_samples
 from preprocess.inputs.audio import AudioError, probe
 from preprocess.inputs.corpus import open_corpus, parse_manifest_line, read_transcript
-from preprocess.inputs.layout import Corpus, Found, Rejection
 from preprocess.inputs.parquet import parquet_rows
+from preprocess.inputs.records import Corpus, Found, Rejection
 
 RATE = 24000
 INT64 = 2**63 - 1

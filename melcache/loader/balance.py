@@ -32,13 +32,13 @@ from typing import Any
 
 import numpy as np
 
+from melcache.batch_plans import make_rng
 from melcache.errors import UserError
-from melcache.loader.batching import make_rng
 from melcache.sections import as_float
 from melcache.table import Table
 from melcache.where import Where
 
-BALANCE_PICKS = 6  # purpose tag of the per-epoch systematic offsets (melcache.loader.batching)
+BALANCE_PICKS = 6  # purpose tag of the per-epoch systematic offsets (melcache.batch_plans)
 MOST_BINS = 10  # weights with more distinct values are not reported per value
 BALANCE_KEYS = {
     "speaker_temperature": "the speakers' shares go as hours^τ (1: natural, 0: uniform)",

@@ -25,7 +25,7 @@ from melcache.bounded import open_regular
 from melcache.errors import UserError
 from melcache.where import Where
 from preprocess.inputs.audio import AudioError
-from preprocess.inputs.layout import (
+from preprocess.inputs.records import (
     FILTERED,
     Corpus,
     Found,

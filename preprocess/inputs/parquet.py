@@ -29,7 +29,7 @@ from melcache.errors import UserError
 from melcache.extras import value_problem
 from melcache.where import Where
 from preprocess.inputs.archives import TAR_AUDIO
-from preprocess.inputs.layout import (
+from preprocess.inputs.records import (
     FILTERED,
     Corpus,
     Found,
