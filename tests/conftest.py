@@ -11,8 +11,11 @@ from pathlib import Path
 
 import boto3
 import pytest
-from abort_report import pytest_runtest_makereport  # noqa: F401  (a hook)
-from helpers import (
+
+from benchmarks.common.s3_server import moto_server, s3_environment
+from melcache.remote import objectstore
+from tests.support.abort_report import pytest_runtest_makereport  # noqa: F401  (a hook)
+from tests.support.helpers import (
     REPO,
     S3_BUCKET,
     SMALL_SHARDS_TOML,
@@ -23,9 +26,6 @@ from helpers import (
     run_ok,
     run_preprocess,
 )
-
-from benchmarks.s3_server import moto_server, s3_environment
-from melcache.remote import objectstore
 
 # Every child (torchrun ranks, spawned workers, builds) prints each thread's Python stack if it
 # dies of a fatal signal: a rare SIGABRT in a gloo job then says where it happened, and

@@ -1,6 +1,6 @@
 """Build throughput: ``preprocess build`` against a naive one-file-at-a-time librosa loop.
 
-    python -m benchmarks.build_bench [--hours 3] [--workers N] [--data bench-data]
+    python -m benchmarks.build.build_bench [--hours 3] [--workers N] [--data bench-data]
 
 Makes (or reuses) ≥ 3 h of espeak-ng speech, builds it and a tiny corpus with the real
 command, and reports the steady-state real-time factor, (big − tiny audio) ÷ (big − tiny
@@ -32,7 +32,7 @@ import soxr
 import torch
 import torchaudio
 
-from benchmarks.speech import make_corpus
+from benchmarks.common.speech import make_corpus
 from melcache.features import FeatureConfig
 from preprocess.inputs.audio import read_float32
 from preprocess.write.extractor import MelExtractor

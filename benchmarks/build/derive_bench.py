@@ -1,6 +1,6 @@
 """Derived fields: derive throughput and field size, beside computing the codes in the step.
 
-    python -m benchmarks.derive_bench [--cache DIR] [--size tiny|released] [--batches 20]
+    python -m benchmarks.build.derive_bench [--cache DIR] [--size tiny|released] [--batches 20]
                                       [--workers 1] [--data DIR]
 
 1. Builds the committed sample corpus (``examples/sample_corpus.toml``) into ``--data``
@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.timed_calls import timing
-from benchmarks.trainer_bench import build_sample_cache
+from benchmarks.common.timed_calls import timing
+from benchmarks.train.trainer_bench import build_sample_cache
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENCODER = "examples.chattts_dvae.adapter:encoder"
 SIZES = {
     "tiny": {"dim": 64, "hidden": 32, "layers": 2, "bn_dim": 16, "vq_dim": 128},

@@ -1,6 +1,6 @@
 """Planning at corpus scale: scan and plan time and peak memory of ``build --dry-run``.
 
-    python -m benchmarks.scale_bench [--sizes 100000 250000 1000000 3000000] [--data DIR]
+    python -m benchmarks.build.scale_bench [--sizes 100000 250000 1000000 3000000] [--data DIR]
 
 Makes (or reuses) a synthetic corpus cheaply: a few real wav files of the sample corpus,
 hard-linked under unique names (1,000 per folder), and a JSONL manifest whose rows carry a
@@ -30,9 +30,9 @@ from typing import Any
 
 import soundfile as sf
 
-from benchmarks.timed_calls import timing
+from benchmarks.common.timed_calls import timing
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PER_FOLDER = 1000
 LINKS_PER_COPY = 50_000  # ext4 allows 65,000 hard links to one file
 
@@ -105,7 +105,14 @@ def child(manifest: Path, out: Path, part: str, workers: int) -> None:
 def dry_runs(manifest: Path, parts: int, workers: int) -> list[dict[str, Any]]:
     """``parts`` dry-run processes at once into one fresh OUT; their rows."""
     out = Path(tempfile.mkdtemp(prefix="scale-out-", dir=manifest.parent))
-    command = [sys.executable, "-m", "benchmarks.scale_bench", "--child", str(manifest), str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.build.scale_bench",
+        "--child",
+        str(manifest),
+        str(out),
+    ]
     procs = [
         subprocess.Popen(
             [*command, f"{k}/{parts}", str(workers)],

@@ -1,15 +1,15 @@
 """A corpus of real audio at a drawn cache's durations, for what a drawn table cannot measure:
 the loader's samples/s and its workers' memory on a real-sized built cache.
 
-``benchmarks/synthetic_cache.py`` draws each utterance's length (0.8–32 s, log-normal around
+``benchmarks/common/synthetic_cache.py`` draws each utterance's length (0.8–32 s, log-normal around
 3.75 s). Here each drawn utterance becomes a WAV file joined from one speaker's clips of
-``benchmarks.speech``'s pool (espeak-ng where it is on ``PATH``), 0.2 s apart and cut to its
+``benchmarks.common.speech``'s pool (espeak-ng where it is on ``PATH``), 0.2 s apart and cut to its
 length, with the clips' texts (cut in proportion) as its transcript. The pool is synthesised
 once (~0.4 h); the rest is numpy, so 50 h take minutes, not the hours espeak-ng would.
 
 Usage::
 
-    python -m benchmarks.drawn_corpus --out /tmp/drawn50 --hours 50
+    python -m benchmarks.common.drawn_corpus --out /tmp/drawn50 --hours 50
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.speech import MARKER, SAMPLE_RATE, make_corpus
-from benchmarks.synthetic_cache import draw_seconds
+from benchmarks.common.speech import MARKER, SAMPLE_RATE, make_corpus
+from benchmarks.common.synthetic_cache import draw_seconds
 
 GAP_SECONDS = 0.2
-POOL_HOURS = 0.4  # the whole pool (240 sentences) of benchmarks.speech
+POOL_HOURS = 0.4  # the whole pool (240 sentences) of benchmarks.common.speech
 
 
 def read_pool(pool: Path) -> dict[str, list[tuple[np.ndarray, str]]]:

@@ -27,7 +27,7 @@ seed is returned untouched.
 
 Usage::
 
-    python -m benchmarks.speech --out /tmp/corpus --hours 3 [--seed 0]
+    python -m benchmarks.common.speech --out /tmp/corpus --hours 3 [--seed 0]
 """
 
 from __future__ import annotations
@@ -565,9 +565,9 @@ def make_corpus(out: Path, hours: float, seed: int = 0, *, backend: Backend = "a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``python -m benchmarks.speech --out DIR --hours H``."""
+    """Command-line entry point: ``python -m benchmarks.common.speech --out DIR --hours H``."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.speech", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.common.speech", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="corpus directory")
     parser.add_argument("--hours", type=float, required=True, help="minimum total duration")

@@ -3,7 +3,7 @@
 A 50 h or 200 h cache takes hours to synthesise and build here; the schedule, the units, the
 even cut and the FLOP model need only each utterance's frames and text length. So a table of
 utterances is drawn (durations 0.8–32 s, log-normal around 3.75 s, texts at the characters per
-second of ``benchmarks.speech``'s espeak-ng pool), bucketed and cut into shards by the build's
+second of ``benchmarks.common.speech``'s espeak-ng pool), bucketed and cut into shards by the build's
 own planner (``preprocess.plan.shards``: default buckets, 128 MB shards at fp16 storage), and
 the loader's real planning code runs over index entries made from it, with
 ``melcache.loader.shard_reads.read_shard`` answering from the table (empty mels: nothing decodes).
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 import melcache.loader.shard_reads as shard_reads
-from benchmarks.speech import plan_pool
+from benchmarks.common.speech import plan_pool
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batching import BATCH_PLAN_VERSION

@@ -1,6 +1,6 @@
 """A fixed batch against a ramped one and the noise-scale closed loop, for the same frames.
 
-    python -m benchmarks.batch_schedule_bench [--shards DIR] [--micro 80] [--json FILE]
+    python -m benchmarks.loader.batch_schedule_bench [--shards DIR] [--micro 80] [--json FILE]
 
 Three 2-rank gloo jobs of the tiny config on the sample corpus (``torchrun``), each drawing
 ``--micro`` micro-batches per rank in all (the same frames, to within a step):
@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.trainer_bench import build_sample_cache
+from benchmarks.train.trainer_bench import build_sample_cache
 from train.adapt.batch_ramp import ramp_accum
 from train.config.tables import load_config
 from train.parallel.env import Env
 from train.run.metrics import read_metrics
 from train.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.toml"
 COMMON = [
     "data.num_workers=1",

@@ -1,7 +1,7 @@
 """What a resume costs on another job size, against a resume of the same job, early and late
 in an epoch.
 
-    python -m benchmarks.elastic_bench [--cache DIR] [--json FILE]
+    python -m benchmarks.loader.elastic_bench [--cache DIR] [--json FILE]
 
 Two parts, each at 1 % and 90 % of an epoch:
 
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.trainer_bench import build_sample_cache
+from benchmarks.train.trainer_bench import build_sample_cache
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.resume.elsewhere import unread

@@ -1,11 +1,11 @@
 """Resumes on another job size and worker count, on a real 3 h cache at the default batch
 settings: which keys repeat before their sub-stream's epoch is whole.
 
-    python -m benchmarks.elastic_repeats [--data /tmp/melcache-schedule] [--mix DIR]
+    python -m benchmarks.loader.elastic_repeats [--data /tmp/melcache-schedule] [--mix DIR]
 
-``tests/test_elastic.py`` checks #39's acceptance on the small sample caches; this measures
+``tests/melcache/loader/test_elastic.py`` checks #39's acceptance on the small sample caches; this measures
 it where sub-streams hold hundreds of keys (the espeak-ng 3 h cache of
-``benchmarks.schedule_bench``, made once under ``--data``; ``--cache``: another; ``--mix``: a
+``benchmarks.loader.schedule_bench``, made once under ``--data``; ``--cache``: another; ``--mix``: a
 second cache, 0.6 / 0.4 with the first). Keys are grouped by the sub-stream that holds them
 (one length range of one bucket of one cache, from the cache's table). Prints one JSON line
 per job change:
@@ -35,7 +35,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from benchmarks.schedule_bench import ensure_cache
+from benchmarks.loader.schedule_bench import ensure_cache
 from melcache.access import open_cache
 from melcache.loader import Batch, DataConfig, make_loader
 from melcache.loader.make import StreamLoader

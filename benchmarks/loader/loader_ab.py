@@ -1,6 +1,6 @@
 """Loader samples/s of this checkout against earlier commits, side by side.
 
-    python -m benchmarks.loader_ab --cache CACHE --against REV [REV ...] [--rounds 8]
+    python -m benchmarks.loader.loader_ab --cache CACHE --against REV [REV ...] [--rounds 8]
 
 Each setting is a commit (each ``--against`` revision checked out with ``git worktree`` into a
 temporary folder, then ``checkout``: this one as it is, uncommitted edits included) and,

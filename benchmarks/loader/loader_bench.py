@@ -1,8 +1,8 @@
 """Training-loader throughput: mel computed on the fly, against melcache's streaming loader.
 
-    python -m benchmarks.loader_bench [--hours 1] [--workers 2] [--data /tmp/melcache-bench]
+    python -m benchmarks.loader.loader_bench [--hours 1] [--workers 2] [--data /tmp/melcache-bench]
 
-Makes (or reuses) espeak-ng speech with ``benchmarks.speech``, builds (or reuses) its cache
+Makes (or reuses) espeak-ng speech with ``benchmarks.common.speech``, builds (or reuses) its cache
 with the real ``preprocess build``, and beside it the same cache as the previous release
 wrote it (the shards hard-linked, the index without ``xxh3_128``). Then, in this one process
 tree, with the same number of DataLoader workers each:
@@ -54,7 +54,7 @@ import soxr
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.speech import make_corpus
+from benchmarks.common.speech import make_corpus
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index, write_index
 from melcache.loader import DataConfig, make_loader

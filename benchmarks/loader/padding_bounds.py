@@ -1,10 +1,10 @@
 """How little padding any cut of a cache could reach: the loader's even cut against the least
 padding of every cut of its units with the same batch counts, and of any cut of the whole cache.
 
-    python -m benchmarks.padding_bounds [--hours 3 50 200 | --cache CACHE ...] [--extra 0 1 2]
+    python -m benchmarks.loader.padding_bounds [--hours 3 50 200 | --cache CACHE ...] [--extra 0 1 2]
         [--cost-slack 0 5 10] [--any-cut-hours 50] [--target 2.5]
 
-Over one epoch of every sub-stream of a drawn cache (``benchmarks/synthetic_cache.py``; with
+Over one epoch of every sub-stream of a drawn cache (``benchmarks/common/synthetic_cache.py``; with
 ``--cache``, of built caches, their frames read from their tables), with the loader's own units
 and counts at ``batch_frames`` 32000: the padding of the even cut the loader makes (the same
 every epoch: it sorts by padded length; ``--frames-cut``: equal frames, batch plan 2, instead of
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.synthetic_cache import SyntheticCache, draw_cache
+from benchmarks.common.synthetic_cache import SyntheticCache, draw_cache
 from melcache.access import open_cache
 from melcache.loader.batching import (
     make_rng,

@@ -1,8 +1,8 @@
 """Ranks in step: how much of a DDP step's compute the ranks would waste waiting, sync on vs off.
 
-    python -m benchmarks.schedule_bench [--hours 3] [--data /tmp/melcache-schedule] [--steps 120]
+    python -m benchmarks.loader.schedule_bench [--hours 3] [--data /tmp/melcache-schedule] [--steps 120]
 
-Makes (or reuses) an espeak-ng corpus with ``benchmarks.speech`` and its cache with the real
+Makes (or reuses) an espeak-ng corpus with ``benchmarks.common.speech`` and its cache with the real
 ``preprocess build`` (default build config: 10 length buckets, ~35 utterances a shard), then:
 
 1. ``loader``: 8 real loaders in this process (rank r of 8, one logical worker each,
@@ -23,13 +23,13 @@ Makes (or reuses) an espeak-ng corpus with ``benchmarks.speech`` and its cache w
    bytes read per sample (a slot that shares a unit of shards with
    others reads only its batches' samples, by the cache's table, where the cache has one).
 5. ``synthetic`` (not run by default): caches of ``--synthetic-hours`` drawn without audio at
-   the default shard size (``benchmarks/synthetic_cache.py``), planned by the loader's own
+   the default shard size (``benchmarks/common/synthetic_cache.py``), planned by the loader's own
    code at ``--ranks``, for each ``data.sync_split`` of ``--sync-split`` and
    ``data.attention_frames`` of ``--attention-frames``: efficiency (FLOP model and the cost
    model timed on that cache's shapes), padding, and ``loader.epochs()`` against the job's
    batches consumed.
 
-The cost models and the plans' rows are ``benchmarks/step_costs.py``'s. Prints one JSON line
+The cost models and the plans' rows are ``benchmarks/loader/step_costs.py``'s. Prints one JSON line
 per measurement.
 """
 
@@ -49,8 +49,9 @@ from pathlib import Path
 
 import melcache.access as access_module
 import melcache.loader.shard_reads as shard_reads
-from benchmarks.speech import make_corpus
-from benchmarks.step_costs import (
+from benchmarks.common.speech import make_corpus
+from benchmarks.common.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
+from benchmarks.loader.step_costs import (
     CostModel,
     attention_values,
     plan_cuts,
@@ -60,7 +61,6 @@ from benchmarks.step_costs import (
     timed_cost_model,
     typical_shapes,
 )
-from benchmarks.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.spec import StreamSpec
@@ -114,7 +114,7 @@ def measure_synthetic(
     attentions: Sequence[str] = ("0",),
 ) -> Iterator[dict]:
     """Part 5: a drawn cache of ``hours`` at the default shard size
-    (``benchmarks/synthetic_cache.py``): the plans' rows at each rank count (``steps`` steps,
+    (``benchmarks/common/synthetic_cache.py``): the plans' rows at each rank count (``steps`` steps,
     fewer at many ranks: each rank re-plans a unit per batch there; ``timed``: the preset and
     repeats of the timed cost model), then ``epochs()`` of rank 0 of 8 against the batches the
     job has consumed; the plans at each ``data.sync_split`` of ``splits`` and batch plan of

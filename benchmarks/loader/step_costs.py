@@ -1,6 +1,6 @@
 """What one step of a job costs its ranks: the FLOP model, a cost model timed on this
 machine's device, and the efficiency and padding of planned batches (the rows of
-``benchmarks/schedule_bench.py``'s plans and synthetic parts).
+``benchmarks/loader/schedule_bench.py``'s plans and synthetic parts).
 
 The FLOP model is ``configs/base.toml``'s transformer (d 512, 12 layers, a prefix LM over
 text + mel): per utterance slot ``24·d²·S + 4·d·S²`` with ``S`` = padded text + mel length.

@@ -1,9 +1,9 @@
 """Random access through the per-utterance table: correctness, latency, size and build cost.
 
-    python -m benchmarks.access_bench [--hours 1] [--workers 2] [--rounds 2] [--lookups 10000]
+    python -m benchmarks.store.access_bench [--hours 1] [--workers 2] [--rounds 2] [--lookups 10000]
                                       [--plan-size 1000000] [--data DIR]
 
-1. Makes (or reuses) the espeak-ng corpus of ``--hours`` (``benchmarks.speech``) and builds it
+1. Makes (or reuses) the espeak-ng corpus of ``--hours`` (``benchmarks.common.speech``) and builds it
    ``--rounds`` times with the table and as many without (the writers' rows and the end's
    table step replaced by nothing), alternating, each in a fresh process and OUT; reports the
    wall and CPU seconds (every process of the build) of each, and the end step's seconds.
@@ -12,7 +12,7 @@
 3. Times ``--lookups`` random keys and random rows on the warm cache (after one pass):
    median and p99 per lookup, and the table's bytes per utterance.
 4. The table of a ``--plan-size`` plan: the scale benchmark's manifest
-   (``benchmarks.scale_bench``) planned by ``build --dry-run``, its rows laid out exactly as
+   (``benchmarks.build.scale_bench``) planned by ``build --dry-run``, its rows laid out exactly as
    the writer lays out their samples (json member as written, fp16 mel of the planned
    frames, tar headers and padding; digests random), encoded by the build's own
    ``encode_table``: bytes per utterance and encode seconds. Decoding 1M utterances is out of
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.speech import make_corpus
+from benchmarks.common.speech import make_corpus
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def child_build(src: Path, out: Path, workers: int, table: bool) -> None:
@@ -72,7 +72,7 @@ def timed_build(src: Path, out: Path, workers: int, table: bool) -> dict[str, fl
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "benchmarks.access_bench", "--child"]
+    command = [sys.executable, "-m", "benchmarks.store.access_bench", "--child"]
     command += [str(src), str(out), str(workers), str(int(table))]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
@@ -149,7 +149,7 @@ def latencies(cache_dir: Path, lookups: int) -> dict[str, Any]:
 
 def plan_table(size: int, data: Path) -> dict[str, Any]:
     """The table of the scale benchmark's ``size``-utterance plan (see the module docstring)."""
-    from benchmarks.scale_bench import make_corpus as make_manifest
+    from benchmarks.build.scale_bench import make_corpus as make_manifest
     from melcache.format import encode_sample, shard_name
     from melcache.table import TableRows, encode_table
     from preprocess.build import BuildOptions, build

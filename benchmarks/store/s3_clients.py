@@ -1,9 +1,9 @@
 """S3 clients side by side on many concurrent ranged reads: obstore, boto3 and s3fs.
 
-    python -m benchmarks.s3_clients [--objects 8] [--mb 2] [--reads 800] [--kib 64]
+    python -m benchmarks.store.s3_clients [--objects 8] [--mb 2] [--reads 800] [--kib 64]
                                     [--concurrency 16] [--rounds 3]
 
-Starts a local moto server (``benchmarks/s3_server.py``), puts ``--objects`` random objects
+Starts a local moto server (``benchmarks/common/s3_server.py``), puts ``--objects`` random objects
 of ``--mb`` MB in it, then has each client read ``--reads`` random ranges of ``--kib`` KiB
 (what ``melcache.open(...)[key]`` and a shard's chunked read issue), ``--concurrency`` at a
 time in a thread pool (each client called as a user calls it: boto3 and obstore from
@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Callable
 
-from benchmarks.s3_server import moto_server, s3_environment
+from benchmarks.common.s3_server import moto_server, s3_environment
 
 BUCKET = "bench"
 Read = Callable[[list[tuple[str, int, int]]], list[bytes]]  # (key, start, stop) → bytes

@@ -1,8 +1,8 @@
 """A flaky object store: an HTTP proxy in front of a real S3 server that injects the faults
 stores under load give, and the loader's samples/s through it with and without them.
 
-    python -m benchmarks.s3_faults [--batches 300] [--workers 4] [--rounds 2]
-    python -m benchmarks.s3_faults serve UPSTREAM PORT [--slowdown 0.2] [--short 0.05] [--reset 0.01]
+    python -m benchmarks.store.s3_faults [--batches 300] [--workers 4] [--rounds 2]
+    python -m benchmarks.store.s3_faults serve UPSTREAM PORT [--slowdown 0.2] [--short 0.05] [--reset 0.01]
 
 The proxy (``serve``, or :func:`fault_proxy` from a test) forwards every request to UPSTREAM
 and, drawn per request from a seeded generator, answers ``--slowdown`` of them with ``503
@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.s3_server import free_port, moto_server, s3_environment
+from benchmarks.common.s3_server import free_port, moto_server, s3_environment
 
 SLOWDOWN = b"""<?xml version="1.0" encoding="UTF-8"?>
 <Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"""
@@ -116,9 +116,9 @@ def fault_proxy(upstream_url: str, faults: dict[str, float], seed: int = 0) -> I
     yields its URL (what ``AWS_ENDPOINT_URL`` then names)."""
     port = free_port()
     rates = [f"--{name}={rate}" for name, rate in faults.items()]
-    command = [sys.executable, "-m", "benchmarks.s3_faults", "serve",
+    command = [sys.executable, "-m", "benchmarks.store.s3_faults", "serve",
                upstream_url.removeprefix("http://"), str(port), f"--seed={seed}", *rates]  # fmt: skip
-    proxy = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
+    proxy = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[2])
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -135,7 +135,7 @@ def fault_proxy(upstream_url: str, faults: dict[str, float], seed: int = 0) -> I
 
 def serve(argv: list[str]) -> None:
     """``serve UPSTREAM PORT [--slowdown R] [--short R] [--reset R] [--seed N]``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.s3_faults serve")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.store.s3_faults serve")
     parser.add_argument("upstream")
     parser.add_argument("port", type=int)
     for name in NO_FAULTS:
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as folder, moto_server() as endpoint:
         cache = Path(folder, "cache")
         config = Path(folder, "small.toml")

@@ -1,8 +1,8 @@
 """Mel storage kinds side by side: bytes per hour, error, build speed and loader speed.
 
-    python -m benchmarks.storage_bench [--hours 1] [--workers 2] [--rounds 2] [--data DIR]
+    python -m benchmarks.store.storage_bench [--hours 1] [--workers 2] [--rounds 2] [--data DIR]
 
-Makes (or reuses) the espeak-ng speech corpus of ``benchmarks.loader_bench``, builds it once
+Makes (or reuses) the espeak-ng speech corpus of ``benchmarks.loader.loader_bench``, builds it once
 per storage kind (``fp16``, ``lz4-q5``) with the real command, alternating, ``--rounds``
 times each (the best real-time factor counts), then for each cache reports:
 
@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.build_bench import timed_build
-from benchmarks.loader_bench import measure, mel_batches
-from benchmarks.speech import make_corpus
+from benchmarks.build.build_bench import timed_build
+from benchmarks.common.speech import make_corpus
+from benchmarks.loader.loader_bench import measure, mel_batches
 from melcache.codec import decode_mel
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index

@@ -1,9 +1,9 @@
 """Build throughput from WebDataset tars of mp3 (the Emilia layout) and from Parquet of mp3
 (the Hugging Face layout) against loose wav files.
 
-    python -m benchmarks.tar_bench [--hours 0.5] [--workers 2] [--rounds 2] [--data DIR]
+    python -m benchmarks.store.tar_bench [--hours 0.5] [--workers 2] [--rounds 2] [--data DIR]
 
-Makes (or reuses) a speech corpus with ``benchmarks.speech`` (22.05 kHz wav + transcripts),
+Makes (or reuses) a speech corpus with ``benchmarks.common.speech`` (22.05 kHz wav + transcripts),
 packs the same utterances as mp3 with Emilia-style json (``text``, ``speaker``,
 ``duration``) into tars of 500 samples, and the same mp3 and fields into Parquet files of
 500 rows in row groups of 100 (``datasets``' size for audio), then builds the three with the
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import soundfile as sf
 
-from benchmarks.build_bench import timed_build
-from benchmarks.speech import make_corpus
+from benchmarks.build.build_bench import timed_build
+from benchmarks.common.speech import make_corpus
 
 PER_TAR = 500
 PARQUET_ROW_GROUP = 100

@@ -1,10 +1,10 @@
 """Waiting in the all-reduce on a real multi-process gloo job, bucket sync on vs off.
 
-    python -m benchmarks.allreduce_bench [--cache DIR | --hours 3 --data DIR] [--procs 2 4]
+    python -m benchmarks.train.allreduce_bench [--cache DIR | --hours 3 --data DIR] [--procs 2 4]
                                           [--steps 30] [--batch-frames 8000]
 
 For each process count and ``data.sync_buckets`` setting (alternating, ``--repeats`` times) it
-runs ``torchrun --standalone --nproc-per-node N -m benchmarks.allreduce_bench --rank-loop``:
+runs ``torchrun --standalone --nproc-per-node N -m benchmarks.train.allreduce_bench --rank-loop``:
 a minimal data-parallel loop over ``make_loader`` (rank r of N, batches decoded in the main
 process) with the model of the ``tiny`` preset (``configs/base.toml`` takes seconds per
 utterance on a CPU), on CPU, one thread per process. Each step:
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.schedule_bench import ensure_cache
+from benchmarks.loader.schedule_bench import ensure_cache
 from melcache.loader import DataConfig, make_loader
 from melcache.sections import find_config
 from train.config.tables import load_config
@@ -100,7 +100,7 @@ def run_job(cache: Path, procs: int, sync: bool, args: argparse.Namespace) -> di
     """One torchrun job; rank 0's JSON line."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={procs}", "-m", "benchmarks.allreduce_bench", "--rank-loop",
+        f"--nproc-per-node={procs}", "-m", "benchmarks.train.allreduce_bench", "--rank-loop",
         "--cache", str(cache), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--batch-frames", str(args.batch_frames), "--sync", "on" if sync else "off",
     ]  # fmt: skip

@@ -1,9 +1,9 @@
 """Batch fill and padding: one global frame budget against the per-bucket table of `train tune`.
 
-    python -m benchmarks.budget_bench [--hours 4] [--memory-limit-mib 384]
+    python -m benchmarks.train.budget_bench [--hours 4] [--memory-limit-mib 384]
         [--data /tmp/melcache-bench]
 
-Makes (or reuses) the loader benchmark's corpus and cache (``benchmarks.loader_bench``:
+Makes (or reuses) the loader benchmark's corpus and cache (``benchmarks.loader.loader_bench``:
 espeak-ng speech, the default build config's 10 length buckets), runs ``python -m train tune``
 on CPU with ``configs/tiny.toml`` (fp32, ``max_batch_size`` 64 as the loader benchmark's) against
 ``--memory-limit-mib`` of live tensors (384 puts the global budget near that benchmark's 8,000), then
@@ -30,7 +30,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loader_bench import prepare
+from benchmarks.loader.loader_bench import prepare
 from melcache.index import read_index
 from melcache.loader.batching import BATCH_PLAN, make_rng, padding_fraction, plan_batches, round_up
 from melcache.location import member_location
@@ -38,7 +38,7 @@ from melcache.reader import ShardCheck, read_shard
 from train.config.tables import load_config
 from train.tune import tune
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = 0
 
 

@@ -1,7 +1,7 @@
 """ChatTTS in and out at its released size: the time to start a run from a release, to export a
 run back into ChatTTS's ``asset/`` layout, and for ChatTTS's ``Chat`` to load the export.
 
-    python -m benchmarks.chattts_export [--repeats 3] [--data DIR] [--tiny]
+    python -m benchmarks.train.chattts_export [--repeats 3] [--data DIR] [--tiny]
 
 1. A release at ChatTTS's released sizes, made from its own modules at random init
    (``examples/chattts/random_release.py``: nothing can be downloaded here; the time does not
@@ -63,7 +63,7 @@ def saved_run(folder: Path, model: torch.nn.Module, release: Path, args: dict) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.chattts_export")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.train.chattts_export")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each row")
     parser.add_argument("--data", type=Path, help="work folder (default: a temporary one)")
     parser.add_argument("--tiny", action="store_true", help="the examples' sizes")

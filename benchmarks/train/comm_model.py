@@ -1,6 +1,6 @@
 """Gradient-sync traffic per strategy: measured from the real hooks, and an α-β model at scale.
 
-    python -m benchmarks.comm_model [--json FILE]
+    python -m benchmarks.train.comm_model [--json FILE]
 
 1. *Measured*: two gloo processes train the tiny TextToMel one step under each strategy
    (DDP fp32/bf16 hooks, our PowerSGD r1/r4, FSDP2, HSDP), with ``dist.all_reduce``,

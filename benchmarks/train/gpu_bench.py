@@ -1,18 +1,18 @@
 """Training throughput on one device, row by row: on-the-fly features → melcache → bf16 → ….
 
-    python -m benchmarks.gpu_bench [--device auto|cuda|cpu] [--model base|tiny] [--steps 50]
+    python -m benchmarks.train.gpu_bench [--device auto|cuda|cpu] [--model base|tiny] [--steps 50]
         [--warmup 20] [--minutes 60] [--batch-frames N] [--workers 2] [--accum 4]
         [--rows otf-fp32,cache-fp32,...|all] [--data /tmp/melcache-gpu-bench] [--json OUT]
         [--memory-limit-mib N (CPU, for the budget rows)]
 
-Makes (or reuses) a speech corpus with ``benchmarks.speech`` (espeak-ng when on ``PATH``,
+Makes (or reuses) a speech corpus with ``benchmarks.common.speech`` (espeak-ng when on ``PATH``,
 synthetic speech-like audio otherwise: no download, no network), builds (or reuses) its cache
 with the real ``python -m preprocess build``, then runs the rows below one after another in
 this one process. Every row builds a fresh :class:`train.trainer.Trainer` from
 ``configs/<model>.toml`` and calls its real ``train_step``; only the batches' source and the
 options named in the row change:
 
-- ``otf-fp32``: the seed's baseline, ``OnTheFlyMels`` from ``benchmarks.loader_bench``
+- ``otf-fp32``: the seed's baseline, ``OnTheFlyMels`` from ``benchmarks.loader.loader_bench``
   (decode, resample, log-mel in DataLoader workers), random batches of a fixed size; fp32;
 - ``cache-fp32``: the cache through the trainer's streaming loader; fp32;
 - ``cache-bf16``: + bf16 autocast;
@@ -70,8 +70,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import train.trainer
-from benchmarks.loader_bench import OnTheFlyMels
-from benchmarks.speech import make_corpus
+from benchmarks.common.speech import make_corpus
+from benchmarks.loader.loader_bench import OnTheFlyMels
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.loader.batch import PAD_ID, Batch
@@ -84,7 +84,7 @@ from train.tune import tune
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Few, large shards: a batch can hold no more than one shard (one length bucket), and each
 # shard should hold several batches of --batch-frames. Four shards serve up to four workers.
 BUILD_TOML = "[build]\nnum_buckets = 4\nmin_shards = 4\n"
@@ -459,7 +459,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_bench",
+        prog="python -m benchmarks.train.gpu_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

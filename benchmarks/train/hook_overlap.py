@@ -1,6 +1,6 @@
 """Does a DDP comm hook's traffic overlap the backward? Measured on 2 gloo processes.
 
-    python -m benchmarks.hook_overlap [--dim 256] [--layers 4] [--bucket-mb 1] [--steps 6]
+    python -m benchmarks.train.hook_overlap [--dim 256] [--layers 4] [--bucket-mb 1] [--steps 6]
 
 For DDP's own all-reduce hook and our PowerSGD (``train/parallel/powersgd.py``, rank 4, compressing
 from the first step), the TextToMel backward is timed under DDP and, in alternate steps, on

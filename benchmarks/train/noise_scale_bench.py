@@ -1,6 +1,6 @@
 """The noise-scale monitor (``train/adapt/monitor.py``) against the brute-force B_simple.
 
-    python -m benchmarks.noise_scale_bench [--steps N] [--json FILE]
+    python -m benchmarks.train.noise_scale_bench [--steps N] [--json FILE]
 
 Linear regression, where every per-example gradient is exact: a fixed population of 50,000
 examples x ~ N(0, I₃₂), y = x·w* + ε, at fixed weights w (no optimizer step, so the true

@@ -17,7 +17,7 @@ many records and given as a share of the step without a tracker: what the loop p
 
 Usage::
 
-    python -m benchmarks.tracker_bench [--shards DIR | --data DIR] [--steps 40] [--rounds 5]
+    python -m benchmarks.train.tracker_bench [--shards DIR | --data DIR] [--steps 40] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.trainer_bench import TINY, InMemory, build_sample_cache  # noqa: E402
+from benchmarks.train.trainer_bench import TINY, InMemory, build_sample_cache  # noqa: E402
 from train.config.tables import load_config  # noqa: E402
 from train.parallel.env import Env  # noqa: E402
 from train.run import tracker_backends, trackers  # noqa: E402

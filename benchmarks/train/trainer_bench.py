@@ -19,7 +19,7 @@ of each timed loop; the job with one rank per GPU), else on CPU.
 
 Usage::
 
-    python benchmarks/trainer_bench.py [--shards DIR] [--steps 30] [--rounds 5]
+    python benchmarks/train/trainer_bench.py [--shards DIR] [--steps 30] [--rounds 5]
 
 Without ``--shards`` the sample corpus is built into a temporary folder first.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from train.config.tables import load_config  # noqa: E402

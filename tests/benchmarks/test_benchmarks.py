@@ -12,15 +12,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import needs_extra
 
-from benchmarks import padding_bounds, results
+from benchmarks import results
+from benchmarks.loader import padding_bounds
+from tests.support.helpers import needs_extra
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bench_rows(module: str, data: Path, *args: str) -> list[dict[str, Any]]:
-    """Run ``python -m benchmarks.MODULE ARGS --data DATA``; its JSON lines, parsed."""
+    """Run ``python -m benchmarks.ROOM.MODULE ARGS --data DATA`` (``module``: ``ROOM.MODULE``); its JSON lines, parsed."""
     command = [sys.executable, "-m", f"benchmarks.{module}", *args, "--data", str(data)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -46,7 +47,8 @@ def test_results_writes_its_sections_into_the_results_page_only() -> None:
 def test_build_bench_prints_every_row(tmp_path: Path) -> None:
     data = tmp_path / "data"
     rows = {
-        r["row"]: r for r in bench_rows("build_bench", data, "--hours", "0.06", "--workers", "2")
+        r["row"]: r
+        for r in bench_rows("build.build_bench", data, "--hours", "0.06", "--workers", "2")
     }
     build, native = rows["preprocess build"], rows["preprocess build, sources already 24 kHz"]
     # Steady rates are differences of two short walls here: present, but noise in sign.
@@ -75,7 +77,7 @@ def test_loader_bench_prints_baseline_every_melcache_loader_and_the_ratios(
 ) -> None:
     data = tmp_path / "data"
     rows = bench_rows(
-        "loader_bench",
+        "loader.loader_bench",
         data,
         *("--hours", "0.05", "--min-seconds", "1", "--turn-seconds", "0.2"),
         *("--cpu-rounds", "1"),
@@ -122,7 +124,7 @@ def test_loader_bench_prints_baseline_every_melcache_loader_and_the_ratios(
 
 @pytest.mark.slow
 def test_scale_bench_prints_runs_growth_and_parts(tmp_path: Path) -> None:
-    rows = bench_rows("scale_bench", tmp_path / "data", "--sizes", "300", "900")
+    rows = bench_rows("build.scale_bench", tmp_path / "data", "--sizes", "300", "900")
     runs = [r for r in rows if r["row"] == "dry run"]
     assert [r["utterances"] for r in runs] == [300, 900]
     assert all(r["scan_s"] > 0 and r["plan_s"] > 0 and r["peak_rss_mb"] > 0 for r in runs)
@@ -141,7 +143,9 @@ def test_scale_bench_prints_runs_growth_and_parts(tmp_path: Path) -> None:
 def test_tar_bench_prints_each_layouts_build_and_the_ratios(tmp_path: Path) -> None:
     rows = {
         r["row"]: r
-        for r in bench_rows("tar_bench", tmp_path / "data", "--hours", "0.01", "--rounds", "1")
+        for r in bench_rows(
+            "store.tar_bench", tmp_path / "data", "--hours", "0.01", "--rounds", "1"
+        )
     }
     assert rows["tars of mp3"]["real_time_x"] > 0 and rows["loose wav"]["real_time_x"] > 0
     assert rows["tars of mp3"]["audio_hours"] > 0 and rows["ratio"]["tars_over_loose"] > 0
@@ -155,7 +159,7 @@ def test_tar_bench_prints_each_layouts_build_and_the_ratios(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_storage_bench_prints_each_storage_and_the_ratios(tmp_path: Path) -> None:
     args = ("--hours", "0.01", "--rounds", "1", "--min-seconds", "0.2")
-    rows = {r["row"]: r for r in bench_rows("storage_bench", tmp_path / "data", *args)}
+    rows = {r["row"]: r for r in bench_rows("store.storage_bench", tmp_path / "data", *args)}
     fp16, compact = rows["fp16"], rows["lz4-q5"]
     assert compact["max_abs_error"] <= 2.0**-6 and fp16["max_abs_error"] <= 2.0**-8
     assert compact["mel_mb_per_hour"] < fp16["mel_mb_per_hour"] / 2
@@ -165,7 +169,7 @@ def test_storage_bench_prints_each_storage_and_the_ratios(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_budget_bench_plans_one_budget_against_the_tuned_table(tmp_path: Path) -> None:
-    rows = bench_rows("budget_bench", tmp_path / "data", "--hours", "0.05")
+    rows = bench_rows("train.budget_bench", tmp_path / "data", "--hours", "0.05")
     *buckets, total = rows
     assert total["bucket"] == "all" and "cpu" in total["tuned_on"]
     assert [r["bucket"] for r in buckets] == sorted(r["bucket"] for r in buckets)
@@ -183,7 +187,7 @@ def test_schedule_bench_prints_the_timed_cost_model_and_reads_per_slot(
 ) -> None:
     args = ["--cache", str(sample_cache), "--steps", "6", "--ranks", "4", "--cost-repeats", "1",
             "--read-slots", "1", "4", "--parts", "plans", "reads"]  # fmt: skip
-    rows = bench_rows("schedule_bench", tmp_path / "data", *args)
+    rows = bench_rows("loader.schedule_bench", tmp_path / "data", *args)
     model, *plans = (r for r in rows if r["measure"] != "reads per slot")
     assert model["measure"] == "cost model" and model["preset"] == "tiny"
     assert all(s > 0 for s in model["seconds_per_slot"].values())
@@ -198,7 +202,7 @@ def test_schedule_bench_plans_a_drawn_cache_at_each_split(tmp_path: Path) -> Non
     """The synthetic part (no audio): the loader's own planning over a drawn 3 h cache."""
     args = ["--parts", "synthetic", "--synthetic-hours", "3", "--ranks", "8", "--sync-split",
             "1", "4", "--batch-plan", "1", "2", "--cost-preset", "none", "--steps", "30"]  # fmt: skip
-    rows = bench_rows("schedule_bench", tmp_path / "data", *args)
+    rows = bench_rows("loader.schedule_bench", tmp_path / "data", *args)
     plans = [r for r in rows if r.get("measure") == "synthetic plans"]
     assert [(r["sync_split"], r["batch_plan"]) for r in plans] == [(1, 1), (1, 2), (4, 1), (4, 2)]
     assert all(0.5 < r["efficiency"] <= 1 and 0 < r["padding_pct"] < 20 for r in plans), plans
@@ -215,7 +219,7 @@ def test_schedule_bench_plans_the_cost_cut_beside_the_frames_cut(tmp_path: Path)
     args = ["--parts", "synthetic", "--synthetic-hours", "3", "--ranks", "8", "--sync-split", "6",
             "--batch-plan", "2", "3", "--attention-frames", "0", "--cost-preset", "none",
             "--steps", "30"]  # fmt: skip
-    rows = bench_rows("schedule_bench", tmp_path / "data", *args)
+    rows = bench_rows("loader.schedule_bench", tmp_path / "data", *args)
     frames, cost = (r for r in rows if r.get("measure") == "synthetic plans")
     assert [(r["batch_plan"], r["attention_frames"]) for r in (frames, cost)] == [
         (2, None),
@@ -241,7 +245,7 @@ def test_the_least_padding_cut_is_the_least_of_every_cut() -> None:
 
 
 def test_padding_bounds_puts_the_even_cut_above_its_least_cuts(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "benchmarks.padding_bounds", "--hours", "3", "--extra", "0",
+    command = [sys.executable, "-m", "benchmarks.loader.padding_bounds", "--hours", "3", "--extra", "0",
                "1", "--cost-slack", "0", "10"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -298,7 +302,7 @@ def test_allreduce_bench_prints_the_wait_share_of_each_setting(
 ) -> None:
     args = ["--cache", str(sample_cache), "--procs", "2", "--steps", "3", "--warmup", "1",
             "--repeats", "1", "--batch-frames", "3000"]  # fmt: skip
-    rows = bench_rows("allreduce_bench", tmp_path / "data", *args)
+    rows = bench_rows("train.allreduce_bench", tmp_path / "data", *args)
     assert [(r["procs"], r["sync_buckets"]) for r in rows] == [(2, True), (2, False)]
     for row in rows:
         assert 0 <= row["wait_share_mean"] <= row["wait_share_max"] < 1, row
@@ -309,7 +313,7 @@ def test_allreduce_bench_prints_the_wait_share_of_each_setting(
 def test_loader_ab_streams_an_earlier_commit_and_this_checkout_side_by_side(
     sample_cache: Path,
 ) -> None:
-    command = [sys.executable, "-m", "benchmarks.loader_ab", "--cache", str(sample_cache),
+    command = [sys.executable, "-m", "benchmarks.loader.loader_ab", "--cache", str(sample_cache),
                "--against", "HEAD", "--rounds", "2", "--turn-seconds", "0.3"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -324,7 +328,7 @@ def test_loader_ab_streams_an_earlier_commit_and_this_checkout_side_by_side(
 
 @pytest.mark.slow
 def test_tracker_bench_prints_each_setting_and_the_hand_off(tmp_path: Path) -> None:
-    (row,) = bench_rows("tracker_bench", tmp_path / "data", "--steps", "3", "--rounds", "1")
+    (row,) = bench_rows("train.tracker_bench", tmp_path / "data", "--steps", "3", "--rounds", "1")
     for name in ("none", "hanging", "tensorboard"):
         assert row[f"{name}_ms_per_step"] > 0 and row[f"{name}_cpu_ms_per_step"] > 0, name
     assert {"hanging_slowdown_pct", "hanging_cpu_slowdown_pct"} <= set(row)
@@ -336,7 +340,7 @@ def test_tracker_bench_prints_each_setting_and_the_hand_off(tmp_path: Path) -> N
 
 @pytest.mark.slow  # three loops timed, then a 2-process run
 def test_trainer_bench_prints_every_figure_the_results_page_reads(train_cache: Path) -> None:
-    command = [sys.executable, "benchmarks/trainer_bench.py", "--shards", str(train_cache)]
+    command = [sys.executable, "benchmarks/train/trainer_bench.py", "--shards", str(train_cache)]
     command += ["--steps", "2", "--rounds", "4", "--wait-steps", "10"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -357,10 +361,10 @@ def test_trainer_bench_prints_every_figure_the_results_page_reads(train_cache: P
 
 @pytest.mark.slow
 def test_derive_bench_prints_every_row(tmp_path: Path) -> None:
-    needs_extra("ChatTTS", "chattts")  # benchmarks.derive_bench runs examples.chattts_dvae
+    needs_extra("ChatTTS", "chattts")  # benchmarks.build.derive_bench runs examples.chattts_dvae
     rows = {
         r["row"]: r
-        for r in bench_rows("derive_bench", tmp_path, "--size", "tiny", "--batches", "3")
+        for r in bench_rows("build.derive_bench", tmp_path, "--size", "tiny", "--batches", "3")
     }
     derive = rows["derive codes (cpu, 1 worker)"]
     assert derive["utterances"] == 30 and derive["utterances_per_s"] > 0
@@ -385,7 +389,7 @@ def test_elastic_repeats_prints_every_job_change_beside_its_uninterrupted_job(
     sample_cache: Path, train_cache: Path, tmp_path: Path
 ) -> None:
     args = ["--cache", str(sample_cache), "--mix", str(train_cache), "--steps", "13"]
-    rows = bench_rows("elastic_repeats", tmp_path / "data", *args)
+    rows = bench_rows("loader.elastic_repeats", tmp_path / "data", *args)
     assert [(r["caches"], r["resume"]) for r in rows] == [
         (caches, resume)
         for caches in ("one cache", "mix 0.6 / 0.4")

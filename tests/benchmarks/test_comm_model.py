@@ -1,4 +1,4 @@
-"""benchmarks/comm_model.py: its byte counts equal the real hooks' on gloo, and its model."""
+"""benchmarks/train/comm_model.py: its byte counts equal the real hooks' on gloo, and its model."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import comm_model
+from benchmarks.train import comm_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_measured_bytes_equal_the_closed_form(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "benchmarks.comm_model", "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.train.comm_model", "--json", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]  # exit 1 when a count differs
     measured = json.loads(out.read_text())["measured"]
@@ -43,7 +43,7 @@ def test_model_favours_big_buckets_for_powersgd_and_nvlink_for_hsdp() -> None:
 @pytest.mark.slow
 def test_hook_overlap_times_both_hooks_on_several_buckets(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "benchmarks.hook_overlap", "--dim", "64", "--layers", "2"]
+    cmd = [sys.executable, "-m", "benchmarks.train.hook_overlap", "--dim", "64", "--layers", "2"]
     cmd += ["--bucket-mb", "0.1", "--steps", "2", "--json", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_bench.py on CPU: the whole command on a tiny corpus, and its baseline collate."""
+"""benchmarks/train/gpu_bench.py on CPU: the whole command on a tiny corpus, and its baseline collate."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from benchmarks import results
-from benchmarks.gpu_bench import DEFAULT_ROWS, PadToBatch, UtilSampler, parse_args
+from benchmarks.train.gpu_bench import DEFAULT_ROWS, PadToBatch, UtilSampler, parse_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_cpu_run_prints_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rows_file = tmp_path / "rows.jsonl"
-    command = [sys.executable, "-m", "benchmarks.gpu_bench", "--device", "cpu"]
+    command = [sys.executable, "-m", "benchmarks.train.gpu_bench", "--device", "cpu"]
     command += ["--model", "tiny", "--steps", "2", "--warmup", "1", "--minutes", "0.3"]
     command += ["--accum", "2", "--workers", "1", "--data", str(tmp_path / "data")]
     command += ["--json", str(rows_file), "--memory-limit-mib", "64"]

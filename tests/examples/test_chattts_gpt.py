@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from helpers import REPO, checkpoint, dcp_weights, load, metrics, run_ok, torchrun
+
+from tests.support.helpers import REPO, checkpoint, dcp_weights, load, metrics, run_ok, torchrun
 
 # pytest.importorskip itself, not helpers.needs_extra: ruff lets only it precede imports (E402)
 pytest.importorskip("ChatTTS", reason="needs the 'chattts' extra: pip install -e '.[chattts]'")

@@ -16,7 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, checkpoint, derive_args, load, run_ok, run_preprocess, torchrun
+
+from tests.support.helpers import (
+    REPO,
+    checkpoint,
+    derive_args,
+    load,
+    run_ok,
+    run_preprocess,
+    torchrun,
+)
 
 pytest.importorskip("ChatTTS", reason="needs the 'chattts' extra: pip install -e '.[chattts]'")
 pytest.importorskip("vocos", reason="needs the 'chattts' extra: pip install -e '.[chattts]'")
@@ -321,7 +330,9 @@ def test_what_cannot_go_into_chattts_is_refused_in_one_line(
 
 @pytest.mark.slow
 def test_the_export_benchmark_prints_every_row() -> None:
-    done = run_ok([sys.executable, "-m", "benchmarks.chattts_export", "--tiny", "--repeats", "1"])
+    done = run_ok(
+        [sys.executable, "-m", "benchmarks.train.chattts_export", "--tiny", "--repeats", "1"]
+    )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["row"].split(" (")[0] for r in rows] == [
         "GPT from the release", "GPT at random init", "DVAE from the release",

@@ -12,9 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, build_cache, checkpoint, load, metrics, needs_extra, run_ok, torchrun
 
 from melcache.loader import DataConfig, make_loader
+from tests.support.helpers import (
+    REPO,
+    build_cache,
+    checkpoint,
+    load,
+    metrics,
+    needs_extra,
+    run_ok,
+    torchrun,
+)
 from train.config.tables import load_config
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """The rerun summary of a test whose child died of SIGABRT names the test and shows the child's
-stack (tests/abort_report.py), in a real pytest run of a real aborting process, with the
+stack (tests/support/abort_report.py), in a real pytest run of a real aborting process, with the
 project's own pytest options."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-import abort_report
-import conftest
-from helpers import REPO
+from tests import conftest
+from tests.support import abort_report
+from tests.support.helpers import REPO
 
 # A test whose child prints a marker (not spelt as such in the source, which the traceback
 # quotes) and its faulthandler stack to the inherited stderr (captured by pytest, not by the
@@ -39,7 +39,7 @@ def run_pytest(folder: Path, always: bool, *plugin: str) -> subprocess.Completed
     (folder / "test_child.py").write_text(ABORTS.format(always=always))
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     options = shlex.split(config["tool"]["pytest"]["ini_options"]["addopts"])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PYTEST_ADDOPTS", None)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, *options]
     return subprocess.run([*command, "test_child.py"], cwd=folder, env=env, capture_output=True,
@@ -48,7 +48,7 @@ def run_pytest(folder: Path, always: bool, *plugin: str) -> subprocess.Completed
 
 def test_the_rerun_summary_keeps_the_aborted_childs_stderr(tmp_path: Path) -> None:
     assert conftest.pytest_runtest_makereport is abort_report.pytest_runtest_makereport
-    done = run_pytest(tmp_path / "with", False, "-p", "abort_report")
+    done = run_pytest(tmp_path / "with", False, "-p", "tests.support.abort_report")
     assert done.returncode == 0 and "1 passed, 1 rerun" in done.stdout, done.stdout[-3000:]
     assert "rerun test summary info" in done.stdout, done.stdout[-3000:]
     summary = done.stdout.split("rerun test summary info")[1]
@@ -59,7 +59,7 @@ def test_the_rerun_summary_keeps_the_aborted_childs_stderr(tmp_path: Path) -> No
 
 
 def test_a_final_abort_shows_its_stderr_once(tmp_path: Path) -> None:
-    done = run_pytest(tmp_path / "always", True, "-p", "abort_report")
+    done = run_pytest(tmp_path / "always", True, "-p", "tests.support.abort_report")
     assert done.returncode == 1 and "1 failed, 1 rerun" in done.stdout, done.stdout[-3000:]
     # the first try's in the rerun summary; the last try's as pytest's own captured stderr
     assert done.stdout.count("stderr before the abort") == 1, done.stdout[-6000:]

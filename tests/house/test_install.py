@@ -11,7 +11,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from helpers import REPO, SAMPLE_CORPUS
+
+from tests.support.helpers import REPO, SAMPLE_CORPUS
 
 # What the wheel is built from; a copy, since pip builds in the source tree (build/, egg-info).
 PROJECT_FILES = ("pyproject.toml", "README.md", "melcache", "preprocess", "train")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("melcache", "preprocess", "train")
 
 # room → (stack, rank). Rooms are module prefixes; the longest prefix names a module's room.

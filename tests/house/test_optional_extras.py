@@ -1,6 +1,6 @@
 """The README installs ``.[test]`` only; CI adds ``.[test,chattts,f5tts]``. A test that needs
 the examples' extras must skip without them and name the extra (``helpers.needs_extra``), so
-the two cannot part again (issue 55: ``benchmarks.derive_bench`` imports
+the two cannot part again (issue 55: ``benchmarks.build.derive_bench`` imports
 ``examples.chattts_dvae.adapter``, and its test failed on a fresh clone). These tests hide the
 extras' packages with a ``sys.meta_path`` finder, in this process's children only."""
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import REPO
+from tests.support.helpers import REPO
 
 # Top-level modules the chattts and f5tts extras bring that [test] does not.
 EXTRA_ONLY = ("ChatTTS", "transformers", "f5_tts", "x_transformers", "torchdiffeq", "ema_pytorch")
@@ -39,9 +39,15 @@ def without_extras(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
+def benchmark_module(path: Path) -> str:
+    """The dotted module name of a file under ``benchmarks/`` (a room's ``__init__``: the room)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def modules_needing_extras(tmp_path: Path) -> set[str]:
     """The benchmarks and examples modules that do not import without the extras."""
-    names = [f"benchmarks.{p.stem}" for p in (REPO / "benchmarks").glob("*.py")]
+    names = [benchmark_module(p) for p in (REPO / "benchmarks").rglob("*.py")]
     names += [f"examples.{p.parent.name}.{p.stem}" for p in (REPO / "examples").glob("*/*.py")]
     probe = (
         "import importlib, json, sys\nfailed = []\n"
@@ -60,7 +66,7 @@ def modules_needing_extras(tmp_path: Path) -> set[str]:
 
 def names_in(function: ast.AST) -> set[str]:
     """Every string constant and dotted import in ``function``, ``benchmarks.`` prefixed where
-    a bare benchmark name is passed (``bench_rows("derive_bench", ...)``)."""
+    a room's benchmark is named without it (``bench_rows("build.derive_bench", ...)``)."""
     found: set[str] = set()
     for node in ast.walk(function):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -76,7 +82,7 @@ def reaching_them(needing: set[str]) -> set[str]:
     """``needing`` grown by the benchmarks modules that import or name one of them anywhere,
     lazily inside a function too (``derive_bench`` imports the DVAE adapter inside ``main``)."""
     trees = {
-        f"benchmarks.{p.stem}": ast.parse(p.read_text()) for p in (REPO / "benchmarks").glob("*.py")
+        benchmark_module(p): ast.parse(p.read_text()) for p in (REPO / "benchmarks").rglob("*.py")
     }
     while True:
         grown = needing | {name for name, tree in trees.items() if names_in(tree) & needing}
@@ -87,9 +93,11 @@ def reaching_them(needing: set[str]) -> set[str]:
 
 def test_every_test_running_a_module_that_needs_an_extra_skips_without_it(tmp_path: Path) -> None:
     needing = reaching_them(modules_needing_extras(tmp_path))
-    assert "benchmarks.derive_bench" in needing  # the instance issue 55 found: the probe sees it
+    assert (
+        "benchmarks.build.derive_bench" in needing
+    )  # the instance issue 55 found: the probe sees it
     unguarded = []
-    for file in sorted((REPO / "tests").glob("test_*.py")):
+    for file in sorted((REPO / "tests").rglob("test_*.py")):
         tree = ast.parse(file.read_text())
         module_guarded = any(
             isinstance(n, ast.Expr) and "importorskip" in ast.unparse(n) for n in tree.body
@@ -101,14 +109,14 @@ def test_every_test_running_a_module_that_needs_an_extra_skips_without_it(tmp_pa
             guarded = "needs_extra(" in ast.unparse(node) or module_guarded
             guarded |= bool(SKIPPING_FIXTURES & {a.arg for a in node.args.args})
             if used and not guarded:
-                unguarded.append(f"{file.name}::{node.name} runs {sorted(used)}")
+                unguarded.append(f"{file.relative_to(REPO)}::{node.name} runs {sorted(used)}")
     assert not unguarded, "call helpers.needs_extra(module, extra) first:\n" + "\n".join(unguarded)
 
 
 def test_without_the_extras_the_tests_collect_and_skip_naming_the_extra(tmp_path: Path) -> None:
     tests = [
-        "tests/test_chattts_gpt.py",
-        "tests/test_benchmarks.py::test_derive_bench_prints_every_row",
+        "tests/examples/test_chattts_gpt.py",
+        "tests/benchmarks/test_benchmarks.py::test_derive_bench_prints_every_row",
     ]
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests]
     done = subprocess.run(

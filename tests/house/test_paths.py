@@ -21,7 +21,7 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOP = ("melcache", "preprocess", "train", "tests", "benchmarks", "examples", "docs", "configs")
 TOP += ("shards", ".ci")
 DOCS = ("README.md", "docs/*.md", "shards/README.md", "examples/README.md", "benchmarks/*.md")
@@ -179,7 +179,7 @@ def test_the_extraction_finds_what_it_should_and_skips_the_rest() -> None:
         "See `train/no_such_module.py`, and melcache/format.py.\n"
         "Built into shards/b00-000000.tar under OUT/.build/ (not repository paths), or\n"
         "`melcache/presets/<name>.toml`, `train/*.py`, runs/train/x.py, docs/ (a folder).\n"
-        "A word like train/ed is not a path; (see tests/helpers.py) is.\n"
+        "A word like train/ed is not a path; (see tests/support/helpers.py) is.\n"
         "[the format](shards/README.md#shards), melcache/presets/NAME.toml, --part K/N.\n"
         "`.ci/run` and ``examples/f5tts`` are paths, examples/wavs, in prose, is not.\n"
     )
@@ -188,7 +188,7 @@ def test_the_extraction_finds_what_it_should_and_skips_the_rest() -> None:
         (1, "train/no_such_module.py"),
         (1, "melcache/format.py"),
         (3, "docs/"),
-        (4, "tests/helpers.py"),
+        (4, "tests/support/helpers.py"),
         (5, "shards/README.md"),
         (6, ".ci/run"),
         (6, "examples/f5tts"),

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -39,6 +38,7 @@ from melcache.reader import DIGESTS, ShardCheck, integrity_problems, read_shard
 from melcache.sections import make_section
 from preprocess.check.verify import verify
 from preprocess.config import BuildConfig
+from tests.support.helpers import REPO
 
 # Which top-level packages each may import: the two stages meet only in melcache.
 ALLOWED = {"melcache": set(), "preprocess": {"melcache"}, "train": {"melcache"}}

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, SAMPLE_CORPUS, build_command
 
 from melcache.cpus import Allotment, allotment, cgroup_quota
+from tests.support.helpers import REPO, SAMPLE_CORPUS, build_command
 
 
 def test_the_smaller_bound_wins_and_a_fraction_rounds_down() -> None:

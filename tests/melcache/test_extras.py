@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SAMPLE_CORPUS, run_preprocess
-from test_train_contract import fit, plugin, trainer
 
 from melcache.errors import UserError
 from melcache.format import REJECTED_NAME
@@ -24,6 +22,8 @@ from melcache.loader.data_config import DataConfig
 from melcache.loader.units import ranged_unit
 from melcache.reader import ShardCheck, read_shard
 from preprocess.inputs.layout import key_base
+from tests.support.helpers import SAMPLE_CORPUS, run_preprocess
+from tests.train.test_contract import fit, plugin, trainer
 
 CONFIG = """
 [build]

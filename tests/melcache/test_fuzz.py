@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import recorded
 
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
@@ -40,6 +39,7 @@ from melcache.loader.batching import make_rng, plan_batches, round_up
 from melcache.reader import ShardCheck, read_shard
 from preprocess.check.inspect import summarize
 from preprocess.check.verify import verify
+from tests.support.helpers import recorded
 
 N_MELS = FeatureConfig().n_mels
 # Values a hostile or broken index or metadata might hold, beside the honest ones.

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, run_preprocess
 
 import melcache
 from melcache.access import BadKey, UnknownKey
@@ -23,6 +22,7 @@ from melcache.errors import UserError
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.schedule import mix_weights
 from melcache.table import TABLE_NAME, TableChanged
+from tests.support.helpers import REPO, run_preprocess
 
 
 def copied(cache: Path, tmp_path: Path, name: str = "cache") -> Path:
@@ -217,7 +217,7 @@ def test_a_mix_table_naming_caches_not_read_is_refused(
 @pytest.mark.slow  # subprocesses
 def test_an_http_cache_that_cannot_be_reached_is_one_line_within_seconds() -> None:
     """webdataset's ``curl`` pipe retried a gone server for over a minute; now a deadline."""
-    from benchmarks.s3_server import free_port
+    from benchmarks.common.s3_server import free_port
 
     location = f"http://127.0.0.1:{free_port()}/cache"
     for command in ("inspect", "verify"):

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import REPO, SAMPLE_CORPUS
 
 from melcache.errors import UserError
 from melcache.sections import find_config, preset_names
 from preprocess.cli import main as preprocess_main
 from preprocess.config import load_config as load_build_config
+from tests.support.helpers import REPO, SAMPLE_CORPUS
 from train.config.tables import load_config as load_train_config
 
 PRESETS = REPO / "melcache" / "presets"

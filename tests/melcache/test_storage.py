@@ -15,16 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    SAMPLE_CORPUS,
-    build_cache,
-    build_command,
-    cache_digests,
-    receipts,
-    run_preprocess,
-    started,
-    wait_for,
-)
 from numcodecs import blosc
 
 from melcache.codec import decode_mel, decode_mel_into, encode_mel
@@ -38,6 +28,16 @@ from preprocess.check.verify import verify
 from preprocess.config import BuildConfig
 from preprocess.inputs.audio import load_mono, probe, resampled_length
 from preprocess.write.extractor import MelExtractor
+from tests.support.helpers import (
+    SAMPLE_CORPUS,
+    build_cache,
+    build_command,
+    cache_digests,
+    receipts,
+    run_preprocess,
+    started,
+    wait_for,
+)
 
 BOUND = 2.0**-6  # the acceptance: no larger an error than Lhotse's lilcom default
 FEATURES = FeatureConfig()

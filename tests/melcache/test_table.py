@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 from PIL import Image
 
 import melcache
@@ -33,6 +32,7 @@ from melcache.format import INDEX_NAME
 from melcache.reader import ShardCheck, read_shard
 from melcache.table import TABLE_NAME
 from preprocess.check.verify import verify
+from tests.support.helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 
 def streamed(cache: Path) -> list[tuple[str, str, str | None, int, np.ndarray]]:

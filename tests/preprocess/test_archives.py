@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from helpers import (
+
+from tests.support.helpers import (
     SAMPLE_CORPUS,
     build_args,
     build_command,

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
@@ -25,6 +24,7 @@ from preprocess.config import BuildConfig
 from preprocess.inputs.layout import Corpus
 from preprocess.plan.shards import PlannedShard, PlannedUtterance
 from preprocess.write import shard as writer
+from tests.support.helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 
 def read_samples(shard: Path) -> list[dict]:

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import (
+
+from tests.support.helpers import (
     DVAE_ENCODER,
     REPO,
     derive_args,
@@ -324,9 +325,9 @@ def test_a_models_contract_declares_fields_and_their_provenance(derived: Path) -
 
 
 def test_a_fields_only_model_trains_on_two_ranks(derived: Path, tmp_path: Path) -> None:
-    """The trainer with a model of codes alone (``tests._plugin_models:CodesOnly``, ``"mel":
+    """The trainer with a model of codes alone (``tests.support.plugin_models:CodesOnly``, ``"mel":
     False``): batches of codes and text, its loss falling, no mel shard warning."""
-    impl = "model.impl=tests._plugin_models:CodesOnly"
+    impl = "model.impl=tests.support.plugin_models:CodesOnly"
     done = run_ok(train_cmd(derived, tmp_path, impl, max_steps=20), timeout=300)
     losses = [r["loss"] for r in metrics(tmp_path) if "loss" in r]
     print(f"loss per window {losses}")
@@ -410,7 +411,7 @@ def test_non_finite_encoder_outputs_never_enter_a_field(cache: Path) -> None:
     for factory, why in [("nan_encoder", r"\d+ non-finite values \(NaN or infinity\), refused"),
                          ("huge_encoder", r"overflows float16")]:  # fmt: skip
         done = run_preprocess("derive", str(cache), "--field", "bad", "--encoder",
-                              f"tests._plugin_encoders:{factory}", "--workers", "1", check=False)  # fmt: skip
+                              f"tests.support.plugin_encoders:{factory}", "--workers", "1", check=False)  # fmt: skip
         assert done.returncode == 2 and one_error(done.stderr), done.stderr
         assert re.search(rf"/b\d+-\d+\.tar:\S+: the encoder.*({why})", done.stderr), done.stderr
         assert "bad" not in json.loads((cache / "index.json").read_text()).get("fields", {})
@@ -428,7 +429,7 @@ field_shard._stored = lambda values, encoder, frames: values.astype(encoder.dtyp
 def test_a_stored_non_finite_field_is_refused_by_verify_random_access_and_the_loader(
     cache: Path, tmp_path: Path
 ) -> None:
-    args = ["derive", str(cache), "--field", "bad", "--encoder", "tests._plugin_encoders:nan_encoder",
+    args = ["derive", str(cache), "--field", "bad", "--encoder", "tests.support.plugin_encoders:nan_encoder",
             "--workers", "1"]  # fmt: skip
     (tmp_path / "older").mkdir()
     (tmp_path / "older" / "sitecustomize.py").write_text(OLDER_DERIVE)
@@ -461,13 +462,13 @@ def test_failing_user_code_is_one_line_naming_it_then_its_own_frames(cache: Path
         assert done.returncode == 2, done.stderr
         return [line for line in done.stderr.splitlines() if not line.startswith("deriving ")]
 
-    first, *frames = derive("tests._plugin_encoders:failing_encoder")
+    first, *frames = derive("tests.support.plugin_encoders:failing_encoder")
     assert re.fullmatch(
-        r"error: the encoder tests\._plugin_encoders\._Failing failed on \S+/b\d+-\d+\.tar:\S+ "
+        r"error: the encoder tests\.support\.plugin_encoders\._Failing failed on \S+/b\d+-\d+\.tar:\S+ "
         r"\(its batch's first key; mel \[\d+, \d+, 100\]\): RuntimeError: boom inside encoder",
         first,
     ), first
-    assert any("_plugin_encoders.py" in f for f in frames) and "raise RuntimeError" in frames[-1]
+    assert any("plugin_encoders.py" in f for f in frames) and "raise RuntimeError" in frames[-1]
     assert not any("/preprocess/" in f or "/torch/" in f for f in frames), frames
     (line,) = derive("os:system")  # no factory, and no frame of the user's to show
     assert line.startswith("error: --encoder 'os:system' failed when called as a factory")

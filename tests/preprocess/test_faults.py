@@ -27,24 +27,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
-from helpers import (
-    REPO,
-    SAMPLE_CORPUS,
-    build_args,
-    build_command,
-    cache_digests,
-    group_gone,
-    pool_workers,
-    receipts,
-    recorded,
-    resize_tmpfs,
-    run_preprocess,
-    small_tmpfs,
-    started,
-    tree,
-    unprivileged_prefix,
-    wait_for,
-)
 
 from melcache.errors import ShardError
 from melcache.format import (
@@ -62,6 +44,24 @@ from preprocess.inputs.audio import resampled_length
 from preprocess.inputs.corpus import open_corpus, share
 from preprocess.inputs.layout import Found, Slice
 from preprocess.job.owners import sweep_temps
+from tests.support.helpers import (
+    REPO,
+    SAMPLE_CORPUS,
+    build_args,
+    build_command,
+    cache_digests,
+    group_gone,
+    pool_workers,
+    receipts,
+    recorded,
+    resize_tmpfs,
+    run_preprocess,
+    small_tmpfs,
+    started,
+    tree,
+    unprivileged_prefix,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # builds in subprocesses, kills, a tiny disk: the full tier
 SPEECH = SAMPLE_CORPUS / "en_m3" / "en_m3_02.wav"  # 1.5 s, 16 kHz mono

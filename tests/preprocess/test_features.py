@@ -13,12 +13,12 @@ import soundfile as sf
 import soxr
 import torch
 import torchaudio
-from helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, group_samples, iter_members
 from preprocess.config import load_config
 from preprocess.inputs.audio import _INTEGER_READS, read_float32
+from tests.support.helpers import REPO, SAMPLE_CORPUS, run_preprocess
 
 
 def resampled(path: Path, rate: int) -> torch.Tensor:

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
-from helpers import REPO, build_command, run_preprocess
 
 from melcache.errors import UserError
 from melcache.index import read_index
@@ -31,6 +30,7 @@ from preprocess.inputs.layout import Corpus, Found, Rejection, Slice
 from preprocess.inputs.parquet import parquet_rows
 from preprocess.inputs.where import Where
 from preprocess.plan.scan import scan_meta
+from tests.support.helpers import REPO, build_command, run_preprocess
 
 RATE = 24000
 LONG_KEY = "speaker_" + "x" * 110 + "/EN_B00000_" + "y" * 40  # folder and name both > 100

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import needs_extra, run_preprocess
 from PIL import Image
 
 from melcache.format import INDEX_NAME
+from tests.support.helpers import needs_extra, run_preprocess
 
 pytestmark = pytest.mark.slow  # `preprocess inspect` as a subprocess: the full tier
 

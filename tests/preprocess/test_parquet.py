@@ -15,7 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
-from helpers import (
+
+from melcache.errors import UserError
+from melcache.format import decode_meta, group_samples, iter_members
+from preprocess.inputs.corpus import open_corpus
+from tests.support.helpers import (
     SAMPLE_CORPUS,
     build_args,
     build_command,
@@ -27,10 +31,6 @@ from helpers import (
     started,
     wait_for,
 )
-
-from melcache.errors import UserError
-from melcache.format import decode_meta, group_samples, iter_members
-from preprocess.inputs.corpus import open_corpus
 
 FORMATS = ("mp3", "flac", "wav")
 AUDIO = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets' Audio feature

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
-from helpers import (
+
+from tests.support.helpers import (
     REPO,
     SAMPLE_CORPUS,
     build_args,

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import SAMPLE_CORPUS
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
@@ -17,6 +16,7 @@ from preprocess.inputs.corpus import open_corpus
 from preprocess.inputs.where import Where
 from preprocess.plan.scan import Scan, part_folder, scan_folder, scan_part
 from preprocess.plan.shards import make_plan, planned_shard
+from tests.support.helpers import SAMPLE_CORPUS
 
 
 def in_process(fn, items, chunksize=1):  # the Runner of one worker

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_preprocess
 
 from melcache.format import INDEX_NAME
+from tests.support.helpers import run_preprocess
 
 pytestmark = pytest.mark.slow  # `preprocess verify` as a subprocess per case: the full tier
 

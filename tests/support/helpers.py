@@ -40,7 +40,7 @@ from melcache.lock import process_stat
 from melcache.reader import DIGESTS
 
 # ---- the sample corpus and the build ------------------------------------------------------
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLE_CORPUS = REPO / "examples" / "wavs"
 # Few buckets and small shards: the 30-utterance corpus then spreads over ≥ 8 shards,
 # enough for 2 ranks × 2 workers.
@@ -282,7 +282,7 @@ def unprivileged_prefix() -> list[str]:
 
 
 # ---- 2-process torchrun jobs (gloo on CPU) ----------------------------------------------
-PROBE = Path(__file__).with_name("_train_probe.py")
+PROBE = Path(__file__).with_name("train_probe.py")
 # Overrides of the tiny config for one-process CPU trainers (tiny_trainer, tiny_fit): the
 # smallest model, no workers, no dropout, so each test run is fast and deterministic.
 IN_PROCESS = [

@@ -1,4 +1,4 @@
-"""A plug-in model for the out-of-memory tests (``model.impl = "tests._oom_model:OutOfMemoryAbove"``).
+"""A plug-in model for the out-of-memory tests (``model.impl = "tests.support.oom_model:OutOfMemoryAbove"``).
 
 The reference :class:`~train.model.text_to_mel.TextToMel`, except that in training, on rank ``rank`` (every
 rank if -1), a pass whose ``B × T`` padded frames exceed ``limit_frames`` raises

@@ -1,4 +1,4 @@
-"""Hostile ``--encoder`` factories for ``preprocess derive`` (tests/test_derive.py)."""
+"""Hostile ``--encoder`` factories for ``preprocess derive`` (tests/preprocess/test_derive.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Plug-in models for the contract tests (``model.impl = "tests._plugin_models:NAME"``): each is
+"""Plug-in models for the contract tests (``model.impl = "tests.support.plugin_models:NAME"``): each is
 the reference :class:`~train.model.text_to_mel.TextToMel` with one thing a real model does differently."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from melcache.loader import Batch
-from tests._oom_model import OutOfMemoryAbove
+from tests.support.oom_model import OutOfMemoryAbove
 from train.model import TextToMel
 
 

@@ -1,4 +1,4 @@
-"""Tokenizers for the contract tests (``data.tokenizer = "tests._plugin_tokenizers:NAME"``)."""
+"""Tokenizers for the contract tests (``data.tokenizer = "tests.support.plugin_tokenizers:NAME"``)."""
 
 from __future__ import annotations
 

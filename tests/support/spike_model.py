@@ -1,4 +1,4 @@
-"""Plug-in models for the spike tests (``model.impl = "tests._spike_model:SpikeAt"``).
+"""Plug-in models for the spike tests (``model.impl = "tests.support.spike_model:SpikeAt"``).
 
 The reference :class:`~train.model.text_to_mel.TextToMel`, except that the loss of its training forward
 number ``at`` (counted in a buffer, so a resumed run counts on) is multiplied by ``factor``

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import (
+
+from tests.support.helpers import (
     REPO,
     checkpoint,
     load,
@@ -24,7 +25,6 @@ from helpers import (
     tiny_trainer,
     train_cmd,
 )
-
 from train.config.tables import OptimConfig, load_config
 from train.optim.clipping import GradClip
 from train.parallel.env import Env
@@ -34,7 +34,7 @@ CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SPIKE_AT = 9
 # A window of 8 steps, judged from the 4th: the spike at step 9 needs the state of steps 1-6.
 SPIKES = [
-    "model.impl=tests._spike_model:SpikeAt",
+    "model.impl=tests.support.spike_model:SpikeAt",
     f"model.args.at={SPIKE_AT}",
     "train.adapt.skip_spikes=true",
     "train.adapt.spike_window=8",
@@ -94,7 +94,7 @@ def test_without_a_spike_nothing_is_skipped(train_cache: Path, tmp_path: Path) -
 def rewind_args(keys: Path, at: int, count: int, after: int) -> list[str]:
     """A SpikeRun model spiking at ``count`` forwards from ``at``; a rewind after ``after``."""
     return [
-        "model.impl=tests._spike_model:SpikeRun",
+        "model.impl=tests.support.spike_model:SpikeRun",
         f"model.args.at={at}",
         f"model.args.count={count}",
         f"model.args.keys_log={str(keys)!r}",
@@ -313,9 +313,9 @@ def test_ddp_spikes_in_a_row_rewind_once_skip_their_batches_and_resume_bitwise(
 
 @pytest.mark.slow
 def test_noise_scale_matches_brute_force_on_unequal_ranks() -> None:
-    """benchmarks/noise_scale_bench.py, shortened: exact per-example gradients of a linear
+    """benchmarks/train/noise_scale_bench.py, shortened: exact per-example gradients of a linear
     regression on 2 gloo ranks of 16 and 48 examples a step."""
-    from benchmarks import noise_scale_bench
+    from benchmarks.train import noise_scale_bench
 
     row = noise_scale_bench.measure(2, steps=1500)
     assert 0.9 < row["ratio"] < 1.1, row
@@ -472,7 +472,7 @@ def test_ddp_closed_loop_resumes_bitwise(train_cache: Path, tmp_path: Path) -> N
     """The noise-scale closed loop on 2 gloo ranks, on a model with loud gradient noise: it
     raises the batch; 12 steps straight equal 6 + resume + 6, the same rises at the same steps
     (the decision reads only checkpointed EMAs)."""
-    extra = ["model.impl=tests._spike_model:NoisyGradient", "model.args.noise=1.0"]
+    extra = ["model.impl=tests.support.spike_model:NoisyGradient", "model.args.noise=1.0"]
     extra += ["train.adapt.noise_scale=true", "train.adapt.batch_adaptive=true"]
     extra += ["train.adapt.batch_cooldown=0", "train.log_every=2", "train.checkpoint.every=6"]
     extra += ["train.adapt.noise_scale_ema=0.5", "train.adapt.batch_max_accum=4"]

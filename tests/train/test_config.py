@@ -11,7 +11,7 @@ from melcache.errors import UserError
 from train.config.tables import Config, load_config, parse_overrides
 from train.model import build_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_empty_file_gives_defaults(tmp_path: Path) -> None:

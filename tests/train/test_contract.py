@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import IN_PROCESS, metrics, tiny_fit, tiny_trainer
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, feature_presets
+from tests.support.helpers import IN_PROCESS, metrics, tiny_fit, tiny_trainer
 from train.model.tokenizers import build_tokenizer
 from train.parallel.env import Env
 from train.trainer import Trainer
@@ -29,7 +29,7 @@ def fit(cache: Path, out: Path, steps: int, *extra: str) -> Trainer:
 
 
 def plugin(name: str) -> str:
-    return f"model.impl=tests._plugin_models:{name}"
+    return f"model.impl=tests.support.plugin_models:{name}"
 
 
 def losses(out: Path) -> list[float]:
@@ -147,7 +147,7 @@ def test_tokenizers_by_config(tmp_path: Path) -> None:
         build_tokenizer("chars")
     with pytest.raises(UserError, match="cannot be imported"):
         build_tokenizer("tests.nowhere:tok")
-    zero = build_tokenizer("tests._plugin_tokenizers:ZeroBased")  # a factory
+    zero = build_tokenizer("tests.support.plugin_tokenizers:ZeroBased")  # a factory
     with pytest.raises(UserError, match=r"ids 0\.\.2 .*0 is padding"):
         zero("abc")
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, checkpoint, load, tiny_fit
 from safetensors.torch import load_file
+
+from tests.support.helpers import REPO, checkpoint, load, tiny_fit
 
 
 @pytest.mark.slow

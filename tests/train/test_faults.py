@@ -37,7 +37,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
+
+from melcache.errors import UserError
+from melcache.format import MEL_MEMBER
+from melcache.loader import DataConfig, make_loader
+from melcache.loader.stream import planned_stream
+from tests.support.helpers import (
     REPO,
     SMALL,
     checkpoint,
@@ -49,11 +54,6 @@ from helpers import (
     train_cmd,
     wait_for,
 )
-
-from melcache.errors import UserError
-from melcache.format import MEL_MEMBER
-from melcache.loader import DataConfig, make_loader
-from melcache.loader.stream import planned_stream
 from train.config.tables import load_config
 from train.parallel.env import Env
 from train.run.checkpoint import SHARED, Checkpointer, rank_file

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (
+
+from melcache.lock import FolderLock
+from tests.support.helpers import (
     REPO,
     STEPS,
     processes_naming,
@@ -29,8 +31,6 @@ from helpers import (
     unprivileged_prefix,
     wait_for,
 )
-
-from melcache.lock import FolderLock
 
 pytestmark = pytest.mark.slow  # subprocesses and torchrun jobs
 

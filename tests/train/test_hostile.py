@@ -12,10 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import IN_PROCESS, REPO, checkpoint, metrics, run_ok, tiny_fit, tiny_trainer, train_cmd
 
 from melcache.errors import UserError
 from melcache.loader import DataConfig, make_loader
+from tests.support.helpers import (
+    IN_PROCESS,
+    REPO,
+    checkpoint,
+    metrics,
+    run_ok,
+    tiny_fit,
+    tiny_trainer,
+    train_cmd,
+)
 from train.model.tokenizers import build_tokenizer
 from train.run import dcp
 
@@ -30,14 +39,14 @@ def one_line(error: BaseException) -> str:
     ("spec", "said"),
     [
         ("os:system", "names builtin_function_or_method"),
-        ("tests._plugin_tokenizers:needs_an_argument", "needs arguments ['path']"),
-        ("tests._plugin_tokenizers:GivesStr", "returned str '1 2 3'"),
-        ("tests._plugin_tokenizers:GivesNone", "returned NoneType None"),
-        ("tests._plugin_tokenizers:GivesNested", "returned list [[1, 2], [3]]"),
-        ("tests._plugin_tokenizers:GivesHuge", "returned list [1, 1180591620717411303424]"),
-        ("tests._plugin_tokenizers:GivesFloats", "returned list [1.9, 2.0]"),
+        ("tests.support.plugin_tokenizers:needs_an_argument", "needs arguments ['path']"),
+        ("tests.support.plugin_tokenizers:GivesStr", "returned str '1 2 3'"),
+        ("tests.support.plugin_tokenizers:GivesNone", "returned NoneType None"),
+        ("tests.support.plugin_tokenizers:GivesNested", "returned list [[1, 2], [3]]"),
+        ("tests.support.plugin_tokenizers:GivesHuge", "returned list [1, 1180591620717411303424]"),
+        ("tests.support.plugin_tokenizers:GivesFloats", "returned list [1.9, 2.0]"),
         (
-            "tests._plugin_tokenizers:GivesPastVocab",
+            "tests.support.plugin_tokenizers:GivesPastVocab",
             "gave ids 1..100 for 'Hello, world. 1, 2, 3.': ids must be in 1..99 (vocab_size 100)",
         ),
         ("builtins:dict", "not a callable with an int vocab_size"),
@@ -60,8 +69,11 @@ def test_an_empty_vocabulary_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_later_bad_output_is_one_line_from_the_loader(train_cache: Path, workers: int) -> None:
     """Sound on the probe, floats later: each sample's ids are checked where they are made."""
-    checked = build_tokenizer("tests._plugin_tokenizers:LaterBad")
-    for tokenizer, name in ((checked, "tests._plugin_tokenizers:LaterBad"), (_floats, "_floats")):
+    checked = build_tokenizer("tests.support.plugin_tokenizers:LaterBad")
+    for tokenizer, name in (
+        (checked, "tests.support.plugin_tokenizers:LaterBad"),
+        (_floats, "_floats"),
+    ):
         data = DataConfig(batch_frames=800, num_workers=workers)
         loader = make_loader(str(train_cache), data, tokenizer=tokenizer)
         try:
@@ -87,7 +99,7 @@ def test_the_model_factory_is_checked_for_what_it_makes(train_cache: Path, tmp_p
 def test_a_diverging_run_ends_in_one_line(train_cache: Path, tmp_path: Path) -> None:
     from train.__main__ import main
 
-    diverges = ['model.impl="tests._spike_model:DivergesAt"', "model.args.at=3"]
+    diverges = ['model.impl="tests.support.spike_model:DivergesAt"', "model.args.at=3"]
     with pytest.raises(UserError, match="the loss is nan at step 4: the run diverged") as error:
         tiny_fit(train_cache, tmp_path / "run", 6, [*IN_PROCESS, *diverges])
     assert "lower optim.lr" in one_line(error.value)
@@ -187,7 +199,7 @@ def test_a_model_failing_in_its_forward_is_one_line_naming_it_then_its_frames(
 ) -> None:
     """A user's model that raises: the model, the step and the batch in one line, then the
     model's own frames, not the trainer's traceback."""
-    impl = "tests._plugin_models:RaisesInForward"
+    impl = "tests.support.plugin_models:RaisesInForward"
     with pytest.raises(UserError) as failed:
         tiny_fit(train_cache, tmp_path / "run", 2, [*IN_PROCESS, f"model.impl={impl!r}"])
     first, *frames = str(failed.value).splitlines()
@@ -196,5 +208,5 @@ def test_a_model_failing_in_its_forward_is_one_line_naming_it_then_its_frames(
         r"\d+\]\): ValueError: cannot take a mel of \d+ bands",
         first,
     ), first
-    assert any("_plugin_models.py" in f for f in frames) and "raise ValueError" in frames[-1]
+    assert any("plugin_models.py" in f for f in frames) and "raise ValueError" in frames[-1]
     assert not any("/train/" in f for f in frames), frames

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import needs_extra
 
 from melcache.errors import UserError
+from tests.support.helpers import needs_extra
 from train.config.tables import load_config
 from train.optim.precision import resolve_precision
 from train.parallel.env import Env
 from train.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SMALL = [
     "data.batch_frames=800",

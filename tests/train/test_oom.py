@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
 
 from melcache.errors import UserError
 from melcache.loader import Batch
+from tests.support.helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
 from train.config.tables import load_config
 from train.memory.oom import Budgets
 from train.parallel.env import Env
@@ -25,7 +25,7 @@ from train.trainer import Trainer
 
 STAND_IN = 8  # frames (pad_multiple): shorter than any utterance of the cache
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-MODEL = "model.impl=tests._oom_model:OutOfMemoryAbove"
+MODEL = "model.impl=tests.support.oom_model:OutOfMemoryAbove"
 # One process: the batches of the 3-bucket train cache are at most 800 padded frames.
 SMALL = [
     "data.batch_frames=800",

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_probe import worst_batch
-from helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
 
 from melcache.loader import Batch
+from tests.support.helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
+from tests.support.train_probe import worst_batch
 from train.config.tables import load_config
 from train.memory.probes import MemoryCap, tensor_bytes
 from train.parallel.env import Env

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
 
 from melcache.errors import UserError
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
 from melcache.loader.resume.state import STATE_KEYS, LoaderStateError, parse_deals
+from tests.support.helpers import REPO
 
 # Epochs of 6, 2, 2 and 1 batches in the sample cache's four buckets. One-process ranks read
 # each epoch whole before the next at any job size (batch plan 4's deal); the chunks of the

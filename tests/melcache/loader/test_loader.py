@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, group_gone, recorded
 
 import melcache.loader.batch
 import melcache.loader.shard_reads
@@ -44,6 +43,7 @@ from melcache.format import (
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
 from melcache.loader.batching import make_rng, plan_batches, round_up, worker_shards
 from melcache.loader.transport import BatchRing
+from tests.support.helpers import REPO, group_gone, recorded
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
 
@@ -121,7 +121,7 @@ def loader(cache: Path | str, **kwargs) -> StreamLoader:
 
     The whole-cache stream (``sync_buckets = false``) by default: the tests here pin the
     stream of earlier releases, which it must keep giving; those of bucket sub-streams pass
-    ``sync_buckets=True`` (and tests/test_schedule.py).
+    ``sync_buckets=True`` (and tests/melcache/loader/test_schedule.py).
     """
     options = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0, "seed": 1,
                "sync_buckets": False, **kwargs}  # fmt: skip

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, metrics, run_ok, train_cmd
 
 from melcache.errors import UserError
 from melcache.format import INDEX_NAME
@@ -34,6 +33,7 @@ from melcache.loader.batching import (
 from melcache.loader.data_config import SYNC_SPLIT
 from melcache.loader.schedule import locate
 from melcache.loader.stream import planned_stream
+from tests.support.helpers import REPO, metrics, run_ok, train_cmd
 from train.run.metrics import epochs_names
 
 DATA = {"batch_frames": 3000, "max_batch_size": 3, "num_workers": 0}
@@ -365,7 +365,7 @@ def test_epochs_count_the_batches_the_job_consumed(
     (every rank takes the bucket of each step, so the job's are ``world_size`` × this rank's,
     counted here from the batches themselves), frame-weighted over the buckets; not one
     slot's place in the sequence, which stays behind through an epoch's first chunk (0.45
-    at 92 % of an epoch of a 50 h cache, ``benchmarks.schedule_bench --parts synthetic``).
+    at 92 % of an epoch of a 50 h cache, ``benchmarks.loader.schedule_bench --parts synthetic``).
     One length range per bucket (``sync_split = 1``), so that a batch's bucket names its
     sub-stream; the synthetic part counts ranges by their shards."""
     loader = make(

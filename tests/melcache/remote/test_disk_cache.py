@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import S3_BUCKET, metrics, run_ok, run_preprocess, train_cmd
 
 from melcache.errors import UserError
 from melcache.index import read_index
 from melcache.loader import DataConfig, make_loader
 from melcache.remote.disk_cache import MARKER
+from tests.support.helpers import S3_BUCKET, metrics, run_ok, run_preprocess, train_cmd
 
 DATA = DataConfig(batch_frames=1500, max_batch_size=2, num_workers=0, sync_buckets=True)
 

@@ -19,7 +19,21 @@ import boto3
 import numpy as np
 import pytest
 import torch
-from helpers import (
+from torch.utils.data import DataLoader
+
+import melcache
+from benchmarks.common.s3_server import CREDENTIALS, free_port, s3_environment
+from benchmarks.store.s3_faults import ISSUE_FAULTS, NO_FAULTS, fault_proxy
+from melcache.dataset import CacheDataset
+from melcache.errors import ShardError, UserError
+from melcache.format import INDEX_NAME
+from melcache.index import read_index
+from melcache.loader import Batch, DataConfig, make_loader
+from melcache.reader import ShardCheck, read_shard
+from melcache.remote import objectstore
+from preprocess.write.push import cache_files
+from preprocess.write.staged import StoreOut, default_staging
+from tests.support.helpers import (
     REPO,
     S3_BUCKET,
     SAMPLE_CORPUS,
@@ -34,20 +48,6 @@ from helpers import (
     train_cmd,
     wait_for,
 )
-from torch.utils.data import DataLoader
-
-import melcache
-from benchmarks.s3_faults import ISSUE_FAULTS, NO_FAULTS, fault_proxy
-from benchmarks.s3_server import CREDENTIALS, free_port, s3_environment
-from melcache.dataset import CacheDataset
-from melcache.errors import ShardError, UserError
-from melcache.format import INDEX_NAME
-from melcache.index import read_index
-from melcache.loader import Batch, DataConfig, make_loader
-from melcache.reader import ShardCheck, read_shard
-from melcache.remote import objectstore
-from preprocess.write.push import cache_files
-from preprocess.write.staged import StoreOut, default_staging
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
+
+from tests.support.helpers import (
     PROBE,
     REPO,
     SMALL,

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import metrics, run_ok, train_cmd
+
+from tests.support.helpers import metrics, run_ok, train_cmd
 
 STRATEGIES = {"ddp": (), "fsdp2": ("train.parallel.strategy=fsdp2",)}
 

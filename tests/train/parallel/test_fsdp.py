@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint, dcp_weights, load, metrics, run_ok, train_cmd
 
 from melcache.errors import UserError
+from tests.support.helpers import checkpoint, dcp_weights, load, metrics, run_ok, train_cmd
 from train.config.tables import load_config
 from train.run import dcp
 

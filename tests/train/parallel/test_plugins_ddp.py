@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import REPO, metrics, run_ok, train_cmd
+
+from tests.support.helpers import REPO, metrics, run_ok, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,9 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 def test_a_forward_all_reduce_is_refused_naming_the_module(
     train_cache: Path, tmp_path: Path
 ) -> None:
-    done = run(train_cmd(train_cache, tmp_path, "model.impl=tests._plugin_models:ForwardAllReduce"))
+    done = run(
+        train_cmd(train_cache, tmp_path, "model.impl=tests.support.plugin_models:ForwardAllReduce")
+    )
     assert done.returncode != 0
     assert "allreduce_ ×1 in module 'stats'" in done.stderr
     assert "train.parallel.allow_forward_collectives = true" in done.stderr
@@ -31,7 +34,9 @@ def test_ddps_unused_parameter_error_names_the_parameters(
     train_cache: Path, tmp_path: Path
 ) -> None:
     done = run(
-        train_cmd(train_cache, tmp_path, "model.impl=tests._plugin_models:UnusedAfterFirstStep")
+        train_cmd(
+            train_cache, tmp_path, "model.impl=tests.support.plugin_models:UnusedAfterFirstStep"
+        )
     )
     assert done.returncode != 0
     line = next(x for x in done.stderr.splitlines() if "got no gradient" in x)
@@ -46,7 +51,7 @@ def test_allowed_collectives_turn_oom_recovery_off(train_cache: Path, tmp_path: 
     cmd = train_cmd(
         train_cache,
         tmp_path,
-        "model.impl=tests._plugin_models:ForwardAllReduceOutOfMemory",
+        "model.impl=tests.support.plugin_models:ForwardAllReduceOutOfMemory",
         "model.args.limit_frames=600",
         "model.args.rank=1",
         "train.parallel.allow_forward_collectives=true",

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROBE, SMALL, checkpoint, load, run_ok, torchrun, train_cmd
+
+from tests.support.helpers import PROBE, SMALL, checkpoint, load, run_ok, torchrun, train_cmd
 
 pytestmark = pytest.mark.slow  # 2-process torchrun jobs: the full tier
 

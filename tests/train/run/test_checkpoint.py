@@ -13,10 +13,10 @@ from pathlib import Path, PosixPath
 
 import pytest
 import torch
-from helpers import REPO, load, run_ok, same_weights, small_tmpfs, train_cmd
-from helpers import checkpoint as step_folder
 
 from melcache.errors import UserError
+from tests.support.helpers import REPO, load, run_ok, same_weights, small_tmpfs, train_cmd
+from tests.support.helpers import checkpoint as step_folder
 from train.config.renamed import RENAMED
 from train.parallel.env import Env
 from train.run import checkpoint, dcp
@@ -88,7 +88,7 @@ def test_unfinished_writes_never_count_and_are_cleaned(tmp_path: Path, monkeypat
 
 def test_a_checkpoint_of_another_world_size_needs_every_old_rank_file(tmp_path: Path) -> None:
     """A job of another size reads every old rank's file (their loader states); one missing
-    is named (the 4-rank → 2-rank resume itself: tests/test_train_elastic.py)."""
+    is named (the 4-rank → 2-rank resume itself: tests/train/parallel/test_elastic.py)."""
     ckpt = Checkpointer(tmp_path, CPU, keep=2, async_save=False)
     ckpt.save(1, *state(1))
     marker = tmp_path / "step-00000001" / MARKER

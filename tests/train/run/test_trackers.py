@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from _wandb_log import offline_runs
-from helpers import SMALL, checkpoint, load, metrics, tiny_fit
 
-from benchmarks.tracker_bench import Hanging  # the double the benchmark times
+from benchmarks.train.tracker_bench import Hanging  # the double the benchmark times
 from melcache.errors import UserError
+from tests.support.helpers import SMALL, checkpoint, load, metrics, tiny_fit
+from tests.support.wandb_log import offline_runs
 from train.parallel.env import Env
 from train.run import tracker_backends, trackers
 from train.run.tracker_backends import Opening
@@ -144,7 +144,7 @@ def test_a_hanging_tracker_leaves_the_run_to_end_normally_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Its every call sleeps 60 s: the run trains, checkpoints and ends; the close waits the
-    bounded time, once, with one warning (the step times: benchmarks/tracker_bench.py)."""
+    bounded time, once, with one warning (the step times: benchmarks/train/tracker_bench.py)."""
     monkeypatch.setitem(tracker_backends.OPENERS, "tensorboard", Hanging)
     monkeypatch.setattr(trackers, "CLOSE_SECONDS", 1.0)
     started = time.perf_counter()

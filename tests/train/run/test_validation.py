@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import metrics, run_ok, train_cmd
-from test_train_contract import trainer
 
 from melcache.errors import UserError
+from tests.support.helpers import metrics, run_ok, train_cmd
+from tests.train.test_contract import trainer
 from train.plot import plot_run
 
 
