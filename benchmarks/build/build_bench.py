@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,34 +30,11 @@ import soxr
 import torch
 import torchaudio
 
+from benchmarks.common.caches import timed_build
 from benchmarks.common.speech import make_corpus
 from melcache.features import FeatureConfig
 from preprocess.inputs.audio import read_float32
 from preprocess.write.extractor import MelExtractor
-
-
-def timed_build(src: Path, out: Path, workers: int, *extra: str) -> tuple[float, float, int]:
-    """Wall seconds of a fresh ``preprocess build`` (given ``extra`` arguments), the audio
-    seconds and shard bytes it wrote."""
-    shutil.rmtree(out, ignore_errors=True)
-    started = time.perf_counter()
-    command = [
-        sys.executable,
-        "-m",
-        "preprocess",
-        "build",
-        "--src",
-        str(src),
-        "--out",
-        str(out),
-        "--workers",
-        str(workers),
-        *extra,
-    ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - started
-    index = json.loads((out / "index.json").read_text())
-    return wall, index["totals"]["seconds"], sum(s["bytes"] for s in index["shards"])
 
 
 def steady_build(

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common.caches import build_sample_cache
 from benchmarks.common.timed_calls import timing
-from benchmarks.train.trainer_bench import build_sample_cache
 
 REPO = Path(__file__).resolve().parents[2]
 ENCODER = "examples.chattts_dvae.adapter:encoder"

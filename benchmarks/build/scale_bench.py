@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -28,51 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import soundfile as sf
-
+from benchmarks.common.linked_corpus import make_manifest
 from benchmarks.common.timed_calls import timing
 
 REPO = Path(__file__).resolve().parents[2]
-PER_FOLDER = 1000
-LINKS_PER_COPY = 50_000  # ext4 allows 65,000 hard links to one file
-
-
-def make_corpus(root: Path, size: int) -> Path:
-    """``root/manifest-SIZE.jsonl`` over hard links to the sample corpus's wav files."""
-    manifest = root / f"manifest-{size}.jsonl"
-    if manifest.exists():
-        return manifest
-    originals = sorted((REPO / "examples" / "wavs").rglob("*.wav"))
-    seconds = [sf.info(p).duration for p in originals]
-    texts = [p.with_suffix(".txt").read_text().strip() for p in originals]
-    audio = root / "audio"
-    temp = manifest.with_suffix(".tmp")
-    with open(temp, "w") as rows:
-        for n in range(size):
-            folder = audio / f"{n // PER_FOLDER:05d}"
-            if n % PER_FOLDER == 0:
-                folder.mkdir(parents=True, exist_ok=True)
-            name = folder / f"utt{n:08d}.wav"
-            if not name.exists():
-                os.link(_seed(root, originals[n % len(originals)], n // len(originals)), name)
-            row = {
-                "audio_filepath": str(name.relative_to(root)),
-                "text": texts[n % len(texts)],
-                "speaker": f"spk{n % 997}",
-                "duration": round(seconds[n % len(seconds)], 4),
-            }
-            rows.write(json.dumps(row, ensure_ascii=False) + "\n")
-    temp.rename(manifest)
-    return manifest
-
-
-def _seed(root: Path, original: Path, use: int) -> Path:
-    """A copy of ``original`` to hard-link to, a new one every ``LINKS_PER_COPY`` links."""
-    seed = root / "seeds" / str(use // LINKS_PER_COPY) / original.name
-    if not seed.exists():
-        seed.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(original, seed)
-    return seed
 
 
 def child(manifest: Path, out: Path, part: str, workers: int) -> None:
@@ -149,7 +107,7 @@ def main() -> None:
     args.data.mkdir(parents=True, exist_ok=True)
     sizes = sorted(args.sizes)
     for size in sizes:  # the biggest last: the smaller manifests are its prefixes' links
-        make_corpus(args.data, size)
+        make_manifest(args.data, size)
     measured: dict[int, dict[str, Any]] = {}
     for size in sizes:
         row = dry_runs(args.data / f"manifest-{size}.jsonl", 1, args.workers)[0]

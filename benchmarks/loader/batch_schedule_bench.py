@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.train.trainer_bench import build_sample_cache
+from benchmarks.common.caches import build_sample_cache
 from train.adapt.batch_ramp import ramp_accum
 from train.config.tables import load_config
 from train.parallel.env import Env

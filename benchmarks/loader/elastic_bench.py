@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.train.trainer_bench import build_sample_cache
+from benchmarks.common.caches import build_sample_cache
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.resume.elsewhere import unread

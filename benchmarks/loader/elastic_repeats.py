@@ -35,7 +35,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from benchmarks.loader.schedule_bench import ensure_cache
+from benchmarks.common.caches import speech_cache
 from melcache.access import open_cache
 from melcache.loader import Batch, DataConfig, make_loader
 from melcache.loader.make import StreamLoader
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=61,
                    help="steps of the old job (default: 61, a prime: mid-epoch in most sub-streams)")  # fmt: skip
     args = p.parse_args(argv)
-    cache = str(args.cache or ensure_cache(args.data, 3.0))
+    cache = str(args.cache or speech_cache(args.data / "corpus", args.data / "cache", 3.0))
     caches: list[tuple[str, CacheArg]] = [("one cache", cache)]
     if args.mix:
         caches.append(("mix 0.6 / 0.4", {cache: 0.6, str(args.mix): 0.4}))

@@ -42,82 +42,20 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import soundfile as sf
-import soxr
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from benchmarks.common.speech import make_corpus
+from benchmarks.common.caches import speech_cache
+from benchmarks.common.on_the_fly import OnTheFlyMels, sort_and_pad
+from benchmarks.common.throughput import consume, mel_batches
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index, write_index
 from melcache.loader import DataConfig, make_loader
-from melcache.loader.batch import utf8_tokens
 from melcache.loader.batching import padding_fraction
-from preprocess.write.extractor import MelExtractor
-
-
-class OnTheFlyMels(Dataset):
-    """The baseline: every item decodes, resamples and featurises one audio file."""
-
-    def __init__(self, corpus: Path, features: FeatureConfig) -> None:
-        self.files = sorted(corpus.glob("*/*.wav"))
-        self.features = features
-        self.extractor: MelExtractor | None = None  # built lazily, once per worker
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.extractor is None:
-            self.extractor = MelExtractor(self.features)
-        audio, rate = sf.read(self.files[i], dtype="float32", always_2d=True)
-        audio = audio.mean(axis=1)
-        if rate != self.features.sample_rate:
-            audio = soxr.resample(audio, rate, self.features.sample_rate, quality="HQ")
-        with torch.inference_mode():
-            mel = self.extractor(torch.from_numpy(np.ascontiguousarray(audio)))
-        text = self.files[i].with_suffix(".txt").read_text(encoding="utf-8").strip()
-        return mel, torch.from_numpy(utf8_tokens(text))
-
-
-def sort_and_pad(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The seed collate: longest first, zero-padded, with lengths."""
-    items = sorted(items, key=lambda item: -item[0].shape[0])
-    mel = torch.nn.utils.rnn.pad_sequence([m for m, _ in items], batch_first=True)
-    text = torch.nn.utils.rnn.pad_sequence([t for _, t in items], batch_first=True)
-    return {
-        "mel": mel,
-        "mel_lengths": torch.tensor([m.shape[0] for m, _ in items]),
-        "text": text,
-        "text_lengths": torch.tensor([len(t) for _, t in items]),
-    }
-
-
-def measure(
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]], samples: int = 0, seconds: float = 0.0
-) -> dict:
-    """Consume batches (mel, mel_lengths) until ``samples`` samples and ``seconds`` seconds
-    are both reached; return the counts and the wall time."""
-    count = frames = padded = 0
-    started = time.perf_counter()
-    while count < samples or time.perf_counter() - started < seconds:
-        mel, lengths = next(batches)
-        count += len(lengths)
-        frames += int(lengths.sum())
-        padded += mel.shape[0] * mel.shape[1]
-    return {
-        "samples": count,
-        "frames": frames,
-        "padded": padded,
-        "wall": time.perf_counter() - started,
-    }
 
 
 def report(name: str, stats: dict, features: FeatureConfig, baseline: dict | None) -> dict:
@@ -154,12 +92,8 @@ def run_baseline(corpus: Path, features: FeatureConfig, workers: int) -> dict:
     def epoch() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return ((b["mel"], b["mel_lengths"]) for b in loader)
 
-    measure(epoch(), len(dataset))  # warm-up pass: workers started, files in the page cache
-    return measure(epoch(), len(dataset))
-
-
-def mel_batches(stream: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    return ((b.mel, b.mel_lengths) for b in stream)
+    consume(epoch(), len(dataset))  # warm-up pass: workers started, files in the page cache
+    return consume(epoch(), len(dataset))
 
 
 # (cache, shard_check) of each melcache loader: the default check and none, on a cache of
@@ -187,14 +121,14 @@ class MelcacheRun:
 
     def warm_up(self, utterances: int) -> None:
         """One pass, saving the states at 1 % and 90 % of it."""
-        measure(self.batches, utterances // 100)
+        consume(self.batches, utterances // 100)
         self.state_1 = self.loader.state_dict()
-        measure(self.batches, utterances * 89 // 100)
+        consume(self.batches, utterances * 89 // 100)
         self.state_90 = self.loader.state_dict()
-        measure(self.batches, utterances // 10)
+        consume(self.batches, utterances // 10)
 
     def turn(self, seconds: float) -> None:
-        one = measure(self.batches, seconds=seconds)
+        one = consume(self.batches, seconds=seconds)
         self.totals = {key: self.totals[key] + one[key] for key in self.totals}
         self.rates.append(one["samples"] / one["wall"])
 
@@ -223,7 +157,7 @@ def one_process_cpu(
     rates = []
     for _ in range(2):
         started = time.process_time()
-        stats = measure(batches, samples)
+        stats = consume(batches, samples)
         rates.append(stats["samples"] / (time.process_time() - started))
     loader.close()
     return rates[0], rates[1]
@@ -303,19 +237,6 @@ def previous_release(cache: Path, dest: Path) -> Path:
     return dest
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
-    corpus = make_corpus(args.data / f"speech-{args.hours:g}h", args.hours, seed=0)
-    cache = args.data / f"cache-{args.hours:g}h"
-    index = cache / "index.json"
-    if index.exists() and "xxh3_128" not in json.loads(index.read_text())["shards"][0]:
-        shutil.rmtree(cache)  # built by the previous release: not this release's cache
-    if not index.exists():
-        command = [sys.executable, "-m", "preprocess", "build", "--src", str(corpus)]
-        command += ["--out", str(cache)]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return corpus, cache
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -337,7 +258,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("/tmp/melcache-bench"))
     args = parser.parse_args()
     args.data.mkdir(parents=True, exist_ok=True)
-    corpus, cache = prepare(args)
+    corpus = args.data / f"speech-{args.hours:g}h"
+    cache = speech_cache(corpus, args.data / f"cache-{args.hours:g}h", args.hours)
     caches = {
         "current": cache,
         "previous": previous_release(cache, cache.with_name(cache.name + "-previous")),

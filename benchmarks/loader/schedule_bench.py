@@ -40,8 +40,6 @@ import dataclasses
 import itertools
 import json
 import statistics
-import subprocess
-import sys
 import time
 import types
 from collections.abc import Iterator, Sequence
@@ -49,7 +47,7 @@ from pathlib import Path
 
 import melcache.access as access_module
 import melcache.loader.shard_reads as shard_reads
-from benchmarks.common.speech import make_corpus
+from benchmarks.common.caches import speech_cache
 from benchmarks.common.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
 from benchmarks.loader.step_costs import (
     CostModel,
@@ -272,15 +270,6 @@ def plans_part(cache: Path, data: DataConfig, args: argparse.Namespace) -> Itera
                 yield row
 
 
-def ensure_cache(root: Path, hours: float) -> Path:
-    """The corpus and its cache, made once and reused."""
-    corpus, cache = make_corpus(root / "corpus", hours), root / "cache"
-    if not (cache / "index.json").exists():
-        build = [sys.executable, "-m", "preprocess", "build", "--src", str(corpus)]
-        subprocess.run([*build, "--out", str(cache)], check=True)
-    return cache
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hours", type=float, default=3.0,
@@ -319,7 +308,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     real_parts = {"loader", "plans", "throughput", "reads"} & set(args.parts)
-    cache = args.cache or (ensure_cache(args.data, args.hours) if real_parts else Path())
+    cache = args.cache or (
+        speech_cache(args.data / "corpus", args.data / "cache", args.hours)
+        if real_parts
+        else Path()
+    )
     data = DataConfig(batch_frames=BATCH_FRAMES, num_workers=0, shard_check="off")
     if "loader" in args.parts:
         for sync in (True, False):

@@ -149,7 +149,7 @@ def latencies(cache_dir: Path, lookups: int) -> dict[str, Any]:
 
 def plan_table(size: int, data: Path) -> dict[str, Any]:
     """The table of the scale benchmark's ``size``-utterance plan (see the module docstring)."""
-    from benchmarks.build.scale_bench import make_corpus as make_manifest
+    from benchmarks.common.linked_corpus import make_manifest
     from melcache.format import encode_sample, shard_name
     from melcache.table import TableRows, encode_table
     from preprocess.build import BuildOptions, build

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.build.build_bench import timed_build
+from benchmarks.common.caches import timed_build
 from benchmarks.common.speech import make_corpus
-from benchmarks.loader.loader_bench import measure, mel_batches
+from benchmarks.common.throughput import consume, mel_batches
 from melcache.codec import decode_mel
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index
@@ -99,10 +99,10 @@ def loader_rate(cache: Path, workers: int, min_seconds: float) -> float:
     utterances = read_index(cache)["totals"]["utterances"]
     loader = make_loader(cache, DataConfig(num_workers=workers, batch_frames=8000))
     stream = iter(loader)
-    measure(mel_batches(stream), utterances)  # warm-up pass
+    consume(mel_batches(stream), utterances)  # warm-up pass
     samples, wall = 0, 0.0
     while wall < min_seconds:
-        one = measure(mel_batches(stream), utterances)
+        one = consume(mel_batches(stream), utterances)
         samples, wall = samples + one["samples"], wall + one["wall"]
     loader.close()
     return samples / wall

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import soundfile as sf
 
-from benchmarks.build.build_bench import timed_build
+from benchmarks.common.caches import timed_build
 from benchmarks.common.speech import make_corpus
 
 PER_TAR = 500

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.loader.schedule_bench import ensure_cache
+from benchmarks.common.caches import speech_cache
 from melcache.loader import DataConfig, make_loader
 from melcache.sections import find_config
 from train.config.tables import load_config
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if row is not None:
             print(json.dumps(row), flush=True)
         return
-    cache = args.cache or ensure_cache(args.data, args.hours)
+    cache = args.cache or speech_cache(args.data / "corpus", args.data / "cache", args.hours)
     for procs in args.procs:
         runs: dict[bool, list[dict]] = {True: [], False: []}
         for turn in range(2 * args.repeats):

@@ -30,7 +30,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loader.loader_bench import prepare
+from benchmarks.common.caches import speech_cache
 from melcache.index import read_index
 from melcache.loader.batching import BATCH_PLAN, make_rng, padding_fraction, plan_batches, round_up
 from melcache.location import member_location
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, default=Path("/tmp/melcache-bench"))
     args = parser.parse_args(argv)
     args.data.mkdir(parents=True, exist_ok=True)
-    _, cache = prepare(args)
+    cache = speech_cache(
+        args.data / f"speech-{args.hours:g}h", args.data / f"cache-{args.hours:g}h", args.hours
+    )
     overrides = ["train.precision=fp32", "data.max_batch_size=64"]
     cfg = load_config(REPO / "configs" / "tiny.toml", overrides)
     rows, where = tune(cfg, str(cache), memory_limit_mib=args.memory_limit_mib)

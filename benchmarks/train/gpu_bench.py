@@ -12,7 +12,7 @@ this one process. Every row builds a fresh :class:`train.trainer.Trainer` from
 ``configs/<model>.toml`` and calls its real ``train_step``; only the batches' source and the
 options named in the row change:
 
-- ``otf-fp32``: the seed's baseline, ``OnTheFlyMels`` from ``benchmarks.loader.loader_bench``
+- ``otf-fp32``: the seed's baseline, ``OnTheFlyMels`` from ``benchmarks.common.on_the_fly``
   (decode, resample, log-mel in DataLoader workers), random batches of a fixed size; fp32;
 - ``cache-fp32``: the cache through the trainer's streaming loader; fp32;
 - ``cache-bf16``: + bf16 autocast;
@@ -70,8 +70,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import train.trainer
+from benchmarks.common.on_the_fly import OnTheFlyMels
 from benchmarks.common.speech import make_corpus
-from benchmarks.loader.loader_bench import OnTheFlyMels
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.loader.batch import PAD_ID, Batch

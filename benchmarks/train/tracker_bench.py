@@ -35,7 +35,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.train.trainer_bench import TINY, InMemory, build_sample_cache  # noqa: E402
+from benchmarks.common.caches import build_sample_cache  # noqa: E402
+from benchmarks.train.trainer_bench import TINY, InMemory  # noqa: E402
 from train.config.tables import load_config  # noqa: E402
 from train.parallel.env import Env  # noqa: E402
 from train.run import tracker_backends, trackers  # noqa: E402

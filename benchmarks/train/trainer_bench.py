@@ -40,6 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common.caches import build_sample_cache  # noqa: E402
 from train.config.tables import load_config  # noqa: E402
 from train.parallel.env import Env  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
@@ -196,15 +197,6 @@ def data_wait(shards: str, steps: int) -> dict:
         "frames_per_s_steady": round(statistics.mean(r["frames_per_s"] for r in steady), 1),
         "padding_pct_mean": round(statistics.mean(r["padding_pct"] for r in records), 2),
     }
-
-
-def build_sample_cache(folder: Path, config: Path | None = None) -> str:
-    """The committed sample corpus built into ``folder`` (with the build ``config`` if given)."""
-    cmd = [sys.executable, "-m", "preprocess", "build", "--src", str(REPO / "examples" / "wavs")]
-    cmd += ["--out", str(folder), "--workers", "1"]
-    cmd += ["--config", str(config)] if config else []
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
-    return str(folder)
 
 
 def main() -> None:
