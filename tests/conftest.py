@@ -47,6 +47,12 @@ def sample_cache(tmp_path_factory: pytest.TempPathFactory, small_shards_config: 
     return build_cache(tmp_path_factory.mktemp("sample_cache"), small_shards_config)
 
 
+@pytest.fixture
+def cache_copy(sample_cache: Path, tmp_path: Path) -> Path:
+    """A private copy of the sample cache, to damage."""
+    return Path(shutil.copytree(sample_cache, tmp_path / "cache"))
+
+
 # The sample corpus's short utterances: the trainer tests run several 2-process jobs.
 @pytest.fixture(scope="session")
 def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import io
 import json
-import shutil
 import sys
 import tomllib
 from importlib import metadata
@@ -100,11 +99,6 @@ def test_unknown_members_are_reported_by_both_tar_readers() -> None:
         seen: list[str] = []
         assert [m for _, m, _ in read(seen)] == ["json", "mel.npy"]
         assert seen == ["a.pickle"]
-
-
-@pytest.fixture
-def cache_copy(sample_cache: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(sample_cache, tmp_path / "cache"))
 
 
 def with_index(cache: Path, index: dict) -> Path:

@@ -18,18 +18,13 @@ import pytest
 import soundfile as sf
 
 from melcache.features import FeatureConfig
-from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
+from melcache.format import INDEX_NAME, decode_meta
 from melcache.loader import DataConfig, make_loader
 from preprocess.config import BuildConfig
 from preprocess.inputs.layout import Corpus
 from preprocess.plan.shards import PlannedShard, PlannedUtterance
 from preprocess.write import shard as writer
-from tests.support.helpers import REPO, SAMPLE_CORPUS, run_preprocess
-
-
-def read_samples(shard: Path) -> list[dict]:
-    with open(shard, "rb") as stream:
-        return list(group_samples(iter_members(stream, shard.name), shard.name))
+from tests.support.helpers import REPO, SAMPLE_CORPUS, read_samples, run_preprocess
 
 
 def digests(folder: Path) -> dict[str, str]:

@@ -121,6 +121,12 @@ def encoded(path: Path, extension: str) -> bytes:
     return buffer.getvalue()
 
 
+def read_samples(shard: Path) -> list[dict]:
+    """The samples of one shard, read with melcache.format's general reader."""
+    with open(shard, "rb") as stream:
+        return list(group_samples(iter_members(stream, shard.name), shard.name))
+
+
 def mels_by_text(cache: Path) -> dict[str, np.ndarray]:
     """Every mel of a cache, by its utterance's text: how two layouts' caches are compared."""
     found = {}
