@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 import melcache.loader.shard_reads as shard_reads
-from benchmarks.common.speech import plan_pool
+from benchmarks.common.sentences import plan_pool
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.batching import BATCH_PLAN_VERSION

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from benchmarks import results
-from benchmarks.train.gpu_bench import DEFAULT_ROWS, PadToBatch, UtilSampler, parse_args
+from benchmarks.train.gpu_bench import DEFAULT_ROWS, PadToBatch, parse_args
+from benchmarks.train.gpu_util import UtilSampler
 
 REPO = Path(__file__).resolve().parents[2]
 

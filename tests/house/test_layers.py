@@ -1,9 +1,10 @@
-"""The house's one layer table, and a check that every import in the three packages obeys it.
+"""The house's one layer table, and a check that every import in the three packages obeys it;
+the same for the benchmarks' rooms; and the size of every file and folder.
 
 Each room has a rank; a module may import its own room and rooms of a lower rank in its
 stack, never a higher one nor a sibling of the same rank. Every import counts, also those
 inside functions and under ``TYPE_CHECKING``: an upward import hidden in a function is still
-a cycle waiting to happen. README "Layout" explains why each room exists.
+a cycle waiting to happen. docs/layout.md explains why each room exists.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, module) of every import of the three packages in ``source``, relative ones
-    resolved against ``module``."""
+def imports_of(
+    source: str, module: str, is_package: bool, roots: tuple[str, ...] = PACKAGES
+) -> list[tuple[int, str]]:
+    """(line, module) of every import of the top-level packages ``roots`` in ``source``,
+    relative ones resolved against ``module``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -83,7 +86,7 @@ def imports_of(source: str, module: str, is_package: bool) -> list[tuple[int, st
             names = [f"{names[0]}.{alias.name}" for alias in node.names] or names
         else:
             continue
-        found += [(node.lineno, n) for n in names if n.split(".")[0] in PACKAGES]
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in roots]
     return found
 
 
@@ -221,3 +224,95 @@ def test_each_function_name_is_defined_once() -> None:
     twins = {name: paths for name, paths in where.items() if len(paths) > 1}
     assert set(twins) <= set(SHARED_NAMES), {n: twins[n] for n in set(twins) - set(SHARED_NAMES)}
     assert set(SHARED_NAMES) <= set(twins), set(SHARED_NAMES) - set(twins)  # none left stale
+
+
+# benchmarks/ room → rank: the stage rooms share common/ and never import one another (a helper
+# two stages need moves down to common/); results.py, at the root, reruns them all.
+BENCHMARK_ROOMS: dict[str, int] = {
+    "benchmarks.common": 0,  # corpora, caches, an S3 server, timers: no benchmark of its own
+    "benchmarks.build": 1,
+    "benchmarks.loader": 1,
+    "benchmarks.train": 1,
+    "benchmarks.store": 1,
+    "benchmarks": 2,  # results.py
+}
+
+
+ROOTS = (*PACKAGES, "benchmarks", "tests")  # what a benchmark may import, checked or not
+
+
+def benchmark_violations(path: Path, source: str) -> list[str]:
+    """Each import in a file of ``benchmarks/`` that is not downward in :data:`BENCHMARK_ROOMS`
+    (the house's packages below it are free to import; tests/ is not)."""
+    module = module_name(path)
+    mine = max((r for r in BENCHMARK_ROOMS if f"{module}.".startswith(f"{r}.")), key=len)
+    out = []
+    for line, imported in imports_of(source, module, path.name == "__init__.py", ROOTS):
+        if imported.split(".")[0] == "tests":
+            out.append(f"{path.relative_to(REPO)}:{line}: imports {imported} (tests/)")
+            continue
+        if imported.split(".")[0] != "benchmarks":
+            continue
+        theirs = max((r for r in BENCHMARK_ROOMS if f"{imported}.".startswith(f"{r}.")), key=len)
+        if theirs != mine and BENCHMARK_ROOMS[theirs] >= BENCHMARK_ROOMS[mine]:
+            out.append(f"{path.relative_to(REPO)}:{line}: {mine} imports {imported} ({theirs})")
+    return out
+
+
+def test_benchmarks_import_downward_and_the_packages_never_import_them() -> None:
+    files = sorted((REPO / "benchmarks").rglob("*.py"))
+    assert len(files) > 30, files  # the walk found the benchmarks
+    bad = [v for path in files for v in benchmark_violations(path, path.read_text("utf-8"))]
+    for path in package_files():  # the packages stand on neither benchmarks/ nor tests/
+        source = path.read_text(encoding="utf-8")
+        found = imports_of(source, module_name(path), path.name == "__init__.py", ROOTS)
+        above = [(n, m) for n, m in found if m.split(".")[0] in ("benchmarks", "tests")]
+        bad += [f"{path.relative_to(REPO)}:{n}: imports {m}" for n, m in above]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("where", "source", "upward"),
+    [
+        ("benchmarks/store/storage_bench.py", "from benchmarks.loader.loader_bench import x", True),
+        ("benchmarks/common/caches.py", "from benchmarks.build import build_bench", True),
+        ("benchmarks/build/derive_bench.py", "from tests.support.helpers import REPO", True),
+        (
+            "benchmarks/train/tracker_bench.py",
+            "from benchmarks.train.trainer_bench import x",
+            False,
+        ),
+        ("benchmarks/loader/schedule_bench.py", "from benchmarks.common import speech", False),
+        ("benchmarks/results.py", "def f():\n    from benchmarks.train import gpu_bench", False),
+    ],
+)
+def test_an_upward_benchmark_import_is_caught(where: str, source: str, upward: bool) -> None:
+    """The check itself: a stage importing a sibling stage, or common/ a stage, is reported."""
+    found = benchmark_violations(REPO / where, source)
+    assert bool(found) == upward, found
+
+
+MAX_LINES = 500
+MAX_MODULES = 16  # a folder's modules, its __init__ not counted
+# Files allowed over MAX_LINES, each with why it stays whole (none at present); one that
+# shrinks under it must leave the list, so that the list stays true.
+LONG_FILES: dict[str, str] = {}
+
+
+def house_files() -> list[Path]:
+    """Every Python file of the packages, benchmarks, tests and examples."""
+    roots = [*PACKAGES, "benchmarks", "tests", "examples"]
+    return sorted(p for root in roots for p in (REPO / root).rglob("*.py"))
+
+
+def test_no_file_is_over_500_lines_and_no_folder_over_16_modules() -> None:
+    files = house_files()
+    assert len(files) > 200, files  # the walk found the house
+    lines = {str(p.relative_to(REPO)): len(p.read_text("utf-8").splitlines()) for p in files}
+    long = {path: count for path, count in lines.items() if count > MAX_LINES}
+    assert set(long) == set(LONG_FILES), {p: long.get(p) for p in set(long) ^ set(LONG_FILES)}
+    modules: dict[Path, int] = {}
+    for path in files:
+        modules[path.parent] = modules.get(path.parent, 0) + (path.name != "__init__.py")
+    crowded = {str(f.relative_to(REPO)): n for f, n in modules.items() if n > MAX_MODULES}
+    assert not crowded, crowded
