@@ -90,7 +90,7 @@ def test_unknown_model_class_names_the_key() -> None:
 
 
 def test_powersgd_runs_in_every_precision_and_its_keys_are_checked() -> None:
-    """fp16 is allowed: an overflow step rolls PowerSGD's memory back (test_train_powersgd)."""
+    """fp16 is allowed: an overflow step rolls PowerSGD's memory back (tests/train/parallel/test_powersgd.py)."""
     for precision in ("fp16", "bf16", "fp32", "auto"):
         load_config(None, ["train.parallel.comm_hook=powersgd", f"train.precision={precision}"])
     cfg = load_config(

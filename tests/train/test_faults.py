@@ -16,8 +16,9 @@ the same damage met in a later epoch is tested in test_shard_check.py.
   train``.
 
 Cases covered elsewhere are not repeated: kill -9 during a checkpoint write and SIGTERM
-(test_train_ddp.py), truncated/flipped shards in ``verify`` (test_verify.py) and in a
-single-process loader (test_loader.py).
+(tests/train/parallel/test_ddp.py), truncated/flipped shards in ``verify``
+(tests/preprocess/test_verify.py) and in a single-process loader
+(tests/melcache/loader/test_faults.py).
 """
 
 from __future__ import annotations
