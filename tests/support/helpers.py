@@ -1,6 +1,6 @@
-"""Helpers shared by the test modules (which never import one another): the sample corpus
-and how to build it, fault-injection tools (builds to kill, a tiny disk, permissions that bind
-on root), and real 2-process torchrun jobs.
+"""Helpers shared by the test rooms: the sample corpus and how to build it, fault-injection
+tools (builds to kill, a tiny disk, permissions that bind on root), and real 2-process
+torchrun jobs.
 
 Every process started by :func:`started` runs in its own session, so a test can SIGKILL the
 build alone (as ``kill -9 PID`` would) or its whole process group (as a job scheduler would),
