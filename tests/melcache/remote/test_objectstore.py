@@ -18,7 +18,6 @@ from pathlib import Path
 import boto3
 import numpy as np
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 import melcache
@@ -48,8 +47,7 @@ from tests.support.helpers import (
     train_cmd,
     wait_for,
 )
-
-TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
+from tests.support.loaders import assert_same
 
 
 def data(workers: int = 2) -> DataConfig:
@@ -64,14 +62,6 @@ def batches(cache: str | Path, count: int, state: dict | None = None, **options)
         return [batch for _, batch in zip(range(count), loader, strict=False)]
     finally:
         loader.close()
-
-
-def assert_same(got: list[Batch], want: list[Batch]) -> None:
-    assert len(got) == len(want)
-    for number, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert a.keys == b.keys, number
-        for name in TENSORS:
-            assert torch.equal(getattr(a, name), getattr(b, name)), (number, name)
 
 
 @pytest.mark.slow  # subprocesses or eight loaders of 2 workers
@@ -237,7 +227,7 @@ def test_a_read_that_fails_past_its_budget_names_the_object_and_on_error_handles
 
 
 def bench_rows(module: str, *args: str) -> dict[str, dict]:
-    """``python -m benchmarks.MODULE ARGS``: its JSON rows by name."""
+    """``python -m benchmarks.ROOM.MODULE ARGS`` (``module``: ``ROOM.MODULE``): its JSON rows by name."""
     command = [sys.executable, "-m", f"benchmarks.{module}", *args]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -246,10 +236,10 @@ def bench_rows(module: str, *args: str) -> dict[str, dict]:
 
 @pytest.mark.slow  # a moto server, three clients; then a build, a push and four loaders
 def test_the_store_benchmarks_print_their_rows_side_by_side() -> None:
-    clients = bench_rows("s3_clients", "--reads", "40", "--rounds", "1")
+    clients = bench_rows("store.s3_clients", "--reads", "40", "--rounds", "1")
     assert all(clients[name]["reads_per_s"] > 0 for name in ("boto3", "obstore", "s3fs"))
     assert clients["ratio"]["boto3_over_boto3"] == 1.0
-    faults = bench_rows("s3_faults", "--batches", "20", "--rounds", "1", "--workers", "2")
+    faults = bench_rows("store.s3_faults", "--batches", "20", "--rounds", "1", "--workers", "2")
     assert faults["ratio"]["same_batches"] is True
     assert faults["loader through the proxy, faults"]["samples_per_s"] > 0
 
