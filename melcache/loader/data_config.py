@@ -23,7 +23,7 @@ MAX_SYNC_SPLIT = 1_000  # length ranges a bucket at most (data.sync_split)
 MAX_ATTENTION_FRAMES = 1 << 24  # data.attention_frames at most
 # Length ranges per bucket of a fresh stream (data.sync_split = 0): on drawn 50 h and 200 h
 # caches 6 ranges keep 0.97 of a step's compute at 8-512 ranks, against 0.88-0.91 with 1 and
-# 0.96 with 4 (benchmarks/schedule_bench.py --parts synthetic, docs/results.md).
+# 0.96 with 4 (benchmarks/loader/schedule_bench.py --parts synthetic, docs/results.md).
 SYNC_SPLIT = 6
 # The padded length at which attention costs what the rest of a step does, for a fresh stream
 # (data.attention_frames = 0): 6 × d 512, configs/base.toml's width. On drawn 3 h / 50 h

@@ -46,7 +46,7 @@ stopped, ``next()`` raises :class:`LoaderClosed` saying why, never ``StopIterati
 Throughput: workers (``melcache/loader/workers.py``) pad mels straight into shared-memory ring slots
 (``melcache/loader/transport.py``, each the size of the largest batch any bucket can make) and
 DataLoader carries only the small rest; the consumer copies each mel out, into pinned memory
-when ``pin_memory`` (default: CUDA available). ``benchmarks/loader_bench.py`` measures it.
+when ``pin_memory`` (default: CUDA available). ``benchmarks/loader/loader_bench.py`` measures it.
 """
 
 from __future__ import annotations
