@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import SAMPLE_CORPUS, run_preprocess
 
 from melcache.access import Cache
 from melcache.errors import UserError
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.balance import Rows, allocate, weigh
 from melcache.table import TABLE_NAME
+from tests.support.helpers import SAMPLE_CORPUS, run_preprocess
 
 SPEAKERS, LANGUAGES = 300, ("en", "zh", "de")
 BALANCE = {"speaker_temperature": 0.5, "language_temperature": 0.3}
@@ -241,8 +241,7 @@ def test_nothing_left_and_a_table_without_extras_are_one_line(cache: Path, tmp_p
 
 @pytest.mark.slow  # 60 steps of the tiny model
 def test_a_run_reports_what_each_epoch_dealt_and_draws_it(cache: Path, tmp_path: Path) -> None:
-    from helpers import metrics, tiny_fit
-
+    from tests.support.helpers import metrics, tiny_fit
     from train.plot import plot_run
 
     overrides = [

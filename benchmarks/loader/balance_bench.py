@@ -1,6 +1,6 @@
 """Who is heard how often (#53): ``[data.balance]`` on a drawn 50 h cache, against no balance.
 
-    python -m benchmarks.balance_bench [--hours 50] [--speakers 300] [--rounds 5]
+    python -m benchmarks.loader.balance_bench [--hours 50] [--speakers 300] [--rounds 5]
 
 A cache is drawn as ``benchmarks/synthetic_cache.py`` draws it (the build's own buckets and
 shards, no audio), its utterances dealt to ``--speakers`` speakers with Zipf-like hours (the
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.step_costs import plan_rows
-from benchmarks.synthetic_cache import LOCATION, SyntheticCache, draw_cache, reading
+from benchmarks.common.synthetic_cache import LOCATION, SyntheticCache, draw_cache, reading
+from benchmarks.loader.step_costs import plan_rows
 from melcache.features import FeatureConfig
 from melcache.loader import make_loader
 from melcache.loader.balance import Chosen, Rows, weigh
