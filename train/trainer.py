@@ -358,6 +358,7 @@ class Trainer:
         values.update(self.parts.measures.summary())  # the noise scale: a few more values
         epochs = self.parts.loader.epochs()  # per cache of the mix, by its location
         values.update(zip(epochs_names(list(epochs)), epochs.values(), strict=True))
+        values.update(self.parts.loader.heard())  # data.balance: once an epoch, vs the target
         for name, count in (self.parts.loader.disk_cache or {}).items():  # data.cache_dir
             values[f"disk_cache_{name}"] = count
         if values.get("amp_skip_rate", 0.0) > HIGH_SKIP_RATE:

@@ -21,6 +21,7 @@ from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
 from melcache.fields.store import FieldStore
 from melcache.index import read_index
+from melcache.loader.balance import Chosen, choose
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
 from melcache.loader.spec import MixCache
@@ -43,6 +44,35 @@ class OpenedMix:
     weights: tuple[float, ...]
     # data.mix_schedule: (first batch, frame shares) of each later phase
     phases: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    chosen: tuple[Chosen, ...] = ()  # data.where / data.balance: each cache's selection
+
+
+def with_choice(mix: OpenedMix, data: DataConfig) -> OpenedMix:
+    """The mix with each cache's selection by ``data.where`` and ``[data.balance]``, made
+    from its table (one line for a cache without one), and the table's first row of each
+    shard in its source, so its readers know each sample's row."""
+    if not (data.where or data.balance):
+        return mix
+    chosen, sources = [], []
+    for source, index in zip(mix.sources, mix.indexes, strict=True):
+        if not index.get("table"):
+            raise UserError(
+                f"cache {source.location} has no {TABLE_NAME}, which data.where and "
+                f"data.balance read: python -m preprocess index-table {source.location} "
+                "writes one"
+            )
+        table = Table(source.location, index)
+        if len(table.column("shard_rows")) != len(source.shards) + 1:
+            raise UserError(
+                f"cache {source.location}: its {TABLE_NAME} lists "
+                f"{len(table.column('shard_rows')) - 1} shards and the loader reads "
+                f"{len(source.shards)}; data.where and data.balance need them one for one"
+            )
+        extras = cache_extras(index)
+        chosen.append(choose(table, extras, data.where, data.balance, source.location))
+        first = tuple(table.column("shard_rows").tolist())
+        sources.append(dataclasses.replace(source, first_rows=first))
+    return dataclasses.replace(mix, sources=tuple(sources), chosen=tuple(chosen))
 
 
 def open_mix(

@@ -52,6 +52,7 @@ class MixCache:
     shards: tuple[dict[str, Any], ...]
     ranged: bool = False
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # entries asked for
+    first_rows: tuple[int, ...] = ()  # data.where / data.balance: the table's first row a shard
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

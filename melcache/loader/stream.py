@@ -151,7 +151,10 @@ def bucket_batches(
             ):
                 members = ranged_unit(cache, source.location, source.shards, unit, record)
             else:
-                members = whole_unit(source.shards, unit, read)
+                members = whole_unit(source.shards, unit, read, source.first_rows)
+            if sub.picks:  # data.where, data.balance: this epoch's copies of the unit
+                picked = sub.picks[place].rows_of(spec.seed, sub.source, epoch, unit[0])
+                members = members.chosen(picked)
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
             count = min(sub.batches[place], len(members.frames))
             data = spec.data

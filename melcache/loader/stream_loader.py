@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from melcache.features import FeatureConfig
+from melcache.loader.balance import epoch_report
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.data_config import DataConfig
 from melcache.loader.iterator import BatchIterator, LoaderClosed
@@ -72,6 +73,7 @@ from melcache.loader.mix import (
     check_layout,
     open_mix,
     whole_shared_reads,
+    with_choice,
     with_fields,
 )
 from melcache.loader.resume import (
@@ -121,6 +123,7 @@ class StreamLoader:
         self._next_worker = 0  # logical worker whose batch the consumer gets next
         self._batches = 0
         self._active: weakref.ref[BatchIterator] | None = None
+        self._reported = -1  # the last epoch heard() reported
 
     @property
     def epoch(self) -> int:
@@ -147,6 +150,17 @@ class StreamLoader:
             share[0] += mean * sub.frames
             share[1] += sub.frames
         return {where: round(total / frames, 4) for where, (total, frames) in out.items()}
+
+    def heard(self) -> dict[str, float]:
+        """Under ``data.where`` or ``[data.balance]``, once per epoch finished since the last
+        call: what that epoch dealt against the target
+        (:func:`~melcache.loader.balance.epoch_report`); else nothing."""
+        finished = self.epoch - 1
+        if not self._mix.chosen or finished <= self._reported:
+            return {}
+        self._reported = finished
+        spec = self.spec
+        return epoch_report(spec.subs, self._mix.chosen, self.weights, spec.seed, finished)
 
     def progress(self) -> list[list[float]]:
         """Per worker and sub-stream: epochs of it behind the worker's next batch."""
@@ -299,12 +313,14 @@ def make_loader(
     require(isinstance(data, DataConfig), "loader data", data, "a DataConfig")
     require(tokenizer is None or callable(tokenizer), "loader tokenizer", tokenizer, "a callable")
     mix = with_fields(
-        open_mix(cache, data, expect_features), data, "data.fields / data.field_provenance"
+        with_choice(open_mix(cache, data, expect_features), data),
+        data,
+        "data.fields / data.field_provenance",
     )
     check_extras(mix, data.extras)
     num_slots = world_size * max(1, data.num_workers)
     check_layout(mix.sources, data, num_slots)
-    subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+    subs = substreams([s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen)
     check_disk_cache(mix.sources, subs, data)
     if rank == 0:  # one line per job, not per rank
         for line in whole_shared_reads(mix.sources, subs, data, num_slots):
@@ -330,7 +346,7 @@ def schedules(
     """A stream's sub-streams and the schedules of its mix's phases, as ``StreamSpec`` takes
     them; ``subs``: the sub-streams where the caller has computed them already."""
     if subs is None:
-        subs = substreams([source.shards for source in mix.sources], data, data.sync_buckets)
+        subs = substreams([s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen)
     return {
         "subs": subs,
         "schedule": make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),

@@ -304,8 +304,8 @@ LONG_FILES: dict[str, str] = {}
 # Folders allowed over MAX_MODULES, each with why (docs/layout.md says it too).
 CROWDED_FOLDERS = {
     "melcache": "the base both stacks stand on: a sub-room for some of its modules would be "
-    "one more room that the build and the trainer both reach into (batch_plans sits here so "
-    "that inspect needs no loader)",
+    "one more room that the build and the trainer both reach into (batch_plans and where sit "
+    "here so that inspect and the build's --where need no loader)",
 }
 
 

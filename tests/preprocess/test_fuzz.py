@@ -24,12 +24,12 @@ import pyarrow.parquet as pq
 import soundfile as sf
 
 from melcache.errors import UserError
+from melcache.where import Where
 from preprocess.inputs.archives import audio_input, parse_text_member, read_member, tar_samples
 from preprocess.inputs.audio import AudioError, probe
 from preprocess.inputs.corpus import open_corpus, parse_manifest_line, read_transcript
 from preprocess.inputs.parquet import parquet_rows
 from preprocess.inputs.records import Corpus, Found, Rejection
-from preprocess.inputs.where import Where
 
 RATE = 24000
 INT64 = 2**63 - 1

@@ -11,9 +11,9 @@ import pytest
 
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
+from melcache.where import Where
 from preprocess.config import BuildConfig
 from preprocess.inputs.corpus import open_corpus
-from preprocess.inputs.where import Where
 from preprocess.plan.scan import Scan, part_folder, scan_folder, scan_part
 from preprocess.plan.shard_plan import make_plan, planned_shard
 from tests.support.helpers import SAMPLE_CORPUS

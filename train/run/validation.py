@@ -43,8 +43,10 @@ class Validator:
 
     def __init__(self, cfg: Config, spec: ModelSpec, env: Env, out: Path, **loader: Any) -> None:
         self.env, self.spec, self.out = env, spec, Path(out)
-        # data.mix weighs the training caches, not this one
-        data = dataclasses.replace(loader_data(cfg.data, spec), num_workers=0, mix={})
+        # data.mix, data.where and data.balance choose from the training caches, not this one
+        data = dataclasses.replace(
+            loader_data(cfg.data, spec), num_workers=0, mix={}, where="", balance={}
+        )
         stream = make_loader(
             cfg.data.val_shards, data, rank=env.rank, world_size=env.world_size, seed=0, **loader
         )

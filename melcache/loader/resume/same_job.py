@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from melcache.batch_plans import COST_CUT_PLAN
+from melcache.loader.balance import selection_key
 from melcache.loader.mix import content_digest
 from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,
@@ -55,6 +56,7 @@ def state_identity(spec: StreamSpec, weights: Sequence[float]) -> dict[str, Any]
         "sync_split": data.split if data.split != 1 else None,
         "batch_plan": spec.plan if spec.plan != 1 else None,
         "attention_frames": data.attention if spec.plan >= COST_CUT_PLAN else None,
+        "selection": selection_key(data.where, data.balance),  # None: every utterance once
     }
 
 

@@ -103,4 +103,5 @@ STATE_KEYS = {
     "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
     "mix_schedule": "data.mix_schedule (first batch, frame shares)",
     "cache_digest": "cache content digest",
+    "selection": "data.where / data.balance (their digest)",
 }

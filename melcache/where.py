@@ -1,10 +1,11 @@
-"""``--where``: select utterances by their metadata, as ``language == "en" and dnsmos >= 3.2``.
+"""Select utterances by their metadata, as ``language == "en" and dnsmos >= 3.2``: the build's
+``--where`` and the loader's ``data.where`` (and ``data.balance.weight``, a value per utterance).
 
 The expression is parsed with :mod:`ast` and evaluated by walking the tree: only field names,
 literals (strings, numbers, ``true``/``false``/``null``, lists of them), comparisons
-(``== != < <= > >= in not in``), ``and``, ``or``, ``not`` and parentheses are allowed, so a
-corpus's metadata can never run code. A comparison with a field the metadata lacks, or
-between values that cannot be ordered (a string and a number), is false.
+(``== != < <= > >= in not in``), ``and``, ``or``, ``not``, ``A if C else B`` and parentheses
+are allowed, so a corpus's metadata can never run code. A comparison with a field the
+metadata lacks, or between values that cannot be ordered (a string and a number), is false.
 """
 
 from __future__ import annotations
@@ -39,35 +40,42 @@ MAX_DEPTH = 100
 
 
 class Where:
-    """A parsed ``--where`` expression; call it with a metadata dict."""
+    """A parsed expression; call it with a metadata dict. ``name`` is what errors call it
+    (``--where``, ``data.where``)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, name: str = "--where") -> None:
         self.text = text
-        self.tree = _parse(text)
-        self.fields = sorted(_check(self.tree, text))
+        self.tree = _parse(text, name)
+        self.fields = sorted(_check(self.tree, text, name))
 
     def __call__(self, meta: dict[str, Any]) -> bool:
         """Whether ``meta`` is selected."""
         return _truth(_evaluate(self.tree, meta))
 
+    def value(self, meta: dict[str, Any]) -> Any:
+        """The expression's value for ``meta``: a number, string, bool, or ``None`` where a
+        field it names is missing."""
+        value = _evaluate(self.tree, meta)
+        return None if value is _MISSING else value
 
-def _parse(text: str) -> ast.expr:
+
+def _parse(text: str, name: str) -> ast.expr:
     """The tree of ``text``; :class:`UserError` when it is not UTF-8, too long, not an
     expression, or nested deeper than :data:`MAX_DEPTH`."""
     shown = _shown(text)
     if not is_unicode(text):  # a byte of the command line that is not UTF-8
-        raise UserError(f"--where {text[:200]!a}: not valid UTF-8")
+        raise UserError(f"{name} {text[:200]!a}: not valid UTF-8")
     if len(text) > MAX_CHARACTERS:
-        raise UserError(f"--where {shown}: longer than {MAX_CHARACTERS} characters")
+        raise UserError(f"{name} {shown}: longer than {MAX_CHARACTERS} characters")
     try:
         tree = ast.parse(text, mode="eval").body
     except SyntaxError as exc:
-        raise UserError(f"--where {shown}: not an expression ({exc.msg})") from None
+        raise UserError(f"{name} {shown}: not an expression ({exc.msg})") from None
     except (RecursionError, MemoryError, ValueError):  # the parser's stack, a NUL byte
-        raise UserError(f"--where {shown}: nested too deeply for the parser") from None
+        raise UserError(f"{name} {shown}: nested too deeply for the parser") from None
     if _depth(tree) > MAX_DEPTH:
-        raise UserError(f"--where {shown}: nested more than {MAX_DEPTH} levels deep")
-    _check_names(text)
+        raise UserError(f"{name} {shown}: nested more than {MAX_DEPTH} levels deep")
+    _check_names(text, name)
     return tree
 
 
@@ -87,7 +95,7 @@ def _depth(tree: ast.AST) -> int:
     return deepest
 
 
-def _check_names(text: str) -> None:
+def _check_names(text: str, name: str) -> None:
     """:class:`UserError` for a name written in characters Python folds into others (NFKC):
     ``ｌａｎｇ`` (full width) would otherwise silently select on the field ``lang``."""
     if text.isascii():
@@ -96,32 +104,36 @@ def _check_names(text: str) -> None:
         folded = unicodedata.normalize("NFKC", token.string)
         if token.type == tokenize.NAME and folded != token.string:
             raise UserError(
-                f"--where {_shown(text)}: the name {token.string!r} would be read as {folded!r} "
+                f"{name} {_shown(text)}: the name {token.string!r} would be read as {folded!r} "
                 "(Python folds full-width and compatibility characters); write the field's "
                 "name exactly as the metadata has it"
             )
 
 
-def _check(node: ast.expr, text: str) -> set[str]:
+def _check(node: ast.expr, text: str, name: str) -> set[str]:
     """The field names ``node`` uses; :class:`UserError` naming the first thing not allowed."""
+    parts: list[ast.expr] | None = None
     if isinstance(node, ast.BoolOp):
-        return set().union(*(_check(v, text) for v in node.values))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        return _check(node.operand, text)
-    if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
-        return set().union(*(_check(v, text) for v in [node.left, *node.comparators]))
-    if isinstance(node, ast.Name):
+        parts = node.values
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub):
+        parts = [node.operand]
+    elif isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
+        parts = [node.left, *node.comparators]
+    elif isinstance(node, ast.IfExp):
+        parts = [node.test, node.body, node.orelse]
+    elif isinstance(node, ast.List | ast.Tuple):
+        parts = node.elts
+    elif isinstance(node, ast.Name):
         return set() if node.id in _NAMES else {node.id}
-    if isinstance(node, ast.Constant) and isinstance(node.value, str | int | float | bool):
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str | int | float | bool):
         return set()
-    if isinstance(node, ast.List | ast.Tuple):
-        return set().union(*(_check(v, text) for v in node.elts)) if node.elts else set()
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return _check(node.operand, text)
-    raise UserError(
-        f"--where {_shown(text)}: {_shown(ast.unparse(node))} is not allowed; use field names, literals, "
-        "comparisons (== != < <= > >= in, not in), and, or, not"
-    )
+    if parts is None:
+        raise UserError(
+            f"{name} {_shown(text)}: {_shown(ast.unparse(node))} is not allowed; use field "
+            "names, literals, comparisons (== != < <= > >= in, not in), and, or, not, "
+            "A if C else B"
+        )
+    return set().union(*(_check(v, text, name) for v in parts))
 
 
 def _truth(value: Any) -> bool:
@@ -150,6 +162,8 @@ def _evaluate(node: ast.expr, meta: dict[str, Any]) -> Any:
         return True
     if isinstance(node, ast.Name):
         return _NAMES[node.id] if node.id in _NAMES else meta.get(node.id, _MISSING)
+    if isinstance(node, ast.IfExp):
+        return _evaluate(node.body if _truth(_evaluate(node.test, meta)) else node.orelse, meta)
     if isinstance(node, ast.List | ast.Tuple):
         return [_evaluate(v, meta) for v in node.elts]
     return node.value  # a Constant: _check allowed nothing else
