@@ -201,14 +201,14 @@ def test_a_balanced_stream_resumes_batch_for_batch(cache: Path) -> None:
 
 def test_another_where_at_a_resume_is_a_data_change_and_new_weights_are_not(cache: Path) -> None:
     base = DataConfig(batch_frames=1200, num_workers=0, balance={"speaker_temperature": 0.0})
-    loader = make_loader(cache, base, world_size=2)
-    stream = iter(loader)
+    ranks = [make_loader(cache, base, rank=r, world_size=2) for r in range(2)]
+    streams = [iter(loader) for loader in ranks]
     for _ in range(5):
-        next(stream)
-    states = [loader.state_dict(), make_loader(cache, base, rank=1, world_size=2).state_dict()]
-    states[1]["batches"] = states[0]["batches"]  # rank 1 at the same step
-    states[1]["positions"] = states[0]["positions"]
-    loader.close()
+        for stream in streams:
+            next(stream)
+    states = [loader.state_dict() for loader in ranks]
+    for loader in ranks:
+        loader.close()
     tempered = DataConfig(batch_frames=1200, num_workers=0, balance={"speaker_temperature": 1.0})
     moved = make_loader(cache, tempered)
     moved.load_state_dict(states)
