@@ -3,19 +3,19 @@
     python -m benchmarks.results [--quick]
         [--only results|trainer|loader|scale|tars|storage|budgets|trackers|gpu] [--data DIR]
 
-Runs, one after another on this machine: ``benchmarks.build_bench`` (build throughput
+Runs, one after another on this machine: ``benchmarks.build.build_bench`` (build throughput
 against a naive librosa loop), collects the JSON lines it prints, and replaces the section of
 docs/results.md between ``<!-- results:begin -->`` and ``<!-- results:end -->`` with a table
-naming each row's command and the machine; ``benchmarks/trainer_bench.py`` (trainer overhead
+naming each row's command and the machine; ``benchmarks/train/trainer_bench.py`` (trainer overhead
 and data wait) fills ``<!-- trainer:begin -->`` … ``<!-- trainer:end -->``,
-``benchmarks.loader_bench`` (streaming loader against on-the-fly
+``benchmarks.loader.loader_bench`` (streaming loader against on-the-fly
 extraction, and its shard check) fills ``<!-- loader:begin -->`` … ``<!-- loader:end -->``
-the same way, ``benchmarks.scale_bench`` (planning time and memory per utterance)
-``<!-- scale:begin -->``, ``benchmarks.tar_bench`` (tars of mp3 against loose wav)
-``<!-- tars:begin -->``, ``benchmarks.storage_bench`` (fp16 against the compact storage, and
-Lhotse's lilcom when installed) ``<!-- storage:begin -->``, ``benchmarks.budget_bench`` (one
+the same way, ``benchmarks.build.scale_bench`` (planning time and memory per utterance)
+``<!-- scale:begin -->``, ``benchmarks.store.tar_bench`` (tars of mp3 against loose wav)
+``<!-- tars:begin -->``, ``benchmarks.store.storage_bench`` (fp16 against the compact storage, and
+Lhotse's lilcom when installed) ``<!-- storage:begin -->``, ``benchmarks.train.budget_bench`` (one
 global batch budget against ``train tune``'s per-bucket table) ``<!-- budgets:begin -->``,
-``benchmarks.tracker_bench`` (step time with no tracker, a hanging one and TensorBoard)
+``benchmarks.train.tracker_bench`` (step time with no tracker, a hanging one and TensorBoard)
 ``<!-- trackers:begin -->``,
 and the rows ``bash benchmarks/gpu_bench.sh`` leaves in ``benchmarks/gpu_results.jsonl`` on a GPU machine
 fill ``<!-- gpu:begin -->`` … ``<!-- gpu:end -->``. Nothing in the tables is typed by hand.
@@ -81,7 +81,7 @@ def machine() -> str:
 def table(quick: bool, data: Path | None = None) -> str:
     """Run the build benchmark and render its rows as markdown."""
     py = sys.executable
-    build_cmd = [py, "-m", "benchmarks.build_bench", "--hours", "0.5" if quick else "3"]
+    build_cmd = [py, "-m", "benchmarks.build.build_bench", "--hours", "0.5" if quick else "3"]
     build = {row["row"]: row for row in run_json(build_cmd, data and data / "build")}
     b, naive, comp = (
         build["preprocess build"],
@@ -108,7 +108,7 @@ def table(quick: bool, data: Path | None = None) -> str:
 def trainer_table(quick: bool, data: Path | None = None) -> str:
     """Run the trainer benchmark and render its rows as markdown: each overhead as the median
     per-round ratio, CPU time / wall, with the CPU time's interquartile range."""
-    command = [sys.executable, "benchmarks/trainer_bench.py"]
+    command = [sys.executable, "benchmarks/train/trainer_bench.py"]
     command += ["--steps", "10" if quick else "20", "--rounds", "3" if quick else "30"]
     trainer = run_json(command)[0]  # one indented JSON object
     o = trainer["overhead"]
@@ -137,7 +137,13 @@ def trainer_table(quick: bool, data: Path | None = None) -> str:
 
 def loader_table(quick: bool, data: Path | None = None) -> str:
     """Run the loader benchmark and render its rows as markdown."""
-    command = [sys.executable, "-m", "benchmarks.loader_bench", "--hours", "0.5" if quick else "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.loader.loader_bench",
+        "--hours",
+        "0.5" if quick else "4",
+    ]
     rows = run_json(command, data and data / "loader")
     base, ratios = rows[0], rows[-1]
     run = {(r["cache"], r["shard_check"]): r for r in rows[1:-1]}
@@ -181,7 +187,7 @@ def loader_table(quick: bool, data: Path | None = None) -> str:
 def scale_table(quick: bool, data: Path | None = None) -> str:
     """Run the planning benchmark and render its rows as markdown."""
     sizes = ["20000", "50000", "200000"] if quick else ["100000", "250000", "1000000", "3000000"]
-    command = [sys.executable, "-m", "benchmarks.scale_bench", "--sizes", *sizes]
+    command = [sys.executable, "-m", "benchmarks.build.scale_bench", "--sizes", *sizes]
     rows = run_json(command, data and data / "scale")
     runs = [r for r in rows if r["row"] == "dry run"]
     growth = [r for r in rows if r["row"] == "growth"]
@@ -215,7 +221,13 @@ def scale_table(quick: bool, data: Path | None = None) -> str:
 
 def tar_table(quick: bool, data: Path | None = None) -> str:
     """Run the tar benchmark and render its rows as one markdown table row."""
-    command = [sys.executable, "-m", "benchmarks.tar_bench", "--hours", "0.1" if quick else "0.5"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.store.tar_bench",
+        "--hours",
+        "0.1" if quick else "0.5",
+    ]
     rows = {row["row"]: row for row in run_json(command, data and data / "tars")}
     loose, ratio = rows["loose wav"], rows["ratio"]
     lines = [
@@ -240,7 +252,13 @@ def tar_table(quick: bool, data: Path | None = None) -> str:
 
 def storage_table(quick: bool, data: Path | None = None) -> str:
     """Run the storage benchmark and render one row per storage kind (and Lhotse's)."""
-    command = [sys.executable, "-m", "benchmarks.storage_bench", "--hours", "0.1" if quick else "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.store.storage_bench",
+        "--hours",
+        "0.1" if quick else "1",
+    ]
     rows = run_json(command, data and data / "storage")
     ratio = next(row for row in rows if row["row"] == "ratio")
     lines = [
@@ -269,7 +287,13 @@ def storage_table(quick: bool, data: Path | None = None) -> str:
 
 def budget_table(quick: bool, data: Path | None = None) -> str:
     """Run the budget benchmark and render one global budget against the tuned table."""
-    command = [sys.executable, "-m", "benchmarks.budget_bench", "--hours", "0.5" if quick else "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.train.budget_bench",
+        "--hours",
+        "0.5" if quick else "4",
+    ]
     rows = run_json(command, data and data / "budgets")
     total = rows[-1]
 
@@ -304,7 +328,13 @@ def budget_table(quick: bool, data: Path | None = None) -> str:
 def tracker_table(quick: bool, data: Path | None = None) -> str:
     """Run the tracker benchmark and render the step time without a tracker, with a hanging
     one and with TensorBoard, side by side."""
-    command = [sys.executable, "-m", "benchmarks.tracker_bench", "--rounds", "3" if quick else "9"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.train.tracker_bench",
+        "--rounds",
+        "3" if quick else "9",
+    ]
     (row,) = run_json(command, data and data / "trackers")
     lines = [
         f"Measured {datetime.date.today()} on {machine()}, by `{_cmd(command)}` (tiny model, "
@@ -335,7 +365,7 @@ def gpu_table(quick: bool, data: Path | None = None) -> str:
     run on a GPU machine, not from here."""
     if not GPU_RESULTS.exists():
         return "Not measured yet: no GPU has been lent to this project. `bash benchmarks/gpu_bench.sh` fills this in."
-    from benchmarks.gpu_bench import markdown_table
+    from benchmarks.train.gpu_bench import markdown_table
 
     rows = [json.loads(line) for line in GPU_RESULTS.read_text().splitlines() if line.strip()]
     stamp = datetime.date.fromtimestamp(GPU_RESULTS.stat().st_mtime)

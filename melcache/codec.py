@@ -7,7 +7,7 @@ and upper neighbours plus the diagonal one (the 2-D difference, whose inverse is
 sum along each axis), one signed byte each (the rare ones beyond a byte: 0 there, and their
 flat positions and int16 values after the bytes), all in one Blosc buffer, bit-shuffled and
 LZ4-compressed (numcodecs, which zarr brings). About 0.94 bytes per value, under half of
-fp16's 2. Chosen by measurement (``benchmarks/storage_bench.py``; numbers in docs/results.md)
+fp16's 2. Chosen by measurement (``benchmarks/store/storage_bench.py``; numbers in docs/results.md)
 over lilcom (larger), zstd'd fp16 and 1-D deltas (larger), and the same bytes through zstd
 (24 MB per hour instead of 32, but the loader then ran at 0.63-0.70x fp16's samples/s).
 A 20-byte header leads: magic, frames, n_mels, escapes. Every reader decodes through

@@ -8,6 +8,8 @@ stored in the smallest width that holds its values, all memory-mapped):
 - ``json_at``/``json_size``, ``mel_at``/``mel_size`` (and ``flac_at``/``flac_size`` in a
   ``--keep-audio`` cache): each member's data, from ``offset``, and its length;
 - ``frames``, ``text_length`` (characters), ``speaker`` (a number into ``speakers``);
+- ``extras`` (a cache built with ``[build] extras``): each row's extras object, so the loader
+  can select and weigh utterances by them before it reads a shard (``data.where``);
 - ``digest``: the low 32 bits of the xxh3_64 of the sample's bytes, ``offset`` to the end of
   its last member, so one read of a sample is checked without hashing its whole shard;
 - per shard, ``shard_rows``: the first row of each shard, then the row count.
@@ -84,10 +86,12 @@ class TableRows:
     keys: list[str]
     sources: list[str]
     speakers: list[str | None]
+    extras: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per row, or none
 
 
-def encode_table(rows: TableRows, index: dict[str, Any]) -> bytes:
-    """The bytes of ``utterances.table`` for ``rows`` of the cache ``index`` describes."""
+def encode_table(rows: TableRows, index: dict[str, Any], extras: bool = True) -> bytes:
+    """The bytes of ``utterances.table`` for ``rows`` of the cache ``index`` describes; its
+    ``extras`` column where a row has any and ``extras`` (false: as tables before it were)."""
     hashes = key_hash(rows.keys)
     order = np.argsort(hashes, kind="stable")
     names = sorted({s for s in rows.speakers if s is not None})
@@ -97,7 +101,10 @@ def encode_table(rows: TableRows, index: dict[str, Any]) -> bytes:
     arrays["shard_rows"] = _narrow(np.concatenate([[0], np.cumsum(rows.shard_counts)]))
     arrays["key_hash"] = hashes[order].astype("<u8")
     arrays["row"] = _narrow(order)
-    for name, values in (("keys", rows.keys), ("sources", rows.sources), ("speakers", names)):
+    strings = {"keys": rows.keys, "sources": rows.sources, "speakers": names}
+    if extras and any(rows.extras):  # a cache without extras keeps the table it had
+        strings["extras"] = rows.extras
+    for name, values in strings.items():
         text = json.dumps(values, ensure_ascii=False).encode("utf-8", "surrogatepass")
         arrays[name] = np.frombuffer(Zstd(_ZSTD_LEVEL).encode(text), np.uint8)
     layout, position = [], 0
@@ -309,7 +316,8 @@ class Table:
         return self._columns["offset"][start:stop].tolist(), lengths
 
     def strings(self, name: str) -> list[Any]:
-        """``keys``, ``sources`` (per row) or ``speakers`` (by number, from 1), decoded once."""
+        """``keys``, ``sources``, ``extras`` (per row) or ``speakers`` (by number, from 1),
+        decoded once."""
         if name not in self._strings:
             self.check()
             try:

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import boto3
 import pytest
-from abort_report import pytest_runtest_makereport  # noqa: F401  (a hook)
-from helpers import (
+
+from benchmarks.common.s3_server import moto_server, s3_environment
+from melcache.remote import objectstore
+from tests.support.abort_report import pytest_runtest_makereport  # noqa: F401  (a hook)
+from tests.support.helpers import (
     REPO,
     S3_BUCKET,
     SMALL_SHARDS_TOML,
@@ -23,9 +26,6 @@ from helpers import (
     run_ok,
     run_preprocess,
 )
-
-from benchmarks.s3_server import moto_server, s3_environment
-from melcache.remote import objectstore
 
 # Every child (torchrun ranks, spawned workers, builds) prints each thread's Python stack if it
 # dies of a fatal signal: a rare SIGABRT in a gloo job then says where it happened, and
@@ -45,6 +45,12 @@ def small_shards_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sample_cache(tmp_path_factory: pytest.TempPathFactory, small_shards_config: Path) -> Path:
     """The sample corpus built once per test session (read-only: copy it before damaging it)."""
     return build_cache(tmp_path_factory.mktemp("sample_cache"), small_shards_config)
+
+
+@pytest.fixture
+def cache_copy(sample_cache: Path, tmp_path: Path) -> Path:
+    """A private copy of the sample cache, to damage."""
+    return Path(shutil.copytree(sample_cache, tmp_path / "cache"))
 
 
 # The sample corpus's short utterances: the trainer tests run several 2-process jobs.

@@ -30,8 +30,10 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     if not records:
         raise UserError(f"{path} has no records yet")
     steps = [r["step"] for r in records]
-    noise = any("noise_scale" in r for r in records)  # train.adapt.noise_scale: a third panel
-    fig, axes = plt.subplots(3 if noise else 2, 1, figsize=(8, 9 if noise else 6), sharex=True)
+    noise = any("noise_scale" in r for r in records)  # train.adapt.noise_scale: a panel
+    heard = [r for r in records if "heard_epoch" in r]  # data.balance: a panel
+    panels = 2 + noise + bool(heard)
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3 * panels), sharex=True)
     top, bottom = axes[0], axes[1]
     top.plot(steps, _values(records, "loss"), label="loss")
     for extra in ("mel_loss", "stop_loss"):
@@ -52,6 +54,8 @@ def plot_run(run: Path, output: Path | None = None) -> Path:
     wait.set_ylabel("data wait %", color="tab:red")
     if noise:
         _noise_panel(axes[2], steps, records)
+    if heard:
+        _heard_panel(axes[-1], heard)
     axes[-1].set_xlabel("step")
     fig.suptitle(Path(run).name)
     fig.tight_layout()
@@ -70,6 +74,27 @@ def _noise_panel(ax: Any, steps: list[int], records: list[dict[str, Any]]) -> No
     ax.set_ylabel("frames")
     ax.set_yscale("symlog")
     ax.legend()
+
+
+def _heard_panel(ax: Any, heard: list[dict[str, Any]]) -> None:
+    """Each language's share of the hours an epoch dealt (dots) against its target (dashes),
+    at the step each epoch was reported, and the speakers' total-variation distance."""
+    steps = [r["step"] for r in heard]
+    names = sorted(
+        {
+            k.removeprefix("target/language/")
+            for r in heard
+            for k in r
+            if k.startswith("target/language/")
+        }
+    )
+    for i, name in enumerate(names):
+        color = f"C{i}"
+        ax.plot(steps, _values(heard, f"heard/language/{name}"), "o", color=color, label=name)
+        ax.plot(steps, _values(heard, f"target/language/{name}"), "--", color=color)
+    ax.plot(steps, _values(heard, "heard/speaker_tv"), "x-", color="black", label="speaker TV")
+    ax.set_ylabel("share of hours heard")
+    ax.legend(fontsize="small", ncol=4)
 
 
 def _values(records: list[dict[str, Any]], key: str) -> list[float]:

@@ -1,6 +1,6 @@
 """A ChatTTS release made from the chattts package's own modules at random init, saved in its
 own layout (``asset/``), at ChatTTS's released sizes (``ChatTTS/config/config.py``) or at the
-GPT and DVAE examples' tiny ones: what the tests and ``benchmarks/chattts_export.py`` start
+GPT and DVAE examples' tiny ones: what the tests and ``benchmarks/train/chattts_export.py`` start
 from, since the released weights cannot be downloaded here, and a way to try the import and
 export path offline::
 

@@ -13,8 +13,10 @@ from typing import Any
 
 from melcache.cpus import usable_cpus
 from melcache.fields.format import name_problem
+from melcache.loader.balance import check_balance
 from melcache.reader import SHARD_CHECKS
 from melcache.sections import Bounds, as_float, bounded, check_numbers, require
+from melcache.where import Where
 
 ON_ERROR = ("raise", "skip")
 MAX_SYNC_SPLIT = 1_000  # length ranges a bucket at most (data.sync_split)
@@ -23,7 +25,7 @@ MAX_ATTENTION_FRAMES = 1 << 24  # data.attention_frames at most
 SEQUENCES = ("frames", "text+frames")
 # Length ranges per bucket of a fresh stream (data.sync_split = 0): on drawn 50 h and 200 h
 # caches 6 ranges keep 0.97 of a step's compute at 8-512 ranks, against 0.88-0.91 with 1 and
-# 0.96 with 4 (benchmarks/schedule_bench.py --parts synthetic, docs/results.md).
+# 0.96 with 4 (benchmarks/loader/schedule_bench.py --parts synthetic, docs/results.md).
 SYNC_SPLIT = 6
 # The padded length at which attention costs what the rest of a step does, for a fresh stream
 # (data.attention_frames = 0): 6 × d 512, configs/base.toml's width. On drawn 3 h / 50 h
@@ -104,9 +106,25 @@ class DataConfig:
     # it more than once per node: a folder melcache owns, bounded by bytes (melcache/remote/disk_cache.py).
     cache_dir: str = ""
     cache_bytes: int = bounded(0, 0, 1 << 60)
+    # Which utterances are heard, and how often, decided from each cache's table before any
+    # shard is read (melcache/loader/balance.py, docs/loader.md "Who is heard how often"):
+    # a --where expression over speaker, frames, text_length and the cache's extras, and
+    # speaker_temperature, language_temperature, language and weight = "EXPR".
+    where: str = ""
+    balance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_numbers(self, "data")
+        require(isinstance(self.where, str), "data.where", self.where, "an expression (a string)")
+        if self.where:
+            Where(self.where, "data.where")  # one line now, not in every worker
+        object.__setattr__(self, "balance", check_balance(self.balance))
+        require(
+            self.sync_buckets or not (self.where or self.balance),
+            "data.sync_buckets",
+            self.sync_buckets,
+            "true with data.where or data.balance (they are dealt per bucket)",
+        )
         if isinstance(self.batch_frames, Mapping):
             object.__setattr__(self, "batch_frames", _budget_table(self.batch_frames))
         else:
@@ -117,6 +135,12 @@ class DataConfig:
             "data.sequence",
             self.sequence,
             '"frames" with data.sync_buckets = false (the stream of earlier releases)',
+        )
+        require(  # a selection's picks count frames alone (melcache/loader/balance.py)
+            self.sequence == "frames" or not (self.where or self.balance),
+            "data.sequence",
+            self.sequence,
+            '"frames" with data.where or data.balance',
         )
         require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
         require(

@@ -45,7 +45,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from melcache.loader.batching import SUBSTREAM_ORDER, even_batch_count, even_units, make_rng
+from melcache.batch_plans import SUBSTREAM_ORDER, even_batch_count, even_units, make_rng
+from melcache.loader.balance import Chosen, UnitPicks, allocate
 from melcache.loader.data_config import DataConfig
 
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
@@ -61,10 +62,13 @@ class SubStream:
     source: int  # index of the cache in the mix
     bucket: int  # length bucket, or WHOLE
     units: tuple[tuple[int, ...], ...]  # shards read and cut together (indices into the
-    # cache's shard list): length neighbours in a bucket (melcache.loader.batching.even_units), else one
+    # cache's shard list): length neighbours in a bucket (melcache.batch_plans.even_units), else one
     batches: tuple[int, ...]  # batches of each unit per epoch (the even cut)
     frames: int  # real frames in one epoch
     part: int = 0  # length range of the bucket (data.sync_split), drawn as a bucket is
+    # data.where / data.balance: each unit's copies per epoch (melcache/loader/balance.py);
+    # empty: every utterance once. Not part of the identity: it follows from the rest.
+    picks: tuple[UnitPicks, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @functools.cached_property  # a deal asks it per batch located; units can be thousands
     def per_epoch(self) -> int:
@@ -76,10 +80,12 @@ def substreams(
     sources: Sequence[Sequence[Mapping[str, Any]]],
     data: DataConfig,
     sync: bool,
+    chosen: Sequence[Chosen | None] = (),
     tops: Sequence[Sequence[int] | None] = (),
 ) -> tuple[SubStream, ...]:
-    """The sub-streams of a mix: one per (cache, bucket) when ``sync``, else one per cache.
-    ``tops``: per cache, each shard's longest declared sequence (``data.sequence``,
+    """The sub-streams of a mix: one per (cache, bucket) when ``sync``, else one per cache;
+    ``chosen``: each cache's selection (``data.where``, ``data.balance``), if any; ``tops``:
+    per cache, each shard's longest declared sequence (``data.sequence``,
     melcache/loader/sequence.py) where it is not the index's ``max_frames``."""
     out = []
     for source, shards in enumerate(sources):
@@ -107,7 +113,42 @@ def substreams(
                 for unit in units
             ]
             out += _split(source, bucket, units, counts, shards, data.split)
-    return tuple(out)
+    if chosen:
+        out = [
+            sub for source, pick in enumerate(chosen) for sub in _chosen(out, source, pick, data)
+        ]
+    return tuple(sub for sub in out if sub.per_epoch)  # data.where may leave a range empty
+
+
+def _chosen(
+    subs: Sequence[SubStream], source: int, chosen: Chosen, data: DataConfig
+) -> list[SubStream]:
+    """The sub-streams of cache ``source`` with the copies ``chosen`` deals their units,
+    dealt over all of them at once (a speaker's remainder carried across buckets too)."""
+    mine = [sub for sub in subs if sub.source == source]
+    picks = iter(allocate(chosen, [unit for sub in mine for unit in sub.units]))
+    return [_picked(sub, [next(picks) for _ in sub.units], chosen, data) for sub in mine]
+
+
+def _picked(
+    sub: SubStream, picks: Sequence[UnitPicks], chosen: Chosen, data: DataConfig
+) -> SubStream:
+    """``sub`` with its units' ``picks``: each unit's batches and the epoch's frames counted
+    from them, the longest utterance a unit may hold that of its rows ever picked."""
+    counts = tuple(
+        even_batch_count(
+            pick.size,
+            int(chosen.frames[pick.rows].max(initial=0)),
+            batch_frames=data.budget(sub.bucket),
+            max_batch_size=data.max_batch_size,
+            pad_multiple=data.pad_multiple,
+        )
+        if pick.size
+        else 0
+        for pick in picks
+    )
+    frames = sum(float(chosen.frames[p.rows] @ p.weights) for p in picks)
+    return dataclasses.replace(sub, batches=counts, frames=round(frames), picks=tuple(picks))
 
 
 def _split(

@@ -29,10 +29,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 from melcache.access import Cache
-from melcache.errors import ShardError
-from melcache.loader.batch import PackedBatch, collate
-from melcache.loader.batch_fields import BatchFields
-from melcache.loader.batching import (
+from melcache.batch_plans import (
     BATCH_PLAN,
     EVEN_PLAN,
     make_rng,
@@ -40,6 +37,9 @@ from melcache.loader.batching import (
     plan_even_batches,
     worker_shards,
 )
+from melcache.errors import ShardError
+from melcache.loader.batch import PackedBatch, collate
+from melcache.loader.field_reads import BatchFields
 from melcache.loader.schedule import SubStream, locate
 from melcache.loader.sequence import declared_lengths
 from melcache.loader.shard_reads import SkipLog, disk_counts, read_checked
@@ -152,7 +152,10 @@ def bucket_batches(
             ):
                 members = ranged_unit(cache, source.location, source.shards, unit, record)
             else:
-                members = whole_unit(source.shards, unit, read)
+                members = whole_unit(source.shards, unit, read, source.first_rows)
+            if sub.picks:  # data.where, data.balance: this epoch's copies of the unit
+                picked = sub.picks[place].rows_of(spec.seed, sub.source, epoch, unit[0])
+                members = members.chosen(picked)
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
             count = min(sub.batches[place], len(members.frames))
             data, lengths = spec.data, members.frames

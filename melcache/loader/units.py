@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from melcache.access import Cache
 from melcache.errors import ShardError
 from melcache.loader.schedule import Deal, SubStream, visit_run
@@ -40,6 +42,38 @@ class UnitMembers:
     frames: list[int]
     owners: list[dict[str, Any]]
     fetch: Callable[[Sequence[int]], list[tuple[int, RawSample]]]
+    rows: list[int] = dataclasses.field(default_factory=list)  # table row of each, if known
+
+    def chosen(self, rows: np.ndarray) -> UnitMembers:
+        """The members at table ``rows`` (``data.where``, ``data.balance``: a row may come
+        more than once), those of shards that could not be read left out."""
+        held = np.asarray(self.rows, np.int64)
+        order = np.argsort(held, kind="stable")
+        at = np.minimum(np.searchsorted(held[order], rows), max(len(held) - 1, 0))
+        found = held[order][at] == rows if len(held) else np.zeros(len(rows), bool)
+        places = order[at[found]].tolist()
+        return UnitMembers(
+            np.asarray(self.frames)[places].tolist(),
+            [self.owners[p] for p in places],
+            functools.partial(_fetch_chosen, self.fetch, places),
+            rows[found].tolist(),
+        )
+
+
+def _fetch_chosen(
+    fetch: Callable[[Sequence[int]], list[tuple[int, RawSample]]],
+    places: Sequence[int],
+    at: Sequence[int],
+) -> list[tuple[int, RawSample]]:
+    """``fetch`` of the chosen members ``at`` (their places in the unit: ``places``), each
+    given back at its chosen place; those that could not be read are left out, in order."""
+    found = iter(fetch([places[i] for i in at]))
+    out, held = [], next(found, None)
+    for i in at:
+        if held is not None and held[0] == places[i]:
+            out.append((i, held[1]))
+            held = next(found, None)
+    return out
 
 
 def takes_little(
@@ -56,17 +90,22 @@ def whole_unit(
     shards: Sequence[dict[str, Any]],
     unit: tuple[int, ...],
     read: Callable[[int], list[RawSample] | None],
+    first_rows: Sequence[int] = (),
 ) -> UnitMembers:
     """Every shard of the unit read whole by ``read`` (``None``: it could not be, and was
-    recorded), so the unit is cut from the others."""
+    recorded), so the unit is cut from the others; ``first_rows``: the table's first row of
+    each shard, where the members' rows are asked for."""
     samples: list[RawSample] = []
     owners: list[dict[str, Any]] = []
+    rows: list[int] = []
     for shard_id in unit:
         held = read(shard_id) or []
         samples += held
         owners += [shards[shard_id]] * len(held)
+        if first_rows:
+            rows += range(first_rows[shard_id], first_rows[shard_id] + len(held))
     return UnitMembers(
-        [s.frames for s in samples], owners, lambda at: [(i, samples[i]) for i in at]
+        [s.frames for s in samples], owners, lambda at: [(i, samples[i]) for i in at], rows
     )
 
 
@@ -97,7 +136,7 @@ def ranged_unit(
         rows += ids
         owners += [entry] * len(ids)
     fetch = functools.partial(_fetch_rows, cache, rows, owners, record)
-    return UnitMembers(lengths[rows].tolist(), owners, fetch)
+    return UnitMembers(lengths[rows].tolist(), owners, fetch, rows)
 
 
 def _fetch_rows(

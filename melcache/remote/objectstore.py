@@ -1,6 +1,6 @@
 """Caches in an object store: ``s3://bucket/prefix`` read by ranged GETs, written by PUTs.
 
-The client is boto3 (``pip install 'melcache[s3]'``), weighing ``benchmarks/s3_clients.py``
+The client is boto3 (``pip install 'melcache[s3]'``), weighing ``benchmarks/store/s3_clients.py``
 against fork-safety: obstore read 1.3–1.7× faster against a local moto server, but its Rust
 runtime, once started in the loader's parent (which reads ``index.json``), hangs forked workers
 (LitData #872); boto3 is plain Python and a client made after ``fork`` is safe. Credentials and endpoint come from the

@@ -23,8 +23,9 @@ from braceexpand import braceexpand
 
 from melcache.bounded import open_regular
 from melcache.errors import UserError
+from melcache.where import Where
 from preprocess.inputs.audio import AudioError
-from preprocess.inputs.layout import (
+from preprocess.inputs.records import (
     FILTERED,
     Corpus,
     Found,
@@ -35,7 +36,6 @@ from preprocess.inputs.layout import (
     parse_json,
     short,
 )
-from preprocess.inputs.where import Where
 
 TAR_AUDIO = ("flac", "wav", "mp3", "opus", "ogg")
 # A transcript member, or a pax / GNU long-name header, is far below this; a header that

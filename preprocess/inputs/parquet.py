@@ -27,8 +27,9 @@ from typing import Any
 from melcache.bounded import open_regular
 from melcache.errors import UserError
 from melcache.extras import value_problem
+from melcache.where import Where
 from preprocess.inputs.archives import TAR_AUDIO
-from preprocess.inputs.layout import (
+from preprocess.inputs.records import (
     FILTERED,
     Corpus,
     Found,
@@ -38,7 +39,6 @@ from preprocess.inputs.layout import (
     listed_speaker,
     short,
 )
-from preprocess.inputs.where import Where
 
 DEFAULT_COLUMNS = ("audio", "text", "speaker")
 SPOOL = "spool"  # under OUT/.build

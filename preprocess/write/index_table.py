@@ -20,6 +20,7 @@ import numpy as np
 
 from melcache.bounded import loads_json, open_regular, read_limited
 from melcache.errors import ShardError, UserError
+from melcache.extras import sample_extras
 from melcache.format import META_MEMBER, decode_meta, plain_tar_entries, write_atomic
 from melcache.index import index_storage, read_index, write_index
 from melcache.storage import MEL_MEMBERS
@@ -31,7 +32,7 @@ from melcache.table import (
     sample_digest,
     write_table,
 )
-from preprocess.inputs.layout import RECEIPTS
+from preprocess.inputs.records import RECEIPTS
 from preprocess.job.pool import ordered_map
 
 # Per-sample columns, filled by the shard walk; ``speaker`` is numbered by encode_table.
@@ -67,6 +68,7 @@ def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
                 rows.keys.append(key)
                 rows.sources.append(str(meta.get("source", "")))
                 rows.speakers.append(None if speaker is None else str(speaker))
+                rows.extras.append(sample_extras(meta, where))
                 columns["offset"].append(start)
                 columns["frames"].append(_count(meta.get("frames"), where, "frames"))
                 columns["text_length"].append(len(str(meta.get("text", ""))))
@@ -131,6 +133,7 @@ def save_shard_rows(shard: Path, storage: str, keep_audio: bool, sha256: str) ->
         "keys": rows.keys,
         "sources": rows.sources,
         "speakers": rows.speakers,
+        "extras": rows.extras,
     }
     folder = shard.parent / RECEIPTS / ROWS_FOLDER
     folder.mkdir(exist_ok=True)
@@ -149,7 +152,12 @@ def _saved_rows(cache: Path, entry: dict[str, Any], keep_audio: bool) -> TableRo
             len(c) != count for c in columns.values()
         ):
             return None
-        return TableRows(columns, [count], record["keys"], record["sources"], record["speakers"])
+        extras = record["extras"]
+        if not isinstance(extras, list) or len(extras) != count:
+            return None
+        return TableRows(
+            columns, [count], record["keys"], record["sources"], record["speakers"], extras
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None  # none saved (an older build, index-table), or not of these bytes: scan
 
@@ -177,6 +185,7 @@ def cache_rows(
             merged.keys += rows.keys
             merged.sources += rows.sources
             merged.speakers += rows.speakers
+            merged.extras += rows.extras
     merged.columns = {  # also for a cache of no shards (every utterance rejected)
         name: np.concatenate([np.zeros(0, np.int64), *parts.get(name, [])])
         for name in _column_names(bool(index["keep_audio"]))
@@ -184,9 +193,12 @@ def cache_rows(
     return merged
 
 
-def make_table(cache: Path, index: dict[str, Any], workers: int = 1, reuse: bool = False) -> bytes:
-    """The table bytes of the cache ``index`` describes (see :func:`cache_rows`)."""
-    return encode_table(cache_rows(cache, index, workers, reuse), index)
+def make_table(
+    cache: Path, index: dict[str, Any], workers: int = 1, reuse: bool = False, extras: bool = True
+) -> bytes:
+    """The table bytes of the cache ``index`` describes (see :func:`cache_rows`); without its
+    ``extras`` column where not ``extras``."""
+    return encode_table(cache_rows(cache, index, workers, reuse), index, extras)
 
 
 def write_cache_table(cache: Path, index: dict[str, Any], workers: int = 1) -> dict[str, Any]:
@@ -219,10 +231,12 @@ def table_problems(
             return [f"{TABLE_NAME}: not listed in index.json (stale?)"]
         return []  # a cache from before tables: still sound
     try:
-        Table(cache, index, sha256=True)  # size, digests and columns against the index
+        table = Table(cache, index, sha256=True)  # size, digests and columns against the index
         if not shards_sound:
             return []
-        expected = make_table(cache, index, workers)
+        # A table made before tables held extras is still sound: it lacks only their column
+        # (index-table adds it, for data.where over extras).
+        expected = make_table(cache, index, workers, extras=table.has("extras"))
     except (UserError, ShardError) as exc:
         return [str(exc)]
     if (cache / TABLE_NAME).read_bytes() == expected:

@@ -105,7 +105,7 @@ def leave_together() -> None:
     For a rank that finished cleanly (the barrier waits for all). DDP's reducer and a comm
     hook's state sit in reference cycles: left to interpreter finalization they are freed
     after the group is gone and gloo calls std::terminate (SIGABRT in 4 of 10 two-rank
-    spawned jobs of ``benchmarks.hook_overlap`` on a 2-core machine; none in 24 with this).
+    spawned jobs of ``benchmarks.train.hook_overlap`` on a 2-core machine; none in 24 with this).
     """
     gc.collect()
     dist.barrier()  # no rank closes its connections while a peer still has work in flight

@@ -26,7 +26,7 @@ import torch
 
 from melcache.errors import UserError
 from melcache.loader.batch import Batch
-from melcache.loader.make import make_loader
+from melcache.loader.stream_loader import make_loader
 from train.config.tables import Config
 from train.model.contract import ModelSpec, cast_mel, loader_data, model_inputs, normalise
 from train.optim.optimizer import EMA
@@ -43,8 +43,10 @@ class Validator:
 
     def __init__(self, cfg: Config, spec: ModelSpec, env: Env, out: Path, **loader: Any) -> None:
         self.env, self.spec, self.out = env, spec, Path(out)
-        # data.mix weighs the training caches, not this one
-        data = dataclasses.replace(loader_data(cfg.data, spec), num_workers=0, mix={})
+        # data.mix, data.where and data.balance choose from the training caches, not this one
+        data = dataclasses.replace(
+            loader_data(cfg.data, spec), num_workers=0, mix={}, where="", balance={}
+        )
         stream = make_loader(
             cfg.data.val_shards, data, rank=env.rank, world_size=env.world_size, seed=0, **loader
         )

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from melcache.loader.balance import selection_key
 from melcache.loader.mix import content_digest, same_cache
 from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,
@@ -109,8 +110,13 @@ def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def stream_keys(spec: StreamSpec) -> list[list[Any]]:
-    """Each sub-stream's ``[cache, content digest, bucket]``: what a state's positions are of."""
-    digests = [content_digest(source.shards) for source in spec.sources]
+    """Each sub-stream's ``[cache, content digest, bucket]``: what a state's positions are of.
+    Under ``data.where`` or ``data.balance`` the digest ends with ``+`` and their key, as
+    they change the sub-streams' batches as a change of content does."""
+    chosen = selection_key(spec.data.where, spec.data.balance)
+    digests = [
+        content_digest(source.shards) + (f"+{chosen}" if chosen else "") for source in spec.sources
+    ]
     return [
         [same_cache(spec.sources[sub.source].location), digests[sub.source], sub.bucket]
         + ([sub.part] if sub.part else [])  # data.sync_split's ranges: the keys before it alone
@@ -137,6 +143,8 @@ def resume_elsewhere(
     for where, digest in dict.fromkeys((k[0], k[1]) for k in new_keys):
         if where not in old_digests:
             changes.append(f"cache {where} added: it starts at its epoch 0")
+        elif old_digests[where] != digest and _same_content(old_digests[where], digest):
+            changes.append(_selection_change(where, old_digests[where], digest, allow_data_change))
         elif old_digests[where] != digest:
             if not allow_data_change:
                 raise LoaderStateError(
@@ -172,6 +180,31 @@ def resume_elsewhere(
         skipped_shards=skipped,
         changes=tuple(changes),
     )
+
+
+def _same_content(old: str, new: str) -> bool:
+    """Whether two sub-stream digests differ only in ``data.where`` / ``data.balance``."""
+    return old.split("+")[0] == new.split("+")[0]
+
+
+def _selection_change(where: str, old: str, new: str, allow_data_change: bool) -> str:
+    """The line a resume under another ``data.where`` or ``[data.balance]`` says; another
+    ``data.where`` is a data change, refused unless ``allow_data_change``. Either way the
+    cache's sub-streams start at their epoch 0, under the new selection from its first
+    batch."""
+    if _filter_of(old) != _filter_of(new):
+        if not allow_data_change:
+            raise LoaderStateError(
+                f"data.where changed since the loader state was saved (cache {where}); "
+                "data.allow_data_change = true reads the cache afresh under it from its epoch 0"
+            )
+        return f"cache {where}: data.where changed: it starts again at its epoch 0"
+    return f"cache {where}: data.balance changed: it starts again at its epoch 0 under it"
+
+
+def _filter_of(digest: str) -> str | None:
+    """The ``data.where`` part of a sub-stream digest, if any."""
+    return next((part for part in digest.split("+")[1:] if part.startswith("w:")), None)
 
 
 def _check_states(identity: Mapping[str, Any], states: Sequence[Mapping[str, Any]]) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from melcache.loader.batching import COST_CUT_PLAN
+from melcache.batch_plans import COST_CUT_PLAN
+from melcache.loader.balance import selection_key
 from melcache.loader.mix import content_digest
 from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,
@@ -56,6 +57,7 @@ def state_identity(spec: StreamSpec, weights: Sequence[float]) -> dict[str, Any]
         "sync_split": data.split if data.split != 1 else None,
         "batch_plan": spec.plan if spec.plan != 1 else None,
         "attention_frames": data.attention if spec.plan >= COST_CUT_PLAN else None,
+        "selection": selection_key(data.where, data.balance),  # None: every utterance once
         # None for frames (states of earlier releases hold no such key): text lengths change
         # the counts, so a state holds the sequence and its tokenizer's fingerprint.
         "sequence": _sequence(spec),

@@ -1,0 +1,1 @@
+"""The build's benchmarks: throughput, planning at scale, derive."""

@@ -1,0 +1,223 @@
+"""Build throughput: ``preprocess build`` against a naive one-file-at-a-time librosa loop.
+
+    python -m benchmarks.build.build_bench [--hours 3] [--workers N] [--data bench-data]
+
+Makes (or reuses) ≥ 3 h of espeak-ng speech, builds it and a tiny corpus with the real
+command, and reports the steady-state real-time factor, (big − tiny audio) ÷ (big − tiny
+wall), so start-up is not counted. The same is done for a copy of both corpora resampled
+to 24 kHz beforehand (what a build of a 24 kHz corpus costs: no resampling step). The naive
+loop (librosa.load with soxr, melspectrogram, np.save) runs on a slice of the same corpus in
+the same run, and decode, resample and mel are timed alone on one core, melcache's and the
+stock ones, for the bound they set. One JSON line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import librosa
+import numpy as np
+import soundfile as sf
+import soxr
+import torch
+import torchaudio
+
+from benchmarks.common.caches import timed_build
+from benchmarks.common.speech import make_corpus
+from melcache.features import FeatureConfig
+from preprocess.inputs.audio import read_float32
+from preprocess.write.extractor import MelExtractor
+
+
+def steady_build(
+    big: Path, tiny: Path, data: Path, workers: int
+) -> tuple[float, float, int, float, float]:
+    """Build both corpora; return the big build's wall, audio and bytes, the tiny build's wall
+    and the steady real-time factor (big − tiny audio) ÷ (big − tiny wall)."""
+    tiny_wall, tiny_audio, _ = timed_build(tiny, data / "cache-tiny", workers)
+    big_wall, big_audio, big_bytes = timed_build(big, data / "cache-big", workers)
+    return (
+        big_wall,
+        big_audio,
+        big_bytes,
+        tiny_wall,
+        (big_audio - tiny_audio) / (big_wall - tiny_wall),
+    )
+
+
+def resampled_copy(src: Path, out: Path, rate: int) -> Path:
+    """``src`` resampled once to ``rate`` (soxr HQ, 16-bit wav) with its transcripts; reused."""
+    done = out / ".complete"
+    if not done.exists():
+        for wav in sorted(src.rglob("*.wav")):
+            target = out / wav.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            audio, source_rate = sf.read(wav, dtype="float32")
+            sf.write(target, soxr.resample(audio, source_rate, rate, "HQ"), rate, "PCM_16")
+            shutil.copy(wav.with_suffix(".txt"), target.with_suffix(".txt"))
+        done.touch()
+    return out
+
+
+def naive_librosa(src: Path, budget_seconds: float) -> tuple[float, float]:
+    """The loop a seed script writes: one file at a time, librosa for everything."""
+    files = sorted(src.rglob("*.wav"))
+    audio_seconds, started = 0.0, time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        for i, path in enumerate(files):
+            y, _ = librosa.load(path, sr=24000, res_type="soxr_hq")
+            mel = librosa.feature.melspectrogram(
+                y=y,
+                sr=24000,
+                n_fft=1024,
+                hop_length=256,
+                n_mels=100,
+                fmax=12000,
+                power=1.0,
+                htk=True,
+                norm=None,
+            )
+            np.save(Path(out) / f"{i}.npy", np.log(np.maximum(mel, 1e-5)).T.astype(np.float16))
+            audio_seconds += len(y) / 24000
+            if time.perf_counter() - started > budget_seconds:
+                break
+    return time.perf_counter() - started, audio_seconds
+
+
+def component_rates(src: Path, budget_seconds: float) -> dict[str, float]:
+    """Real-time factors of each step alone on one core, melcache's and the stock ones.
+
+    Stock is the issue's reference recipe: libsndfile's own float decode and
+    ``torchaudio.transforms.MelSpectrogram`` + log. The harmonic sum of decode, resample and
+    mel is the per-core bound any build of those three steps can reach here.
+    """
+    torch.set_num_threads(1)
+    extractor = MelExtractor(FeatureConfig())
+    stock_mel = torchaudio.transforms.MelSpectrogram(
+        sample_rate=24000, n_fft=1024, hop_length=256, n_mels=100, power=1.0
+    )
+    decoders = {
+        "decode": read_float32,
+        "decode_stock": lambda path: sf.read(path, dtype="float32", always_2d=True),
+    }
+    mels = {
+        "mel": extractor.compute,
+        "mel_stock": lambda audio: torch.log(
+            torch.clamp(stock_mel(torch.from_numpy(audio)), min=1e-5)
+        ).half(),
+    }
+    spent = dict.fromkeys([*decoders, "resample", *mels], 0.0)
+
+    def one_file(path: Path, order: int, into: dict[str, float]) -> float:
+        """Every step on one file, adding times to ``into``; the file's audio seconds."""
+        for name, decode in list(decoders.items())[::order]:
+            audio, rate = _timed(into, name, decode, str(path))
+        audio = _timed(into, "resample", soxr.resample, audio[:, 0], rate, 24000, "HQ")
+        for name, mel in list(mels.items())[::order]:
+            _timed(into, name, mel, audio)
+        return len(audio) / 24000  # the corpus is mono
+
+    files = sorted(src.rglob("*.wav"))
+    audio_seconds = 0.0
+    with torch.inference_mode():
+        one_file(files[0], 1, dict.fromkeys(spent, 0.0))  # untimed warm-up: FFT plans etc.
+        started = time.perf_counter()
+        for i, path in enumerate(files):
+            # Ours and stock take turns to go first, so neither always meets caches the other warmed.
+            audio_seconds += one_file(path, 1 if i % 2 else -1, spent)
+            if time.perf_counter() - started > budget_seconds:
+                break
+    rates = {k: audio_seconds / v for k, v in spent.items()}
+    rates["all_three_per_core"] = audio_seconds / (
+        spent["decode"] + spent["resample"] + spent["mel"]
+    )
+    rates["all_three_stock_per_core"] = audio_seconds / (
+        spent["decode_stock"] + spent["resample"] + spent["mel_stock"]
+    )
+    return rates
+
+
+def _timed(spent: dict[str, float], name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, adding its wall time to ``spent[name]``."""
+    started = time.perf_counter()
+    result = fn(*args)
+    spent[name] += time.perf_counter() - started
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--hours", type=float, default=3.0, help="size of the big corpus (default 3)"
+    )
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument(
+        "--data", type=Path, default=Path("bench-data"), help="where corpora and caches go"
+    )
+    args = parser.parse_args()
+    big = make_corpus(args.data / f"speech-{args.hours:g}h", args.hours)
+    tiny = make_corpus(args.data / "speech-tiny", 0.02)
+    big_wall, big_audio, big_bytes, tiny_wall, steady = steady_build(
+        big, tiny, args.data, args.workers
+    )
+    # The same speech already at 24 kHz, as LibriTTS or Emilia ship it: no resampling step.
+    native = [resampled_copy(c, Path(f"{c}-24k"), 24000) for c in (big, tiny)]
+    native_steady = steady_build(*native, args.data, args.workers)[-1]
+    naive_wall, naive_audio = naive_librosa(big, budget_seconds=30)
+    components = component_rates(big, budget_seconds=20)
+    bound = components["all_three_per_core"] * args.workers
+    naive = naive_audio / naive_wall
+    rows = [
+        {
+            "row": "preprocess build",
+            "workers": args.workers,
+            "audio_hours": round(big_audio / 3600, 3),
+            "wall_s": round(big_wall, 2),
+            "real_time_x": round(big_audio / big_wall),
+            "steady_real_time_x": round(steady),
+            "startup_s": round(tiny_wall, 2),
+            "wall_s_per_audio_hour": round(3600 / steady, 2),
+            "cache_mb_per_audio_hour": round(big_bytes / 1e6 / (big_audio / 3600), 1),
+        },
+        {
+            "row": "preprocess build, sources already 24 kHz",
+            "workers": args.workers,
+            "steady_real_time_x": round(native_steady),
+        },
+        {
+            "row": "naive librosa loop",
+            "workers": 1,
+            "audio_hours": round(naive_audio / 3600, 3),
+            "wall_s": round(naive_wall, 2),
+            "real_time_x": round(naive),
+        },
+        {
+            "row": "components, one core",
+            **{f"{k}_real_time_x": round(v) for k, v in components.items()},
+            f"bound_{args.workers}_workers_x": round(bound),
+            f"stock_bound_{args.workers}_workers_x": round(
+                components["all_three_stock_per_core"] * args.workers
+            ),
+        },
+        {
+            "row": "ratio",
+            "build_steady_over_naive": round(steady / naive, 1),
+            "build_steady_over_component_bound": round(steady / bound, 2),
+        },
+    ]
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The loader's benchmarks: throughput, batch plans, schedules, padding, elastic resume."""

@@ -1,0 +1,1 @@
+"""The plug-in examples (examples/) with their real packages."""

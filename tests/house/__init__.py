@@ -1,0 +1,1 @@
+"""House-wide checks: import layers and file sizes, documented paths, the front page, install, extras, pytest's abort report."""

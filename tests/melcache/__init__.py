@@ -1,0 +1,1 @@
+"""The shard contract and the ways to read a cache (melcache/)."""

@@ -1,0 +1,1 @@
+"""The streaming loader (melcache/loader/) over caches made by the real build."""

@@ -1,0 +1,1 @@
+"""The build and its commands (preprocess/): build, derive, verify, inspect."""

@@ -1,0 +1,1 @@
+"""What the test rooms share: helpers, plug-in models, encoders and tokenizers named in configs, the torchrun probe; no tests."""

@@ -1,0 +1,1 @@
+"""The trainer (train/): config, loop, model contract, adaptation, memory, faults."""

@@ -1,0 +1,1 @@
+"""Real multi-rank torchrun jobs (train/parallel/): DDP, FSDP2, PowerSGD, another job size."""

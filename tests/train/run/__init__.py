@@ -1,0 +1,1 @@
+"""One run's parts (train/run/): checkpoints, trackers, validation."""
