@@ -133,6 +133,8 @@ def test_a_budget_below_the_longest_text_plus_frames_is_refused_by_name(
         DataConfig(sequence="text+frames", sync_buckets=False)
     with pytest.raises(UserError, match=r"data\.sequence"):
         DataConfig(sequence="frames+text")
+    with pytest.raises(UserError, match=r"data\.sequence"):
+        DataConfig(sequence="text+frames", where="frames > 100")
 
 
 def keys(stream, steps: int) -> list[list[str]]:
