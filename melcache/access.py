@@ -187,6 +187,30 @@ class Cache:
                 found[row] = self._raw(sample, where, row)
         return [found[row] for row in rows]
 
+    def texts(self, shard: int) -> list[str]:
+        """The texts of shard number ``shard``'s rows, in row order, from their ``json``
+        members alone (one read of the shard's span, no mel parsed): what text lengths under
+        a tokenizer are counted from (``melcache/loader/sequence.py``)."""
+        rows = self.table.column("shard_rows")
+        start, stop = int(rows[shard]), int(rows[shard + 1])
+        if start == stop:
+            return []
+        name = self.index["shards"][shard]["name"]
+        offsets, lengths = self.table.spans(start, stop)
+        data = memoryview(
+            self._shards.read(name, offsets[0], offsets[-1] + lengths[-1] - offsets[0])
+        )
+        where = self._shards.location(name)
+        at, size = self.table.column("json_at"), self.table.column("json_size")
+        out = []
+        for row, offset in zip(range(start, stop), offsets, strict=True):
+            begin = offset - offsets[0] + int(at[row])
+            text = decode_meta(bytes(data[begin : begin + int(size[row])]), where).get("text")
+            if not isinstance(text, str):
+                raise ShardError(f"{where}: row {row}'s metadata 'text' = {text!r} is not a string")
+            out.append(text)
+        return out
+
     def _verified(self, shard: int, start: int, stop: int) -> tuple[list[dict[str, Any]], str, str]:
         """The samples of rows ``start`` to ``stop - 1`` (of shard number ``shard``) from one
         ranged read, each one's bytes checked against the table's digest before any is

@@ -6,7 +6,10 @@ the given config: in one process, or under torchrun for ``train.parallel.strateg
 every rank trying the same batch at the same time), each bucket, longest first, gets a
 bisection of real training steps (``Trainer.train_step``: forward, backward, optimizer step) on
 a batch of ``B`` utterances all as long as the bucket's longest, with text as long as the
-longest text of the shard that holds it. ``B`` doubles from the previous bucket's answer until
+longest text of the shard that holds it; for a model whose sequence is text then frames
+(``data.sequence = "text+frames"``) the text makes the bucket's longest ``text + frames``
+(from the table and the text-length sidecar, ``melcache/loader/sequence.py``) and the budget
+counts those positions. ``B`` doubles from the previous bucket's answer until
 a step runs out of memory, then bisects to the largest ``B`` that fits (exact: the search is
 over whole utterances). The budget is ``B × padded length``: shorter utterances of the bucket
 pack more of them into it, and their attention costs less.
@@ -39,7 +42,7 @@ import functools
 import logging
 import math
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ from melcache.fields.format import cache_fields
 from melcache.index import read_index
 from melcache.loader import bucket_lengths
 from melcache.loader.batch import Batch, stand_in_extras
+from melcache.loader.sequence import sequence_tops
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
 from train.config.tables import Config
@@ -157,8 +161,13 @@ def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
     n_mels = trainer.parts.loader.features.n_mels if asked.read_mel else 0
     rows: list[Row] = []
     fits_at_least = 1
+    spec = trainer.parts.loader.spec
+    declared = sequence_tops(spec.sources[:1], asked)[0]  # data.sequence = "text+frames"
     for bucket, max_frames in sorted(bucket_lengths(tuple(counted)).items())[::-1]:
-        tokens = _longest_text(shards, index, bucket, trainer.parts.loader.spec.tokenizer)
+        if declared is None:  # the longest text of the shard of the longest frames
+            tokens = _longest_text(shards, index, bucket, spec.tokenizer)
+        else:  # the bucket's longest text + frames, its frames as long as the bucket's longest
+            tokens = _longest_sequence(spec.sources[0].shards, declared, bucket) - max_frames
         longest = {
             name: (max(s["max_frames"] for s in e["shards"] if s["bucket"] == bucket), e)
             for name, e in fields.items()
@@ -176,7 +185,9 @@ def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
                 f"{probe.limit / MIB:.0f} MiB with this model; turn on "
                 "train.activation_checkpointing or bf16, or rebuild with a lower max_seconds"
             )
-        budget = size * round_up(max_frames, data.pad_multiple)
+        # The budget counts what the loader's plan does: frames, or text + frames positions.
+        length = max_frames if declared is None else max_frames + tokens
+        budget = size * round_up(length, data.pad_multiple)
         rows.append(Row(bucket, max_frames, budget, size, peaks[size] / MIB, tokens))
         fits_at_least = size  # a shorter bucket fits at least as many utterances
     return rows[::-1]
@@ -275,6 +286,11 @@ def _trainer_tensors(trainer: Trainer) -> Iterator[torch.Tensor]:
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
     if trainer.parts.ema is not None:
         yield from trainer.parts.ema.shadow
+
+
+def _longest_sequence(shards: Sequence[Mapping[str, Any]], tops: Sequence[int], bucket: int) -> int:
+    """The longest text + frames of ``bucket``'s shards (``tops``: each shard's)."""
+    return max(top for entry, top in zip(shards, tops, strict=True) if entry["bucket"] == bucket)
 
 
 def _longest_text(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common.mandarin_pool import make_mandarin_pool
 from benchmarks.common.speech import MARKER, SAMPLE_RATE, make_corpus
 from benchmarks.common.synthetic_cache import draw_seconds
 
@@ -57,12 +58,15 @@ def joined(
     return np.concatenate(parts)[:want], text[: max(1, round(len(text) * want / length))]
 
 
-def make_drawn_corpus(out: Path, hours: float, seed: int = 0) -> Path:
-    """Write (or reuse) ``out/<speaker>/<n>.wav`` + ``.txt`` at the drawn durations."""
-    marker = {"drawn_hours": hours, "seed": seed}
+def make_drawn_corpus(out: Path, hours: float, seed: int = 0, mandarin: bool = False) -> Path:
+    """Write (or reuse) ``out/<speaker>/<n>.wav`` + ``.txt`` at the drawn durations;
+    ``mandarin``: half the speakers speak Mandarin (``benchmarks/common/mandarin_pool.py``)."""
+    marker = {"drawn_hours": hours, "seed": seed, **({"mandarin": True} if mandarin else {})}
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == marker:
         return out
     clips = read_pool(make_corpus(out.parent / f"{out.name}-pool", POOL_HOURS, seed))
+    if mandarin:
+        clips |= read_pool(make_mandarin_pool(out.parent / f"{out.name}-pool-zh", seed))
     speakers = sorted(clips)
     seconds = draw_seconds(hours, seed)
 
@@ -91,8 +95,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--hours", type=float, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mandarin", action="store_true", help="half the speakers speak Mandarin")
     args = p.parse_args(argv)
-    print(make_drawn_corpus(args.out, args.hours, args.seed))
+    print(make_drawn_corpus(args.out, args.hours, args.seed, args.mandarin))
 
 
 if __name__ == "__main__":

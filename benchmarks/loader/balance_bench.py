@@ -2,7 +2,7 @@
 
     python -m benchmarks.loader.balance_bench [--hours 50] [--speakers 300] [--rounds 5]
 
-A cache is drawn as ``benchmarks/synthetic_cache.py`` draws it (the build's own buckets and
+A cache is drawn as ``benchmarks/common/synthetic_cache.py`` draws it (the build's own buckets and
 shards, no audio), its utterances dealt to ``--speakers`` speakers with Zipf-like hours (the
 largest over 20× the median) and three languages holding 70 / 25 / 5 % of the hours. The
 loader's own planning code then runs over it, with ``speaker_temperature = 0.5`` and
@@ -15,7 +15,7 @@ loader's own planning code then runs over it, with ``speaker_temperature = 0.5``
    mel decoded, so the selection's own cost is all that differs), in alternating rounds:
    median and spread of each, and the median ratio within a round;
 3. ``ranks``: padding and the FLOP model's efficiency of bucket-synchronous steps at 8, 64 and
-   512 ranks (``benchmarks/step_costs.py``);
+   512 ranks (``benchmarks/loader/step_costs.py``);
 4. with ``--cache DIR`` (a built cache with a table): the real loader's samples/s (2 workers,
    mels decoded) with ``speaker_temperature = 0.5`` and without, in alternating rounds.
 

@@ -174,7 +174,9 @@ def measure_throughput(cache: Path, data: DataConfig, seconds: float, rounds: in
     """Part 3: samples/s of one loader per setting, in alternating turns: per setting the
     median turn and the spread, and the median over rounds of the on ÷ off ratio within a
     round (which a change in the machine's load moves less than the totals)."""
-    settings = {sync: make_loader(cache, dataclasses.replace(data, sync_buckets=sync))
+    # Sync off is the stream of earlier releases: frames only (data.sequence needs sync on).
+    settings = {sync: make_loader(cache, dataclasses.replace(
+                    data, sync_buckets=sync, sequence=data.sequence if sync else "frames"))
                 for sync in (False, True)}  # fmt: skip
     streams = {sync: iter(loader) for sync, loader in settings.items()}
     for stream in streams.values():
@@ -300,6 +302,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="plans (sync on) and synthetic parts: the even cuts (1: the sort by "
                    "jittered length, 2: equal frames, 3: equal cost, 4: equal cost, each epoch "
                    "dealt whole)")  # fmt: skip
+    p.add_argument("--sequence", default="frames",
+                   help='throughput part, sync on: data.sequence ("text+frames": planned on '
+                   "text + frames, the bytes tokenizer)")  # fmt: skip
     p.add_argument(
         "--parts",
         nargs="*",
@@ -328,7 +333,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      args.batch_plan, args.attention_frames)  # fmt: skip
             for row in rows:
                 print(json.dumps(row), flush=True)
-    loader_data = dataclasses.replace(data, num_workers=2, shard_check="fast")
+    loader_data = dataclasses.replace(
+        data, num_workers=2, shard_check="fast", sequence=args.sequence
+    )
     if "throughput" in args.parts:
         for line in measure_throughput(cache, loader_data, args.turn_seconds, args.rounds):
             print(json.dumps(line), flush=True)

@@ -17,7 +17,8 @@ What the adapter bridges (``train/model/contract.py`` for the keys):
   ChatTTS's own config at random init and calls the embeddings and heads itself, with
   gradients.
 - The model reads fields only (``"mel": False``): the loader reads no mel bytes, and buckets
-  and budgets count code frames.
+  count code frames; its sequence is text then frames (``"sequence": "text+frames"``), so the
+  budget, the cut and the cost count ``text + frames`` positions.
 - ``vocab_size`` (ChatTTS's ``num_text_tokens``, 21178 with its tokenizer) comes from
   ``[data] tokenizer``: ``examples.chattts_gpt.tokenizer:ChatTTSTokenizer`` where ChatTTS's
   ``asset/tokenizer`` files are, bytes (257) otherwise.
@@ -54,6 +55,7 @@ class GPT(nn.Module):
         "inputs": "batch",
         "fields": (FIELD,),
         "mel": False,
+        "sequence": "text+frames",  # text tokens then code frames: one sequence to plan on
         "home": "examples.chattts.home:write",  # python -m train export: ChatTTS's asset/
     }
 

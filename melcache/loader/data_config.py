@@ -21,6 +21,8 @@ from melcache.where import Where
 ON_ERROR = ("raise", "skip")
 MAX_SYNC_SPLIT = 1_000  # length ranges a bucket at most (data.sync_split)
 MAX_ATTENTION_FRAMES = 1 << 24  # data.attention_frames at most
+# data.sequence: frames alone, or text tokens then frames (melcache/loader/sequence.py)
+SEQUENCES = ("frames", "text+frames")
 # Length ranges per bucket of a fresh stream (data.sync_split = 0): on drawn 50 h and 200 h
 # caches 6 ranges keep 0.97 of a step's compute at 8-512 ranks, against 0.88-0.91 with 1 and
 # 0.96 with 4 (benchmarks/loader/schedule_bench.py --parts synthetic, docs/results.md).
@@ -75,6 +77,10 @@ class DataConfig:
     # less where lengths differ within a unit (docs/loader.md, "Cost, not frames").
     # 0: ATTENTION_FRAMES for a fresh stream, and a resumed one keeps its own.
     attention_frames: int = bounded(0, 0, MAX_ATTENTION_FRAMES)
+    # What the model's sequence is made of (a model's melcache_contract "sequence"): "frames",
+    # or "text+frames" (text tokens then frames, one sequence: every plan, budget and cost on
+    # S = text + frames; melcache/loader/sequence.py, docs/loader.md "One sequence").
+    sequence: str = "frames"
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -123,6 +129,19 @@ class DataConfig:
             object.__setattr__(self, "batch_frames", _budget_table(self.batch_frames))
         else:
             require(_is_count(self.batch_frames), "data.batch_frames", self.batch_frames, _BUDGET)
+        require(self.sequence in SEQUENCES, "data.sequence", self.sequence, " or ".join(SEQUENCES))
+        require(
+            self.sequence == "frames" or self.sync_buckets,
+            "data.sequence",
+            self.sequence,
+            '"frames" with data.sync_buckets = false (the stream of earlier releases)',
+        )
+        require(  # a selection's picks count frames alone (melcache/loader/balance.py)
+            self.sequence == "frames" or not (self.where or self.balance),
+            "data.sequence",
+            self.sequence,
+            '"frames" with data.where or data.balance',
+        )
         require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
         require(
             self.shard_check in SHARD_CHECKS,

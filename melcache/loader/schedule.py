@@ -81,11 +81,16 @@ def substreams(
     data: DataConfig,
     sync: bool,
     chosen: Sequence[Chosen | None] = (),
+    tops: Sequence[Sequence[int] | None] = (),
 ) -> tuple[SubStream, ...]:
     """The sub-streams of a mix: one per (cache, bucket) when ``sync``, else one per cache;
-    ``chosen``: each cache's selection (``data.where``, ``data.balance``), if any."""
+    ``chosen``: each cache's selection (``data.where``, ``data.balance``), if any; ``tops``:
+    per cache, each shard's longest declared sequence (``data.sequence``,
+    melcache/loader/sequence.py) where it is not the index's ``max_frames``."""
     out = []
     for source, shards in enumerate(sources):
+        given = tops[source] if source < len(tops) else None
+        top = given or [entry["max_frames"] for entry in shards]
         groups: dict[int, list[int]] = {}
         for shard_id, entry in enumerate(shards):
             groups.setdefault(entry["bucket"] if sync else WHOLE, []).append(shard_id)
@@ -95,12 +100,12 @@ def substreams(
                 cut = {"batch_frames": data.budget(bucket), "max_batch_size": data.max_batch_size,
                        "pad_multiple": data.pad_multiple}  # fmt: skip
                 grouped = even_units([shards[i]["samples"] for i in ids],
-                                     [shards[i]["max_frames"] for i in ids], **cut)  # fmt: skip
+                                     [top[i] for i in ids], **cut)  # fmt: skip
                 units = [[ids[j] for j in unit] for unit in grouped]
             counts = [
                 even_batch_count(
                     sum(shards[i]["samples"] for i in unit),
-                    max(shards[i]["max_frames"] for i in unit),
+                    max(top[i] for i in unit),
                     batch_frames=data.budget(shards[unit[0]]["bucket"]),
                     max_batch_size=data.max_batch_size,
                     pad_multiple=data.pad_multiple,

@@ -15,6 +15,7 @@ from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.loader.batch import Tokenizer
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import Deal, Schedule, SubStream, fresh_deal
+from melcache.loader.sequence import TextLengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,8 @@ class MixCache:
     ranged: bool = False
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # entries asked for
     first_rows: tuple[int, ...] = ()  # data.where / data.balance: the table's first row a shard
+    # data.sequence = "text+frames": text tokens per table row (melcache/loader/sequence.py)
+    text: TextLengths | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

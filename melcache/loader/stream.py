@@ -41,6 +41,7 @@ from melcache.errors import ShardError
 from melcache.loader.batch import PackedBatch, collate
 from melcache.loader.field_reads import BatchFields
 from melcache.loader.schedule import SubStream, locate
+from melcache.loader.sequence import declared_lengths
 from melcache.loader.shard_reads import SkipLog, disk_counts, read_checked
 from melcache.loader.spec import Cursor, Position, StreamSpec
 from melcache.loader.transport import BatchRing
@@ -157,9 +158,13 @@ def bucket_batches(
                 members = members.chosen(picked)
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
             count = min(sub.batches[place], len(members.frames))
-            data = spec.data
+            data, lengths = spec.data, members.frames
+            if source.text is not None:  # data.sequence = "text+frames": cut on S
+                lengths = declared_lengths(
+                    lengths, members.owners, unit, source.shards, source.text
+                )
             plan = plan_even_batches(
-                members.frames, rng=rng, count=count, max_batch_size=data.max_batch_size,
+                lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
                 pad_multiple=data.pad_multiple, plan=spec.plan,
                 attention_frames=data.attention,
             ) if count else []  # fmt: skip

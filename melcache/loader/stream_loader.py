@@ -89,6 +89,7 @@ from melcache.loader.resume import (
     stream_keys,
 )
 from melcache.loader.schedule import SubStream, make_schedule, substreams
+from melcache.loader.sequence import sequence_tops, with_text
 from melcache.loader.spec import Cursor, StreamSpec
 from melcache.loader.stream import progress
 from melcache.loader.workers import check_shared_memory, worker_batches
@@ -312,15 +313,16 @@ def make_loader(
     require(_is_int(seed) and seed >= 0, "loader seed", seed, "a non-negative integer")
     require(isinstance(data, DataConfig), "loader data", data, "a DataConfig")
     require(tokenizer is None or callable(tokenizer), "loader tokenizer", tokenizer, "a callable")
-    mix = with_fields(
-        with_choice(open_mix(cache, data, expect_features), data),
-        data,
-        "data.fields / data.field_provenance",
-    )
+    tokenizer = tokenizer or utf8_tokens
+    opened = with_choice(open_mix(cache, data, expect_features), data)
+    texts = with_text(opened.sources, opened.indexes, data, tokenizer)  # data.sequence
+    opened = dataclasses.replace(opened, sources=texts)
+    mix = with_fields(opened, data, "data.fields / data.field_provenance")
     check_extras(mix, data.extras)
     num_slots = world_size * max(1, data.num_workers)
     check_layout(mix.sources, data, num_slots)
-    subs = substreams([s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen)
+    tops = sequence_tops(mix.sources, data)
+    subs = substreams([s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen, tops)
     check_disk_cache(mix.sources, subs, data)
     if rank == 0:  # one line per job, not per rank
         for line in whole_shared_reads(mix.sources, subs, data, num_slots):
@@ -334,7 +336,7 @@ def make_loader(
         seed=seed,
         n_mels=mix.features.n_mels,
         pad_value=math.log(mix.features.log_floor),
-        tokenizer=tokenizer or utf8_tokens,
+        tokenizer=tokenizer,
     )
     check_shared_memory(spec)
     return StreamLoader(spec, mix, _resolve_pin_memory(pin_memory))
@@ -346,7 +348,10 @@ def schedules(
     """A stream's sub-streams and the schedules of its mix's phases, as ``StreamSpec`` takes
     them; ``subs``: the sub-streams where the caller has computed them already."""
     if subs is None:
-        subs = substreams([s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen)
+        tops = sequence_tops(mix.sources, data)
+        subs = substreams(
+            [s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen, tops
+        )
     return {
         "subs": subs,
         "schedule": make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),

@@ -26,6 +26,10 @@ optional, the defaults being the reference :class:`train.model.text_to_mel.TextT
 - ``"mel"``: ``False`` for a model that reads fields only: the loader then reads the field
   shards alone (no mel byte), ``batch.mel`` is ``[B, T, 0]``, and ``mel_lengths``, bucketing,
   budgets and the schedule count the first field's frames.
+- ``"sequence"``: what the model's sequence is made of: ``"frames"`` (the default) or
+  ``"text+frames"`` (the text's tokens then one position per frame, ChatTTS's GPT): the
+  loader then plans, budgets and cuts on ``text + frames`` (``data.sequence``,
+  ``melcache/loader/sequence.py``, docs/loader.md "One sequence").
 - ``"home"``: ``"package.module:function"``, the writer of the model's home format, which
   ``python -m train export`` calls with the runs of models declaring it (``train/export.py``;
   ChatTTS's ``asset/`` folder: ``examples/chattts/home.py``).
@@ -53,7 +57,7 @@ from melcache.errors import UserError
 from melcache.features import feature_presets
 from melcache.fields.format import name_problem as field_name_problem
 from melcache.loader.batch import Batch
-from melcache.loader.data_config import DataConfig
+from melcache.loader.data_config import SEQUENCES, DataConfig
 from train.config.tables import ModelConfig
 from train.parallel.env import Env, all_reduce_sum
 
@@ -62,6 +66,7 @@ _CHOICES = {
     "inputs": ("tensors", "batch"),
     "mel_dtype": tuple(_DTYPES),
     "pad": ("multiple", "longest"),
+    "sequence": SEQUENCES,
 }
 
 
@@ -77,6 +82,7 @@ class ModelSpec:
     fields: tuple[str, ...] | Mapping[str, Mapping[str, Any]] = ()
     mel: bool = True
     home: str | None = None
+    sequence: str = "frames"
 
 
 def declared(cls: type, impl: str) -> ModelSpec:
@@ -174,6 +180,7 @@ def loader_data(data: DataConfig, spec: ModelSpec) -> DataConfig:
     return dataclasses.replace(
         data, pad_multiple=pad_multiple, extras=extras, fields=fields,
         field_provenance=provenance, read_mel=data.read_mel and spec.mel,
+        sequence=spec.sequence if data.sequence == "frames" else data.sequence,
     )  # fmt: skip
 
 

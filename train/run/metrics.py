@@ -35,7 +35,8 @@ METRICS_NAME = "metrics.jsonl"
 # A record is ~400 bytes: a million logged steps. A larger file is not one this trainer wrote.
 METRICS_LIMIT = 2**30
 # Host counters summed over ranks; "wait_s" is the time this rank spent blocked on the loader.
-_HOST_KEYS = ("samples", "frames", "padded_frames", "text_tokens", "wait_s")
+_HOST_KEYS = ("samples", "frames", "padded_frames", "text_tokens", "wait_s",
+              "padded_text", "padded_sequence")  # fmt: skip
 _DROPPED = "_dropped_steps"  # device count of steps skipped on the device (spikes)
 
 
@@ -61,6 +62,9 @@ class Meter:
         self.host["frames"] += int(mel_lengths.sum())
         self.host["padded_frames"] += mel_shape[0] * mel_shape[1]
         self.host["text_tokens"] += int(text_lengths.sum())
+        if mel_shape[0]:  # padded to each row's longest: the text, and text then frames
+            self.host["padded_text"] += mel_shape[0] * int(text_lengths.max())
+            self.host["padded_sequence"] += mel_shape[0] * int((text_lengths + mel_lengths).max())
 
     def add_wait(self, seconds: float) -> None:
         """Time the loop spent blocked on the loader this step."""
@@ -119,6 +123,10 @@ class Meter:
             frames_per_s=sums["frames"] / elapsed,
             text_tokens_per_s=sums["text_tokens"] / elapsed,
             padding_pct=100.0 * padding_fraction(sums["frames"], sums["padded_frames"]),
+            # A model whose sequence is text then frames (data.sequence) pads these too.
+            text_padding_pct=100.0 * padding_fraction(sums["text_tokens"], sums["padded_text"]),
+            sequence_padding_pct=100.0
+            * padding_fraction(sums["frames"] + sums["text_tokens"], sums["padded_sequence"]),
             data_wait_pct=100.0 * sums["wait_s"] / self.env.world_size / elapsed,
         )
         out.update(peak_memory(self.env.device))

@@ -21,6 +21,7 @@ from melcache.loader.resume.state import (
     Resumed,
     parse_deals,
 )
+from melcache.loader.sequence import FRAMES, tokenizer_fingerprint
 from melcache.loader.spec import StreamSpec
 
 STATE_VERSION = 4
@@ -57,7 +58,18 @@ def state_identity(spec: StreamSpec, weights: Sequence[float]) -> dict[str, Any]
         "batch_plan": spec.plan if spec.plan != 1 else None,
         "attention_frames": data.attention if spec.plan >= COST_CUT_PLAN else None,
         "selection": selection_key(data.where, data.balance),  # None: every utterance once
+        # None for frames (states of earlier releases hold no such key): text lengths change
+        # the counts, so a state holds the sequence and its tokenizer's fingerprint.
+        "sequence": _sequence(spec),
     }
+
+
+def _sequence(spec: StreamSpec) -> str | None:
+    """``data.sequence`` as a state holds it: ``None`` for frames, else with the tokenizer's
+    fingerprint (another tokenizer counts other text lengths, so cuts other batches)."""
+    if spec.data.sequence == FRAMES:
+        return None
+    return f"{spec.data.sequence}:{tokenizer_fingerprint(spec.tokenizer)}"
 
 
 def _mix_schedule(spec: StreamSpec) -> list[list[Any]]:

@@ -29,7 +29,7 @@ class LoaderStateError(UserError):
 
 # What a resume on another job size or mix may not change: the batches themselves.
 SAME_BATCHES = ("seed", "batch_frames", "max_batch_size", "pad_multiple", "sync_buckets",
-                "sync_split", "batch_plan", "attention_frames")  # fmt: skip
+                "sync_split", "batch_plan", "attention_frames", "sequence")  # fmt: skip
 # Saved states that hold a bucket sub-stream's position as batches taken (3: before deals).
 ELASTIC_VERSIONS = (3, 4)
 
@@ -100,6 +100,7 @@ STATE_KEYS = {
     "sync_split": "data.sync_split",
     "batch_plan": "batch plan (melcache.batch_plans.sort_order)",
     "attention_frames": "data.attention_frames",
+    "sequence": "data.sequence (and its tokenizer)",
     "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
     "mix_schedule": "data.mix_schedule (first batch, frame shares)",
     "cache_digest": "cache content digest",

@@ -1,0 +1,223 @@
+"""What a model's sequence is made of, and its length per utterance, for the planners.
+
+``data.sequence`` (a model's ``melcache_contract["sequence"]``):
+
+- ``"frames"`` (default): the mel (or first field's) frames; every plan is today's.
+- ``"text+frames"``: one sequence of the text's tokens then the frames (ChatTTS's GPT, a
+  decoder-only TTS LM), ``S = text + frames`` per utterance. The units' batch counts, the
+  sort and the cut of each unit, the cost cut ``B·S·(1 + S/A)``, the length ranges and the
+  budget (``data.batch_frames`` then counts padded ``S`` positions) all run on ``S``.
+
+Text lengths under the run's tokenizer are read from each cache once, with the table's help
+(only the ``json`` members, no mel), and kept in a sidecar bound to the table's digest and
+the tokenizer's fingerprint (:func:`text_lengths`); a loader start reads the sidecar and
+checks it, never the texts. Counts stay a pure function of (index, table, sidecar, config),
+so any batch is still located in O(1) and resumes stay exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from melcache.access import Cache
+from melcache.errors import ShardError, UserError
+from melcache.fields.format import ROW_COLUMNS
+from melcache.format import write_atomic
+from melcache.loader.batch import token_ids
+from melcache.loader.data_config import SEQUENCES
+
+FRAMES, TEXT_FRAMES = SEQUENCES
+FIELD_FRAMES = ROW_COLUMNS.index("frames")  # a field's rows.npy column of each row's frames
+SIDECAR_VERSION = 1
+# Texts the fingerprint tokenises: scripts, digits, punctuation and ChatTTS's control tokens,
+# so two tokenizers (or vocabularies) that split any of them otherwise differ.
+_PROBES = (
+    "The quick brown fox, 1984 jumps; over 12 lazy dogs!",
+    "今天天气很好，我们去公园散步吧。",
+    "Mixed 中英文 text [uv_break] with [laugh] and ünïcödé.",
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextLengths:
+    """One cache's text tokens per table row, with the table's rows per shard and frames."""
+
+    per_row: np.ndarray  # int32, tokens of each row's text under the run's tokenizer
+    shard_rows: np.ndarray  # the first row of each shard, then the row count
+    frames: np.ndarray  # the frames the loader counts of each row: the mel's, or a field's
+
+    def of_shard(self, shard: int) -> np.ndarray:
+        """Text tokens of shard number ``shard``'s rows, in tar order."""
+        return self.per_row[int(self.shard_rows[shard]) : int(self.shard_rows[shard + 1])]
+
+    def tops(self, shards: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Each shard's longest ``text + frames`` (an empty shard: its ``max_frames``)."""
+        out = []
+        for shard, entry in enumerate(shards):
+            rows = slice(int(self.shard_rows[shard]), int(self.shard_rows[shard + 1]))
+            held = self.frames[rows].astype(np.int64) + self.per_row[rows]
+            out.append(int(held.max()) if len(held) else int(entry["max_frames"]))
+        return out
+
+
+def tokenizer_fingerprint(tokenizer: Callable[[str], Any]) -> str:
+    """A name for the tokenizer's behaviour: its type and vocabulary size with the ids it
+    gives a few probe texts (a different vocabulary or rule splits some of them otherwise)."""
+    kind = getattr(tokenizer, "__qualname__", None) or type(tokenizer).__qualname__
+    ids = [token_ids(tokenizer, text).tolist() for text in _PROBES]
+    what = json.dumps([kind, getattr(tokenizer, "vocab_size", None), ids])
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def sidecar_folder(cache_dir: str) -> Path:
+    """Where text-length sidecars live: ``data.cache_dir`` (a folder melcache owns) or
+    ``$XDG_CACHE_HOME/melcache`` (``~/.cache/melcache``); a cache itself stays read-only."""
+    if cache_dir:
+        return Path(cache_dir) / "text_lengths"
+    home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(home) / "melcache" / "text_lengths"
+
+
+def text_lengths(
+    location: str,
+    index: Mapping[str, Any],
+    tokenizer: Callable[[str], Any],
+    folder: Path,
+    field: str | None = None,
+) -> TextLengths:
+    """The cache's text tokens per table row under ``tokenizer``: the sidecar in ``folder``
+    when it is this table's and tokenizer's and whole, else counted from the texts (the json
+    members only) and written there; with the frames of each row the loader counts, the
+    table's or derived field ``field``'s (its ``rows.npy``). A cache without a table is
+    refused, naming the command that writes one."""
+    if not index.get("table"):
+        raise UserError(
+            f"cache {location}: data.sequence = {TEXT_FRAMES!r} plans on text lengths by the "
+            f"cache's utterances.table, which it has not; python -m preprocess index-table "
+            f"{location} writes one"
+        )
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    binding = {"version": SIDECAR_VERSION, "table": index["table"]["xxh3_128"],
+               "tokenizer": fingerprint}  # fmt: skip
+    stem = folder / f"{binding['table'][:16]}-{fingerprint}"
+    with Cache(location) as cache:
+        shard_rows = np.array(cache.table.column("shard_rows"))
+        per_row = _read_sidecar(stem, binding, len(cache))
+        if per_row is None:
+            per_row = _count(cache, tokenizer, shard_rows)
+            folder.mkdir(parents=True, exist_ok=True)
+            np.save(stem.with_suffix(".npy"), per_row, allow_pickle=False)
+            header = {**binding, "rows": len(per_row), "xxh3_64": _digest(per_row)}
+            write_atomic(stem.with_suffix(".json"), json.dumps(header).encode())
+        frames = cache.lengths if field is None else cache.fields.rows(field)[:, FIELD_FRAMES]
+        return TextLengths(per_row, shard_rows, np.asarray(frames))
+
+
+def _digest(values: np.ndarray) -> str:
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(values).tobytes())
+
+
+def _read_sidecar(stem: Path, binding: Mapping[str, Any], rows: int) -> np.ndarray | None:
+    """The sidecar's lengths where its header binds it to this table and tokenizer and its
+    array is whole; ``None`` (logged where one was there) otherwise."""
+    try:
+        header = json.loads(stem.with_suffix(".json").read_text())
+        values = np.load(stem.with_suffix(".npy"), allow_pickle=False)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("text lengths %s unreadable (%s): counting them again", stem, exc)
+        return None
+    whole = {**binding, "rows": rows, "xxh3_64": _digest(values)}
+    if header != whole or values.dtype != np.int32 or values.shape != (rows,):
+        logger.warning("text lengths %s do not match this table: counting them again", stem)
+        return None
+    return values
+
+
+def _count(cache: Cache, tokenizer: Callable[[str], Any], shard_rows: np.ndarray) -> np.ndarray:
+    """Tokens of every row's text, shard by shard (a shard's json members in one read)."""
+    out = np.zeros(len(cache), dtype=np.int32)
+    for shard in range(len(shard_rows) - 1):
+        start, stop = int(shard_rows[shard]), int(shard_rows[shard + 1])
+        for row, text in zip(range(start, stop), cache.texts(shard), strict=True):
+            out[row] = len(token_ids(tokenizer, text))
+    return out
+
+
+def declared_lengths(
+    frames: Sequence[int],
+    owners: Sequence[Mapping[str, Any]],
+    unit: Iterable[int],
+    shards: Sequence[Mapping[str, Any]],
+    text: TextLengths,
+) -> list[int]:
+    """``text + frames`` of a unit's samples (``frames`` and their shards' entries
+    ``owners``, in unit order; a shard is there whole or not at all, as a unit is read)."""
+    out: list[int] = []
+    for shard in unit:
+        held = sum(1 for owner in owners[len(out) :] if owner is shards[shard])
+        if not held:
+            continue
+        tokens = text.of_shard(shard)
+        if len(tokens) != held:
+            raise ShardError(
+                f"{shards[shard]['name']}: {held} samples read, the table holds {len(tokens)}"
+            )
+        out += (np.asarray(frames[len(out) : len(out) + held]) + tokens).tolist()
+    return out
+
+
+def with_text(
+    sources: Sequence[Any],
+    indexes: Sequence[Mapping[str, Any]],
+    data: Any,
+    tokenizer: Callable[[str], Any],
+) -> tuple[Any, ...]:
+    """The mix's sources (``melcache.loader.spec.Source``, each of the cache at its
+    location, before any field takes its place) with their text lengths where
+    ``data.sequence`` holds text, else as they are."""
+    if data.sequence == FRAMES:
+        return tuple(sources)
+    folder = sidecar_folder(data.cache_dir)
+    field = None if data.read_mel else data.fields[0]  # what the loader counts: docs/fields.md
+    return tuple(
+        dataclasses.replace(
+            source, text=text_lengths(source.location, index, tokenizer, folder, field)
+        )
+        for source, index in zip(sources, indexes, strict=True)
+    )
+
+
+def sequence_tops(sources: Sequence[Any], data: Any) -> list[list[int] | None]:
+    """Per source, each shard's longest declared sequence (``None``: frames, the index's
+    own); a shard whose longest does not fit its bucket's budget is refused by name."""
+    out: list[list[int] | None] = []
+    for source in sources:
+        if source.text is None:
+            out.append(None)
+            continue
+        tops = source.text.tops(source.shards)
+        for entry, top in zip(source.shards, tops, strict=True):
+            budget = data.budget(entry["bucket"])
+            if -(-top // data.pad_multiple) * data.pad_multiple > budget:
+                raise UserError(
+                    f"{source.location}: shard {entry['name']} holds an utterance of {top} "
+                    f"text + frames positions, over data.batch_frames = {budget} (bucket "
+                    f"{entry['bucket']}); with data.sequence = {TEXT_FRAMES!r} the budget "
+                    "counts text and frames"
+                )
+        out.append(tops)
+    return out
