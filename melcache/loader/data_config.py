@@ -136,12 +136,6 @@ class DataConfig:
             self.sequence,
             '"frames" with data.sync_buckets = false (the stream of earlier releases)',
         )
-        require(  # a selection's picks count frames alone (melcache/loader/balance.py)
-            self.sequence == "frames" or not (self.where or self.balance),
-            "data.sequence",
-            self.sequence,
-            '"frames" with data.where or data.balance',
-        )
         require(self.on_error in ON_ERROR, "data.on_error", self.on_error, " or ".join(ON_ERROR))
         require(
             self.shard_check in SHARD_CHECKS,

@@ -115,37 +115,49 @@ def substreams(
             out += _split(source, bucket, units, counts, shards, data.split)
     if chosen:
         out = [
-            sub for source, pick in enumerate(chosen) for sub in _chosen(out, source, pick, data)
+            sub
+            for source, pick in enumerate(chosen)
+            for sub in _chosen(out, source, pick, data, tops[source] if tops else None)
         ]
     return tuple(sub for sub in out if sub.per_epoch)  # data.where may leave a range empty
 
 
 def _chosen(
-    subs: Sequence[SubStream], source: int, chosen: Chosen, data: DataConfig
+    subs: Sequence[SubStream],
+    source: int,
+    chosen: Chosen,
+    data: DataConfig,
+    top: Sequence[int] | None,
 ) -> list[SubStream]:
     """The sub-streams of cache ``source`` with the copies ``chosen`` deals their units,
-    dealt over all of them at once (a speaker's remainder carried across buckets too)."""
+    dealt over all of them at once (a speaker's remainder carried across buckets too);
+    ``top``: each shard's longest declared sequence, if not frames."""
     mine = [sub for sub in subs if sub.source == source]
     picks = iter(allocate(chosen, [unit for sub in mine for unit in sub.units]))
-    return [_picked(sub, [next(picks) for _ in sub.units], chosen, data) for sub in mine]
+    return [_picked(sub, [next(picks) for _ in sub.units], chosen, data, top) for sub in mine]
 
 
 def _picked(
-    sub: SubStream, picks: Sequence[UnitPicks], chosen: Chosen, data: DataConfig
+    sub: SubStream,
+    picks: Sequence[UnitPicks],
+    chosen: Chosen,
+    data: DataConfig,
+    top: Sequence[int] | None,
 ) -> SubStream:
     """``sub`` with its units' ``picks``: each unit's batches and the epoch's frames counted
-    from them, the longest utterance a unit may hold that of its rows ever picked."""
+    from them, the longest utterance a unit may hold that of its rows ever picked (with a
+    declared sequence, its shards' longest: a bound, as the text is not per row here)."""
     counts = tuple(
         even_batch_count(
             pick.size,
-            int(chosen.frames[pick.rows].max(initial=0)),
+            max(top[s] for s in unit) if top else int(chosen.frames[pick.rows].max(initial=0)),
             batch_frames=data.budget(sub.bucket),
             max_batch_size=data.max_batch_size,
             pad_multiple=data.pad_multiple,
         )
         if pick.size
         else 0
-        for pick in picks
+        for unit, pick in zip(sub.units, picks, strict=True)
     )
     frames = sum(float(chosen.frames[p.rows] @ p.weights) for p in picks)
     return dataclasses.replace(sub, batches=counts, frames=round(frames), picks=tuple(picks))

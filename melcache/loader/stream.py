@@ -159,7 +159,12 @@ def bucket_batches(
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
             count = min(sub.batches[place], len(members.frames))
             data, lengths = spec.data, members.frames
-            if source.text is not None:  # data.sequence = "text+frames": cut on S
+            if source.text is not None and sub.picks:  # text+frames, chosen rows: cut on S
+                lengths = [
+                    f + int(source.text.per_row[r])
+                    for f, r in zip(lengths, members.rows, strict=True)
+                ]
+            elif source.text is not None:  # data.sequence = "text+frames": cut on S
                 lengths = declared_lengths(
                     lengths, members.owners, unit, source.shards, source.text
                 )
