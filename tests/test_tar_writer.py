@@ -1,0 +1,65 @@
+"""The shard tar writer writes what webdataset's TarWriter wrote before it, byte for byte, so
+caches built before and after it are the same files. In-process and quick."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from melcache.format import TAR_MTIME, TAR_OWNER, encode_sample, open_tar_writer, tar_members
+
+
+def _samples(seed: int, count: int) -> list[dict]:
+    """Samples of every shape a shard holds: sizes on and off the 512-byte blocks, empty
+    members, keys that need a pax header (long, non-ASCII), audio and extra members."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(count):
+        key = ["utt", "spk-ü_é", "x" * 130, "é" * 60][i % 4] + f"{i:05d}"
+        frames = int(rng.integers(0, 700))
+        meta = {"text": "héllo " * int(rng.integers(0, 90)), "frames": frames, "bucket": i}
+        sample = encode_sample(key, rng.normal(size=(frames, 100)).astype(np.float16), meta)
+        if i % 3 == 0:
+            sample["flac"] = rng.bytes(int(rng.choice([0, 511, 512, 513, 1024, 10240, 99_999])))
+        if i % 5 == 0:
+            sample["_ignored"] = b"metadata both writers leave out"
+        samples.append(sample)
+    return samples
+
+
+def _webdataset_bytes(samples: list[dict]) -> bytes:
+    buffer = io.BytesIO()
+    with wds.TarWriter(
+        buffer, user=TAR_OWNER, group=TAR_OWNER, encoder=False, mtime=TAR_MTIME
+    ) as writer:
+        for sample in samples:
+            writer.write(sample)
+    return buffer.getvalue()
+
+
+def _our_bytes(samples: list[dict]) -> bytes:
+    buffer = io.BytesIO()
+    with open_tar_writer(buffer) as writer:
+        for sample in samples:
+            writer.write(sample)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("seed", "count"), [(0, 0), (1, 1), (2, 7), (3, 40)])
+def test_shards_are_the_bytes_webdataset_wrote(seed: int, count: int) -> None:
+    samples = _samples(seed, count)
+    ours = _our_bytes(samples)
+    assert ours == _webdataset_bytes(samples)
+    assert len(ours) % 10240 == 0  # whole tar records, as tarfile ends an archive
+    if count:
+        keys = {key for key, _, _ in tar_members(ours, "written")}
+        assert keys == {s["__key__"] for s in samples}
+
+
+def test_write_returns_the_data_bytes() -> None:
+    sample = {"__key__": "k", "json": b"{}", "mel.npy": bytes(1000), "_skip": b"xx"}
+    with open_tar_writer(io.BytesIO()) as writer:
+        assert writer.write(sample) == 1002
