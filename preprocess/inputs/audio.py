@@ -58,7 +58,7 @@ def load_mono(
     if audio.shape[0] == 0:
         raise AudioError("empty audio: no samples")
     mono = audio.mean(axis=1, dtype=np.float32) if audio.shape[1] > 1 else audio[:, 0]
-    peak = float(np.max(np.abs(mono)))
+    peak = max(float(mono.max()), -float(mono.min()))  # |x|'s max without an |x| array
     if not math.isfinite(peak):  # float audio from a broken resampler or DSP export
         raise AudioError("non-finite audio: NaN or infinite samples")
     if peak <= 10 ** (silence_dbfs / 20):
