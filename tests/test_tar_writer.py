@@ -1,5 +1,6 @@
-"""The shard tar writer writes what webdataset's TarWriter wrote before it, byte for byte, so
-caches built before and after it are the same files. In-process and quick."""
+"""The shard writer writes what the libraries it replaced wrote, byte for byte (webdataset's
+TarWriter, np.save), so caches built before and after it are the same files. In-process and
+quick."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from melcache.format import TAR_MTIME, TAR_OWNER, encode_sample, open_tar_writer, tar_members
+from melcache.format import (
+    TAR_MTIME,
+    TAR_OWNER,
+    encode_npy,
+    encode_sample,
+    open_tar_writer,
+    tar_members,
+)
 
 
 def _samples(seed: int, count: int) -> list[dict]:
@@ -63,3 +71,19 @@ def test_write_returns_the_data_bytes() -> None:
     sample = {"__key__": "k", "json": b"{}", "mel.npy": bytes(1000), "_skip": b"xx"}
     with open_tar_writer(io.BytesIO()) as writer:
         assert writer.write(sample) == 1002
+
+
+def test_mel_npy_is_what_np_save_writes() -> None:
+    rng = np.random.default_rng(0)
+    shapes = [
+        (0, 100),
+        (1, 100),
+        (7, 80),
+        (3, 1),
+        *((int(n), 100) for n in rng.integers(0, 3000, 50)),
+    ]
+    for shape in shapes:
+        for mel in (rng.normal(size=shape), np.asfortranarray(rng.normal(size=shape))):
+            saved = io.BytesIO()
+            np.save(saved, np.ascontiguousarray(mel, dtype="<f2"), allow_pickle=False)
+            assert encode_npy(mel) == saved.getvalue()
