@@ -43,8 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 def child_build(src: Path, out: Path, workers: int, table: bool) -> None:
     """One build in this process; prints its wall and the table step's seconds."""
     import preprocess.write.finish as finish
-    import preprocess.write.shard as writer
-    from preprocess.cli import main
+    import preprocess.write.mel_shard as writer
+    from preprocess.arguments import main
 
     spent = {"table_s": 0.0}
     write = finish.write_cache_table
@@ -154,7 +154,7 @@ def plan_table(size: int, data: Path) -> dict[str, Any]:
     from melcache.table import TableRows, encode_table
     from preprocess.build import BuildOptions, build
     from preprocess.config import load_config
-    from preprocess.plan.shards import planned_shard
+    from preprocess.plan.shard_plan import planned_shard
 
     manifest = make_manifest(data, size)
     rows_by_source = {}

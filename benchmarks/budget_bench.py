@@ -7,7 +7,7 @@ Makes (or reuses) the loader benchmark's corpus and cache (``benchmarks.loader_b
 espeak-ng speech, the default build config's 10 length buckets), runs ``python -m train tune``
 on CPU with ``configs/tiny.toml`` (fp32, ``max_batch_size`` 64 as the loader benchmark's) against
 ``--memory-limit-mib`` of live tensors (384 puts the global budget near that benchmark's 8,000), then
-plans one epoch of every shard exactly as the loader does (``melcache.loader.batching.plan_batches``,
+plans one epoch of every shard exactly as the loader does (``melcache.batch_plans.plan_batches``,
 same seed) under
 
 - one global budget: the smallest entry of the tuned table (the longest bucket's, but for
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loader_bench import prepare
+from melcache.batch_plans import BATCH_PLAN, make_rng, padding_fraction, plan_batches, round_up
 from melcache.index import read_index
-from melcache.loader.batching import BATCH_PLAN, make_rng, padding_fraction, plan_batches, round_up
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
 from train.config.tables import load_config

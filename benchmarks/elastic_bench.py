@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from benchmarks.trainer_bench import build_sample_cache
+from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.loader import DataConfig, StreamLoader, make_loader
-from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.resume.elsewhere import unread
 from melcache.loader.schedule import SubStream, fresh_deal
 

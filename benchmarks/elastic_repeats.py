@@ -38,7 +38,7 @@ from pathlib import Path
 from benchmarks.schedule_bench import ensure_cache
 from melcache.access import open_cache
 from melcache.loader import Batch, DataConfig, make_loader
-from melcache.loader.make import StreamLoader
+from melcache.loader.stream_loader import StreamLoader
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,10 +72,10 @@ from torch.utils.data import DataLoader
 import train.trainer
 from benchmarks.loader_bench import OnTheFlyMels
 from benchmarks.speech import make_corpus
+from melcache.batch_plans import padding_fraction, round_up
 from melcache.errors import UserError
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.loader.batch import PAD_ID, Batch
-from melcache.loader.batching import padding_fraction, round_up
 from train.config.tables import Config, load_config
 from train.parallel.env import Env
 from train.run.metrics import peak_memory

@@ -55,11 +55,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.speech import make_corpus
+from melcache.batch_plans import padding_fraction
 from melcache.features import FeatureConfig, features_from_dict
 from melcache.index import read_index, write_index
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.batch import utf8_tokens
-from melcache.loader.batching import padding_fraction
 from preprocess.write.extractor import MelExtractor
 
 

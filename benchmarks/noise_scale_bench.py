@@ -1,4 +1,4 @@
-"""The noise-scale monitor (``train/adapt/monitor.py``) against the brute-force B_simple.
+"""The noise-scale monitor (``train/adapt/noise_scale.py``) against the brute-force B_simple.
 
     python -m benchmarks.noise_scale_bench [--steps N] [--json FILE]
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from train.adapt.monitor import NoiseScale
+from train.adapt.noise_scale import NoiseScale
 from train.parallel.env import Env, leave_together
 
 DIM, POPULATION, NOISE = 32, 50_000, 1.0

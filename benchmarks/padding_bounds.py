@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks.synthetic_cache import SyntheticCache, draw_cache
 from melcache.access import open_cache
-from melcache.loader.batching import (
+from melcache.batch_plans import (
     make_rng,
     padding_fraction,
     plan_batches,

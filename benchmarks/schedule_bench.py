@@ -61,8 +61,8 @@ from benchmarks.step_costs import (
     typical_shapes,
 )
 from benchmarks.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
+from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.loader import DataConfig, StreamLoader, make_loader
-from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.spec import StreamSpec
 from melcache.loader.stream import planned_stream
 
@@ -92,7 +92,7 @@ def measure_plans(
     plan: int = BATCH_PLAN_VERSION,
 ) -> dict:
     """Part 2: the same from plans, at any number of ranks, by :func:`plan_rows` (``plan``:
-    the even cut's, ``melcache.loader.batching.plan_even_batches``)."""
+    the even cut's, ``melcache.batch_plans.plan_even_batches``)."""
     sync = how != "previous"
     options = dataclasses.replace(data, sync_buckets=sync, num_workers=0)
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from melcache.batch_plans import COST_CUT_PLAN, padding_fraction, round_up
 from melcache.loader.batch import BYTE_VOCAB_SIZE, utf8_tokens
-from melcache.loader.batching import COST_CUT_PLAN, padding_fraction, round_up
 from melcache.loader.data_config import ATTENTION_FRAMES
 from melcache.loader.schedule import make_schedule
 from melcache.loader.spec import StreamSpec

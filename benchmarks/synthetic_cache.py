@@ -4,7 +4,7 @@ A 50 h or 200 h cache takes hours to synthesise and build here; the schedule, th
 even cut and the FLOP model need only each utterance's frames and text length. So a table of
 utterances is drawn (durations 0.8–32 s, log-normal around 3.75 s, texts at the characters per
 second of ``benchmarks.speech``'s espeak-ng pool), bucketed and cut into shards by the build's
-own planner (``preprocess.plan.shards``: default buckets, 128 MB shards at fp16 storage), and
+own planner (``preprocess.plan.shard_plan``: default buckets, 128 MB shards at fp16 storage), and
 the loader's real planning code runs over index entries made from it, with
 ``melcache.loader.shard_reads.read_shard`` answering from the table (empty mels: nothing decodes).
 """
@@ -20,16 +20,16 @@ import numpy as np
 
 import melcache.loader.shard_reads as shard_reads
 from benchmarks.speech import plan_pool
+from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
-from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import make_schedule, substreams
-from melcache.loader.spec import Source, StreamSpec
+from melcache.loader.spec import MixCache, StreamSpec
 from melcache.reader import RawSample
 from melcache.storage import BYTES_PER_VALUE
 from preprocess.config import BuildConfig
-from preprocess.plan.shards import SAMPLE_OVERHEAD_BYTES, _buckets, _cut_shards
+from preprocess.plan.shard_plan import SAMPLE_OVERHEAD_BYTES, _buckets, _cut_shards
 
 # A mean of 4.8 s: 37,500 utterances in 50 h, as the issue's cache.
 MIN_SECONDS, MAX_SECONDS, MEDIAN_SECONDS, SIGMA = 0.8, 32.0, 3.75, 0.7
@@ -94,8 +94,8 @@ def synthetic_spec(
     plan: int = BATCH_PLAN_VERSION,
 ) -> StreamSpec:
     """The spec ``make_loader`` would give rank ``rank`` of ``world_size`` over the cache
-    (``plan``: the even cut's sort, ``melcache.loader.batching.sort_order``)."""
-    sources = (Source(LOCATION, cache.shards),)
+    (``plan``: the even cut's sort, ``melcache.batch_plans.sort_order``)."""
+    sources = (MixCache(LOCATION, cache.shards),)
     subs = substreams([cache.shards], data, data.sync_buckets)
     schedule = make_schedule(subs, [1.0], seed=seed, sync=data.sync_buckets)
     return StreamSpec(sources=sources, subs=subs, schedule=schedule, data=data, rank=rank,

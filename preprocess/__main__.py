@@ -2,6 +2,6 @@
 
 import sys
 
-from preprocess.cli import main
+from preprocess.arguments import main
 
 sys.exit(main())

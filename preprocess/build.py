@@ -1,8 +1,8 @@
 """``preprocess build``: scan → plan → write shards in parallel → index.
 
 Each part scans its share of the corpus (:mod:`preprocess.plan.scan`); the plan is made from all
-the scans and saved beside them (:mod:`preprocess.plan.shards`). Each shard is written whole and
-acknowledged by a receipt (:mod:`preprocess.write.shard`). A rerun reuses the scans and the plan of
+the scans and saved beside them (:mod:`preprocess.plan.shard_plan`). Each shard is written whole and
+acknowledged by a receipt (:mod:`preprocess.write.mel_shard`). A rerun reuses the scans and the plan of
 an unchanged corpus and skips every shard with a valid receipt, so a build killed at any
 moment resumes where it was and ends byte-identical to an uninterrupted one. The index is
 written last, from the receipts, by the part that finds them all. With ``--out s3://…`` the
@@ -30,7 +30,7 @@ from melcache.format import (
 )
 from preprocess.config import BuildConfig
 from preprocess.inputs.corpus import open_corpus
-from preprocess.inputs.layout import RECEIPTS, Corpus
+from preprocess.inputs.records import RECEIPTS, Corpus
 from preprocess.job.owners import running_build, sweep_temps
 from preprocess.job.part import Meeting
 from preprocess.job.pool import Runner, ordered_map
@@ -42,7 +42,7 @@ from preprocess.plan.scan import (
     scan_meta,
     scan_part,
 )
-from preprocess.plan.shards import (
+from preprocess.plan.shard_plan import (
     Plan,
     length_rejections,
     load_plan,
@@ -51,7 +51,7 @@ from preprocess.plan.shards import (
     save_plan,
 )
 from preprocess.write.finish import finish_cache
-from preprocess.write.shard import (
+from preprocess.write.mel_shard import (
     build_shard_job,
     init_worker,
     recipe,

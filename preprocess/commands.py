@@ -1,4 +1,4 @@
-"""What each ``python -m preprocess`` subcommand runs, once ``preprocess/cli.py`` has parsed
+"""What each ``python -m preprocess`` subcommand runs, once ``preprocess/arguments.py`` has parsed
 its arguments. The build's modules import torch, so each command imports what it needs when
 it runs: ``--help`` and a mistyped option stay fast."""
 

@@ -37,7 +37,7 @@ from melcache.fields.format import (
 )
 from melcache.format import INDEX_NAME, write_atomic
 from melcache.index import index_storage, read_index, write_index
-from preprocess.inputs.layout import RECEIPTS
+from preprocess.inputs.records import RECEIPTS
 from preprocess.job.owners import live_builds, running_build, sweep_temps
 from preprocess.job.part import Meeting
 from preprocess.job.pool import ordered_map

@@ -40,9 +40,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from melcache.batch_plans import round_up  # noqa: E402
 from melcache.errors import UserError  # noqa: E402
 from melcache.loader import Batch  # noqa: E402
-from melcache.loader.batching import round_up  # noqa: E402
 from train.config.tables import load_config  # noqa: E402
 from train.memory.probes import MemoryCap, agreement, tensor_bytes  # noqa: E402
 from train.parallel.env import setup, teardown  # noqa: E402

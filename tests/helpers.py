@@ -95,7 +95,7 @@ max_seconds = 4.5
 
 
 # ---- fault injection ---------------------------------------------------------------------
-RECEIPTS = ".build"  # preprocess.write.shard.RECEIPTS; importing it would import torch here
+RECEIPTS = ".build"  # preprocess.write.mel_shard.RECEIPTS; importing it would import torch here
 # Capabilities that let root read and search anything whatever its mode bits say.
 READ_OVERRIDES = "-dac_override,-dac_read_search"
 

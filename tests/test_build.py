@@ -22,9 +22,9 @@ from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
 from melcache.loader import DataConfig, make_loader
 from preprocess.config import BuildConfig
-from preprocess.inputs.layout import Corpus
-from preprocess.plan.shards import PlannedShard, PlannedUtterance
-from preprocess.write import shard as writer
+from preprocess.inputs.records import Corpus
+from preprocess.plan.shard_plan import PlannedShard, PlannedUtterance
+from preprocess.write import mel_shard as writer
 
 
 def read_samples(shard: Path) -> list[dict]:

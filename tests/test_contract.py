@@ -21,6 +21,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from melcache.batch_plans import padding_fraction
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
 from melcache.format import (
@@ -34,7 +35,6 @@ from melcache.format import (
     tar_members,
 )
 from melcache.index import read_index, read_stats, write_stats
-from melcache.loader.batching import padding_fraction
 from melcache.reader import DIGESTS, ShardCheck, integrity_problems, read_shard
 from melcache.sections import make_section
 from preprocess.check.verify import verify

@@ -23,7 +23,7 @@ from melcache.loader.batch import extras_rows, stand_in_extras
 from melcache.loader.data_config import DataConfig
 from melcache.loader.units import ranged_unit
 from melcache.reader import ShardCheck, read_shard
-from preprocess.inputs.layout import key_base
+from preprocess.inputs.records import key_base
 
 CONFIG = """
 [build]

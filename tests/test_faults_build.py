@@ -60,7 +60,7 @@ from melcache.lock import process_stat
 from preprocess.check.verify import verify
 from preprocess.inputs.audio import resampled_length
 from preprocess.inputs.corpus import open_corpus, share
-from preprocess.inputs.layout import Found, Slice
+from preprocess.inputs.records import Found, Slice
 from preprocess.job.owners import sweep_temps
 
 pytestmark = pytest.mark.slow  # builds in subprocesses, kills, a tiny disk: the full tier
@@ -386,7 +386,7 @@ UNPRIVILEGED_PROBE = """
 import json, sys
 from pathlib import Path
 from preprocess.inputs.audio import AudioError, probe
-from preprocess.inputs.layout import Slice
+from preprocess.inputs.records import Slice
 from preprocess.inputs.corpus import open_corpus, share
 from melcache.errors import UserError
 found = {}

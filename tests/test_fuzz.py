@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from helpers import recorded
 
+from melcache.batch_plans import make_rng, plan_batches, round_up
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
 from melcache.format import (
@@ -36,7 +37,6 @@ from melcache.format import (
 from melcache.index import read_index, write_index, write_stats
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.batch import collate, utf8_tokens
-from melcache.loader.batching import make_rng, plan_batches, round_up
 from melcache.reader import ShardCheck, read_shard
 from preprocess.check.inspect import summarize
 from preprocess.check.verify import verify

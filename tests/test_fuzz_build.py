@@ -27,8 +27,8 @@ from melcache.errors import UserError
 from preprocess.inputs.archives import audio_input, parse_text_member, read_member, tar_samples
 from preprocess.inputs.audio import AudioError, probe
 from preprocess.inputs.corpus import open_corpus, parse_manifest_line, read_transcript
-from preprocess.inputs.layout import Corpus, Found, Rejection
 from preprocess.inputs.parquet import parquet_rows
+from preprocess.inputs.records import Corpus, Found, Rejection
 from preprocess.inputs.where import Where
 
 RATE = 24000

@@ -27,8 +27,8 @@ from melcache.index import read_index
 from preprocess.inputs.archives import TEXT_MEMBER_LIMIT, read_member, tar_samples
 from preprocess.inputs.audio import AudioError, probe
 from preprocess.inputs.corpus import open_corpus, read_transcript, read_transcript_file, share
-from preprocess.inputs.layout import Corpus, Found, Rejection, Slice
 from preprocess.inputs.parquet import parquet_rows
+from preprocess.inputs.records import Corpus, Found, Rejection, Slice
 from preprocess.inputs.where import Where
 from preprocess.plan.scan import scan_meta
 

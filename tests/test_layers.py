@@ -3,7 +3,7 @@
 Each room has a rank; a module may import its own room and rooms of a lower rank in its
 stack, never a higher one nor a sibling of the same rank. Every import counts, also those
 inside functions and under ``TYPE_CHECKING``: an upward import hidden in a function is still
-a cycle waiting to happen. README "Layout" explains why each room exists.
+a cycle waiting to happen. docs/layout.md explains why each room exists.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, int]] = {
     "melcache.loader": ("base", 1),
     "preprocess.config": ("preprocess", 2),  # the [build] table
     "preprocess.job": ("preprocess", 2),  # how a build's processes cooperate
-    "preprocess.inputs": ("preprocess", 2),  # one file per corpus layout
+    "preprocess.inputs": ("preprocess", 2),  # the corpus layouts and the records they yield
     "preprocess.plan": ("preprocess", 3),
     "preprocess.write": ("preprocess", 4),
     "preprocess.check": ("preprocess", 5),
@@ -113,15 +113,19 @@ def test_every_import_runs_downward() -> None:
     ("where", "source", "upward"),
     [
         ("melcache/loader/stream.py", "from train.run.metrics import Metrics", True),
-        ("melcache/format.py", "import melcache.loader.make", True),  # format → loader
+        ("melcache/format.py", "import melcache.loader.stream_loader", True),  # format → loader
         ("train/optim/scaler.py", "def f():\n    from train.parallel import distributed", True),
         ("train/adapt/spikes.py", "from train.memory.oom import OomGuard", True),  # a sibling
         ("train/config/tables.py", "from train.trainer import Trainer", True),  # room → root
-        ("preprocess/cli.py", "from train.data import make_loader", True),  # build → trainer
+        ("preprocess/arguments.py", "from train.data import make_loader", True),  # build → trainer
         ("train/run/parts.py", "from preprocess.build import build", True),  # trainer → build
-        ("melcache/loader/make.py", "from . import stream\nfrom ..access import open", False),
+        (
+            "melcache/loader/stream_loader.py",
+            "from . import stream\nfrom ..access import open",
+            False,
+        ),
         ("train/run/parts.py", "from train.model import contract", False),
-        ("preprocess/inputs/audio.py", "from preprocess.plan import shards", True),
+        ("preprocess/inputs/audio.py", "from preprocess.plan import shard_plan", True),
         ("preprocess/check/verify.py", "from preprocess.write import index_table", False),
     ],
 )
@@ -134,7 +138,7 @@ def test_an_upward_import_is_caught(where: str, source: str, upward: bool) -> No
 def import_graph() -> dict[str, set[str]]:
     """module → the house's modules it imports (every import, also in functions and under
     ``TYPE_CHECKING``), each named by the longest prefix that is a module file: ``from
-    melcache.loader.make import StreamLoader`` is an edge to ``melcache.loader.make``."""
+    melcache.loader.stream_loader import StreamLoader`` is an edge to ``melcache.loader.stream_loader``."""
     files = package_files()
     modules = {module_name(path) for path in files}
     graph: dict[str, set[str]] = {}
@@ -189,7 +193,7 @@ def test_the_loaders_face_is_lazy_and_whole() -> None:
         "import sys, melcache.loader as L\n"
         "from melcache.loader import DataConfig\n"
         "assert 'melcache.loader.workers' not in sys.modules, sorted(sys.modules)\n"
-        "assert 'melcache.loader.make' not in sys.modules, sorted(sys.modules)\n"
+        "assert 'melcache.loader.stream_loader' not in sys.modules, sorted(sys.modules)\n"
         "assert sorted(L.__all__) == sorted(L._WHERE), L.__all__\n"
         "assert all(getattr(L, name) is not None for name in L.__all__)\n"
         "assert issubclass(L.LoaderStateError, Exception)\n"
@@ -202,7 +206,7 @@ def test_the_loaders_face_is_lazy_and_whole() -> None:
 # Public module-level functions that share a name on purpose (docs/layout.md, "One name, one
 # meaning"): each is the same role in a parallel room, reached through its module's name.
 SHARED_NAMES = {
-    "main": "each command's entry point (preprocess/cli.py, train/__main__.py)",
+    "main": "each command's entry point (preprocess/arguments.py, train/__main__.py)",
     "load_config": "each package's own TOML (the build's, the trainer's); they never meet",
     "init_worker": "each pool's initializer (a shard writer's, a field encoder's)",
     "read_range": "location.read_range dispatches to objectstore.read_range for s3://",

@@ -28,6 +28,7 @@ import melcache.loader.batch
 import melcache.loader.shard_reads
 import melcache.loader.stream
 from melcache.access import Cache
+from melcache.batch_plans import make_rng, plan_batches, round_up, worker_shards
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
 from melcache.format import (
@@ -42,7 +43,6 @@ from melcache.format import (
     tar_members,
 )
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
-from melcache.loader.batching import make_rng, plan_batches, round_up, worker_shards
 from melcache.loader.transport import BatchRing
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")

@@ -16,7 +16,7 @@ from preprocess.config import BuildConfig
 from preprocess.inputs.corpus import open_corpus
 from preprocess.inputs.where import Where
 from preprocess.plan.scan import Scan, part_folder, scan_folder, scan_part
-from preprocess.plan.shards import make_plan, planned_shard
+from preprocess.plan.shard_plan import make_plan, planned_shard
 
 
 def in_process(fn, items, chunksize=1):  # the Runner of one worker

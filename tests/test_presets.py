@@ -10,7 +10,7 @@ from helpers import REPO, SAMPLE_CORPUS
 
 from melcache.errors import UserError
 from melcache.sections import find_config, preset_names
-from preprocess.cli import main as preprocess_main
+from preprocess.arguments import main as preprocess_main
 from preprocess.config import load_config as load_build_config
 from train.config.tables import load_config as load_train_config
 

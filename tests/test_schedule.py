@@ -20,10 +20,7 @@ import pytest
 import torch
 from helpers import REPO, metrics, run_ok, train_cmd
 
-from melcache.errors import UserError
-from melcache.format import INDEX_NAME
-from melcache.loader import DataConfig, StreamLoader, make_loader
-from melcache.loader.batching import (
+from melcache.batch_plans import (
     even_batch_count,
     even_units,
     make_rng,
@@ -31,6 +28,9 @@ from melcache.loader.batching import (
     plan_even_batches,
     round_up,
 )
+from melcache.errors import UserError
+from melcache.format import INDEX_NAME
+from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.data_config import SYNC_SPLIT
 from melcache.loader.schedule import locate
 from melcache.loader.stream import planned_stream

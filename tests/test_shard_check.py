@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from melcache.batch_plans import worker_shards
 from melcache.errors import ShardError
 from melcache.index import read_index, write_index
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
-from melcache.loader.batching import worker_shards
 from melcache.loader.workers import StaysFailed
 
 SEED = 1

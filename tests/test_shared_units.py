@@ -22,9 +22,9 @@ import melcache.loader.shard_reads
 import melcache.loader.spec
 import melcache.loader.units
 from melcache.access import Cache
+from melcache.batch_plans import _GreedyRuns
 from melcache.errors import ShardError, UserError
 from melcache.loader import DataConfig, StreamLoader, make_loader
-from melcache.loader.batching import _GreedyRuns
 from melcache.loader.stream import planned_stream
 from melcache.table import TABLE_NAME
 
@@ -133,7 +133,7 @@ def test_slots_sharing_a_cache_without_a_table_are_told_how_to_write_one(
 
     def warned(cache: Path, rank: int = 0, world_size: int = RANKS) -> list[str]:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="melcache.loader.make"):
+        with caplog.at_level(logging.WARNING, logger="melcache.loader.stream_loader"):
             make_loader(cache, DataConfig(**DATA), rank=rank, world_size=world_size)  # type: ignore[arg-type]
         return [record.getMessage() for record in caplog.records]
 

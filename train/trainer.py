@@ -8,7 +8,7 @@ all-reduced once; the loss is Σ per-frame losses ÷ that global frame count, so
 every utterance weighs the same whatever the batching, accumulation or world size. Then the
 ranks vote on the host (a stop signal; a share of the step lost to an out-of-memory error,
 which drops the step everywhere; a spike the device flagged the step before); unscale
-(fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt/controller.py``); step,
+(fp16); measure (grad norm, clipping, spike flag, noise scale: ``train/adapt/step_measures.py``); step,
 schedule, EMA. Nothing in the step reads a device value on the host. The number of
 micro-batches a step takes follows ``train/adapt/batch_ramp.py``; after ``train.adapt.spike_rewind_after``
 spike skips in a row the loop goes back to the last checkpoint (``train/run/resume.py``).

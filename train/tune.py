@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 
+from melcache.batch_plans import round_up
 from melcache.errors import UserError
 from melcache.fields.format import cache_fields
 from melcache.index import read_index
 from melcache.loader import bucket_lengths
 from melcache.loader.batch import Batch, stand_in_extras
-from melcache.loader.batching import round_up
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
 from train.config.tables import Config

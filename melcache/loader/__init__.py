@@ -20,12 +20,12 @@ _WHERE = {
     "PAD_ID": "melcache.loader.batch",
     "Batch": "melcache.loader.batch",
     "utf8_tokens": "melcache.loader.batch",
-    "BatchIterator": "melcache.loader.batch_iterator",
-    "LoaderClosed": "melcache.loader.batch_iterator",
+    "BatchIterator": "melcache.loader.iterator",
+    "LoaderClosed": "melcache.loader.iterator",
     "DataConfig": "melcache.loader.data_config",
     "LoaderStateError": "melcache.loader.resume.state",
-    "StreamLoader": "melcache.loader.make",
-    "make_loader": "melcache.loader.make",
+    "StreamLoader": "melcache.loader.stream_loader",
+    "make_loader": "melcache.loader.stream_loader",
     "bucket_lengths": "melcache.loader.mix",
 }
 
@@ -45,11 +45,11 @@ __all__ = [
 
 if TYPE_CHECKING:  # what a type checker and an editor see; never run
     from melcache.loader.batch import BYTE_VOCAB_SIZE, PAD_ID, Batch, utf8_tokens
-    from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
     from melcache.loader.data_config import DataConfig
-    from melcache.loader.make import StreamLoader, make_loader
+    from melcache.loader.iterator import BatchIterator, LoaderClosed
     from melcache.loader.mix import bucket_lengths
     from melcache.loader.resume.state import LoaderStateError
+    from melcache.loader.stream_loader import StreamLoader, make_loader
 
 
 def __getattr__(name: str) -> Any:

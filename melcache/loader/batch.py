@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from melcache.batch_plans import round_up
 from melcache.codec import decode_mel_into
 from melcache.errors import ShardError, UserError
 from melcache.extras import REFERENCE
 from melcache.format import finite_mel
-from melcache.loader.batching import round_up
 from melcache.reader import RawSample
 
 PAD_ID = 0

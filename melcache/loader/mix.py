@@ -15,15 +15,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from melcache.batch_plans import round_up
 from melcache.errors import UserError
 from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
 from melcache.fields.store import FieldStore
 from melcache.index import read_index
-from melcache.loader.batching import round_up
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
-from melcache.loader.spec import Source
+from melcache.loader.spec import MixCache
 from melcache.location import is_url, member_location, reads_ranges
 from melcache.remote import objectstore
 from melcache.remote.disk_cache import check_bound, check_folder
@@ -37,7 +37,7 @@ CacheArg = str | Path | Sequence[str | Path] | Mapping[str, float]
 class OpenedMix:
     """The caches, their parsed indexes, their one feature config and frame shares."""
 
-    sources: tuple[Source, ...]
+    sources: tuple[MixCache, ...]
     indexes: tuple[dict[str, Any], ...]
     features: FeatureConfig
     weights: tuple[float, ...]
@@ -68,7 +68,7 @@ def open_mix(
                 )
     hours = [sum(s["frames"] for s in index["shards"]) for index in indexes]
     sources = tuple(
-        Source(where, tuple(index["shards"]), ranged=_reads_by_table(where, index, data))
+        MixCache(where, tuple(index["shards"]), ranged=_reads_by_table(where, index, data))
         for where, index in zip(locations, indexes, strict=True)
     )
     weights = tuple(mix_weights(hours, given, data.mix_temperature))
@@ -195,7 +195,7 @@ def with_fields(mix: OpenedMix, data: DataConfig, by: str = "data.fields") -> Op
 
 
 def _reads_by_table(where: str, index: dict[str, Any], data: DataConfig) -> bool:
-    """Whether bucket readers read only their batches' samples (see ``Source.ranged``): a
+    """Whether bucket readers read only their batches' samples (see ``MixCache.ranged``): a
     local cache whose index lists a table, unless every read must be checked by sha256; the
     table is checked here, so a damaged one is one error before any worker starts."""
     if not (data.sync_buckets and data.shard_check != "sha256" and index.get("table")):
@@ -207,7 +207,7 @@ def _reads_by_table(where: str, index: dict[str, Any], data: DataConfig) -> bool
 
 
 def whole_shared_reads(
-    sources: Sequence[Source], subs: Sequence[SubStream], data: DataConfig, num_slots: int
+    sources: Sequence[MixCache], subs: Sequence[SubStream], data: DataConfig, num_slots: int
 ) -> list[str]:
     """One line per local cache whose shards the job's slots share but must read whole, as it
     has no table: each slot then reads all of a unit for its few batches of it. (``shard_check
@@ -225,7 +225,7 @@ def whole_shared_reads(
     ]
 
 
-def check_layout(sources: Sequence[Source], data: DataConfig, num_slots: int) -> None:
+def check_layout(sources: Sequence[MixCache], data: DataConfig, num_slots: int) -> None:
     """Refuse a budget table that does not name exactly the mix's buckets, a budget below a
     bucket's longest utterance, and (whole-cache streams only) a cache with fewer shards
     than the job has workers."""
@@ -265,7 +265,7 @@ def bucket_lengths(shards: tuple[dict[str, Any], ...]) -> dict[int, int]:
     return dict(sorted(longest.items()))
 
 
-def largest_batch(sources: Sequence[Source], data: DataConfig) -> int:
+def largest_batch(sources: Sequence[MixCache], data: DataConfig) -> int:
     """Padded frames of the largest batch the loader can make: per bucket its budget, or
     ``max_batch_size`` of its longest utterances when fewer frames than that."""
     shards = tuple(s for source in sources for s in source.shards)
@@ -282,7 +282,7 @@ def content_digest(shards: tuple[dict[str, Any], ...]) -> str:
 
 
 def check_disk_cache(
-    sources: Sequence[Source], subs: Sequence[SubStream], data: DataConfig
+    sources: Sequence[MixCache], subs: Sequence[SubStream], data: DataConfig
 ) -> None:
     """``data.cache_dir`` usable and ``data.cache_bytes`` able to hold the shards a rank's
     workers read at once (every worker up to two shards of each sub-stream); one line if not."""

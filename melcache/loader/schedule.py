@@ -45,7 +45,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from melcache.loader.batching import SUBSTREAM_ORDER, even_batch_count, even_units, make_rng
+from melcache.batch_plans import SUBSTREAM_ORDER, even_batch_count, even_units, make_rng
 from melcache.loader.data_config import DataConfig
 
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
@@ -61,7 +61,7 @@ class SubStream:
     source: int  # index of the cache in the mix
     bucket: int  # length bucket, or WHOLE
     units: tuple[tuple[int, ...], ...]  # shards read and cut together (indices into the
-    # cache's shard list): length neighbours in a bucket (melcache.loader.batching.even_units), else one
+    # cache's shard list): length neighbours in a bucket (melcache.batch_plans.even_units), else one
     batches: tuple[int, ...]  # batches of each unit per epoch (the even cut)
     frames: int  # real frames in one epoch
     part: int = 0  # length range of the bucket (data.sync_split), drawn as a bucket is

@@ -1,5 +1,5 @@
 """The loader's foot: the types every stage shares. A :class:`StreamSpec` is all a worker
-process needs to make its stream; a :class:`Source` is one cache of the mix; a
+process needs to make its stream; a :class:`MixCache` is one cache of the mix; a
 :class:`Cursor` travels with each batch and a :class:`Position` is where a whole-cache reader
 continues. They sit below the stages (``stream``, ``shard_reads``, ``workers``) and the
 resume room, so each of those imports them downward."""
@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.loader.batch import Tokenizer
-from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import Deal, Schedule, SubStream, fresh_deal
 
@@ -41,10 +41,12 @@ class Cursor:
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class MixCache:
     """One cache of the mix: its location (folder or URL prefix) and its index's shards;
     ``ranged``: a bucket reader reads only its batches' samples, located by the cache's
-    utterance table (a local cache with a table, checked per sample by its digest)."""
+    utterance table (a local cache with a table, checked per sample by its digest).
+    ``StreamSpec.sources`` holds them in the mix's order and a sub-stream's ``source`` is a
+    place in it; an utterance's ``source`` (its json, the build) is its input's path."""
 
     location: str
     shards: tuple[dict[str, Any], ...]
@@ -56,7 +58,7 @@ class Source:
 class StreamSpec:
     """Everything a worker process needs to produce its stream (picklable)."""
 
-    sources: tuple[Source, ...]
+    sources: tuple[MixCache, ...]
     subs: tuple[SubStream, ...]
     schedule: Schedule
     data: DataConfig  # the [data] table, whole
@@ -71,7 +73,7 @@ class StreamSpec:
     deals: tuple[Deal, ...] = ()
     # data.mix_schedule: (first rank-level batch, schedule) of each later phase of the mix
     phases: tuple[tuple[int, Schedule], ...] = ()
-    # How a unit's samples are sorted and cut (batching.plan_even_batches): a state of an
+    # How a unit's samples are sorted and cut (melcache.batch_plans.plan_even_batches): a state of an
     # earlier release continues with its own.
     plan: int = BATCH_PLAN_VERSION
 

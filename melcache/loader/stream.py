@@ -29,10 +29,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 from melcache.access import Cache
-from melcache.errors import ShardError
-from melcache.loader.batch import PackedBatch, collate
-from melcache.loader.batch_fields import BatchFields
-from melcache.loader.batching import (
+from melcache.batch_plans import (
     BATCH_PLAN,
     EVEN_PLAN,
     make_rng,
@@ -40,6 +37,9 @@ from melcache.loader.batching import (
     plan_even_batches,
     worker_shards,
 )
+from melcache.errors import ShardError
+from melcache.loader.batch import PackedBatch, collate
+from melcache.loader.field_reads import BatchFields
 from melcache.loader.schedule import SubStream, locate
 from melcache.loader.shard_reads import SkipLog, disk_counts, read_checked
 from melcache.loader.spec import Cursor, Position, StreamSpec

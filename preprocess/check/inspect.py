@@ -9,17 +9,17 @@ from typing import Any
 
 import numpy as np
 
+from melcache.batch_plans import make_rng, padding_fraction, plan_batches, round_up
 from melcache.codec import decode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.fields.format import FIELDS_KEY
 from melcache.index import index_storage, read_index
-from melcache.loader.batching import make_rng, padding_fraction, plan_batches, round_up
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
 from preprocess.config import BuildConfig
 from preprocess.plan.scan import Scan
-from preprocess.plan.shards import Plan, length_rejections
+from preprocess.plan.shard_plan import Plan, length_rejections
 from preprocess.write.finish import reason_kind
 
 SHARDS_PER_BUCKET = 16  # enough samples for a faithful histogram without reading a huge cache

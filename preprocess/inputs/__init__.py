@@ -1,1 +1,1 @@
-"""Inputs: one file per corpus layout, and the audio and metadata readers; imports melcache only."""
+"""Inputs: what a corpus holds and how it is read (its layouts, the records they yield, its audio, --where); imports melcache only."""

@@ -24,7 +24,7 @@ from braceexpand import braceexpand
 from melcache.bounded import open_regular
 from melcache.errors import UserError
 from preprocess.inputs.audio import AudioError
-from preprocess.inputs.layout import (
+from preprocess.inputs.records import (
     FILTERED,
     Corpus,
     Found,

@@ -34,7 +34,8 @@ from melcache.errors import UserError
 from melcache.format import is_unicode
 from preprocess.inputs.archives import find_archives, parse_text_member, read_member, tar_samples
 from preprocess.inputs.audio import AUDIO_EXTENSIONS
-from preprocess.inputs.layout import (
+from preprocess.inputs.parquet import SPOOL, check_columns, parquet_rows, parse_columns
+from preprocess.inputs.records import (
     FILTERED,
     RECEIPTS,
     Corpus,
@@ -48,7 +49,6 @@ from preprocess.inputs.layout import (
     parse_json,
     stamp,
 )
-from preprocess.inputs.parquet import SPOOL, check_columns, parquet_rows, parse_columns
 from preprocess.inputs.where import Where
 
 TRANSCRIPT_SUFFIXES = (".normalized.txt", ".txt", ".lab")

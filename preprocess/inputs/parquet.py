@@ -28,7 +28,7 @@ from melcache.bounded import open_regular
 from melcache.errors import UserError
 from melcache.extras import value_problem
 from preprocess.inputs.archives import TAR_AUDIO
-from preprocess.inputs.layout import (
+from preprocess.inputs.records import (
     FILTERED,
     Corpus,
     Found,

@@ -7,7 +7,7 @@ path, all the sources' bytes end to end. Part K of N writes ``OUT/.build/scan-N/
 atomically, so N machines sharing ``OUT`` scan a corpus once between them, and a rerun
 whose corpus listing is unchanged (:func:`preprocess.inputs.corpus.unchanged`) does not scan
 again. Within a part, each worker process scans one piece
-(:class:`preprocess.inputs.layout.Slice`) on its own, reading the listing, transcripts and
+(:class:`preprocess.inputs.records.Slice`) on its own, reading the listing, transcripts and
 headers itself: nothing per utterance crosses between processes, and the planning process
 never holds the columns while they are made.
 """
@@ -35,7 +35,7 @@ from melcache.format import temp_path
 from preprocess.inputs.archives import audio_input
 from preprocess.inputs.audio import AudioError, probe, resampled_length
 from preprocess.inputs.corpus import read_transcript_file, share, transcript_path, unchanged
-from preprocess.inputs.layout import (
+from preprocess.inputs.records import (
     FILTERED,
     Corpus,
     Found,

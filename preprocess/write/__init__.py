@@ -1,1 +1,1 @@
-"""Write: extract, write a shard, finish the cache; imports melcache, config, inputs, plan, job."""
+"""Write: extract, write the shards (mel and field), finish the cache and publish it; imports melcache, config, inputs, plan, job."""

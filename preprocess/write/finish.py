@@ -17,8 +17,8 @@ from melcache.fields.format import FIELDS_KEY
 from melcache.format import FORMAT_VERSION, INDEX_NAME, REJECTED_NAME, STATS_NAME, write_atomic
 from melcache.index import read_index, write_index, write_stats
 from preprocess.config import BuildConfig
-from preprocess.inputs.layout import Rejection, printable
-from preprocess.plan.shards import Plan
+from preprocess.inputs.records import Rejection, printable
+from preprocess.plan.shard_plan import Plan
 from preprocess.write.index_table import write_cache_table
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from melcache.table import (
     sample_digest,
     write_table,
 )
-from preprocess.inputs.layout import RECEIPTS
+from preprocess.inputs.records import RECEIPTS
 from preprocess.job.pool import ordered_map
 
 # Per-sample columns, filled by the shard walk; ``speaker`` is numbered by encode_table.

@@ -27,14 +27,14 @@ from melcache.errors import UserError
 from melcache.format import INDEX_NAME, temp_owner, write_atomic
 from melcache.location import member_location
 from melcache.remote import objectstore
-from preprocess.inputs.layout import RECEIPTS
 from preprocess.inputs.parquet import SPOOL
+from preprocess.inputs.records import RECEIPTS
 from preprocess.job.owners import MARKER_PREFIX
 from preprocess.plan.scan import SCAN_META
-from preprocess.plan.shards import Plan
+from preprocess.plan.shard_plan import Plan
 from preprocess.write.index_table import ROWS_FOLDER
+from preprocess.write.mel_shard import valid_receipts
 from preprocess.write.push import cache_files, listing, publish, remote_bytes
-from preprocess.write.shard import valid_receipts
 
 log = logging.getLogger(__name__)
 

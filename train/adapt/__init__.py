@@ -1,1 +1,1 @@
-"""Training that adapts to what it measures: spike skips, adaptive clipping, noise scale, batch ramp; imports config, optim, parallel."""
+"""Training that adapts to what it measures: the step's measures, spike skips, noise scale, batch ramp (adaptive clipping is optim's); imports config, optim, parallel."""

@@ -11,7 +11,7 @@ Adam (Malladi et al. 2022); ``optim.lr`` is the rate of the ``train.grad_accum``
   accumulation the largest of the chain 1, 2, 4, … (doubling while it divides the target)
   under the line.
 - ``train.adapt.batch_adaptive``: at logging steps, double accumulation (up to
-  ``batch_max_accum``) when the gradient noise scale (``train/adapt/monitor.py``) predicts a gain
+  ``batch_max_accum``) when the gradient noise scale (``train/adapt/noise_scale.py``) predicts a gain
   above ``batch_gain``, then wait ``batch_cooldown`` steps. With B_noise the noise scale and
   B the batch, steps to a loss go as 1 + B_noise/B and frames as 1 + B/B_noise (McCandlish et
   al. 2018); the gain of B → kB is (steps saved) × (frames saved), k(1 + x)² / (x + k)² for x

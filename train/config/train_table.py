@@ -111,7 +111,7 @@ class AdaptConfig:
     batch_max_accum: int = bounded(64, 1, _MAX_ACCUM)
     batch_cooldown: int = bounded(200, 0, _STEPS)
     batch_gain: float = bounded(1.05, 1, 100)
-    # The gradient noise scale B_simple in metrics.jsonl (train/adapt/monitor.py; DDP, 2+
+    # The gradient noise scale B_simple in metrics.jsonl (train/adapt/noise_scale.py; DDP, 2+
     # ranks), smoothed by an EMA of this decay (k-diffusion: 0.9998 for long runs).
     noise_scale: bool = False
     noise_scale_ema: float = bounded(0.99, 0, 1, open_low=True, open_high=True)

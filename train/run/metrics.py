@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from melcache.batch_plans import padding_fraction
 from melcache.bounded import loads_json, read_limited
 from melcache.errors import UserError
-from melcache.loader.batching import padding_fraction
 from train.parallel.env import Env, all_reduce_sum
 from train.run.trackers import Trackers
 

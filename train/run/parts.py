@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from melcache.errors import UserError
-from melcache.loader.make import StreamLoader, make_loader
 from melcache.loader.prefetch import DeviceCopies
+from melcache.loader.stream_loader import StreamLoader, make_loader
 from train.adapt.batch_ramp import BatchSchedule
-from train.adapt.controller import StepMeasures
+from train.adapt.step_measures import StepMeasures
 from train.config.tables import Config
 from train.config.train_table import TrainConfig
 from train.memory.oom import Budgets, no_recovery

@@ -26,7 +26,7 @@ import torch
 
 from melcache.errors import UserError
 from melcache.loader.batch import Batch
-from melcache.loader.make import make_loader
+from melcache.loader.stream_loader import make_loader
 from train.config.tables import Config
 from train.model.contract import ModelSpec, cast_mel, loader_data, model_inputs, normalise
 from train.optim.optimizer import EMA

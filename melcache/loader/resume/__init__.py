@@ -1,4 +1,4 @@
-"""Resuming the loader, one room with one entry point: ``make.py`` imports from here alone.
+"""Resuming the loader, one room with one entry point: ``stream_loader.py`` imports from here alone.
 
 ``state`` holds the saved state (its keys and versions, :class:`Resumed`,
 :class:`LoaderStateError`); its two readers stand on it: ``same_job`` continues one rank's

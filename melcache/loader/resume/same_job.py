@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from melcache.loader.batching import COST_CUT_PLAN
+from melcache.batch_plans import COST_CUT_PLAN
 from melcache.loader.mix import content_digest
 from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,

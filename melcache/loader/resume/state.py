@@ -8,8 +8,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.errors import UserError
-from melcache.loader.batching import BATCH_PLAN_VERSION
 from melcache.loader.data_config import MAX_ATTENTION_FRAMES, MAX_SYNC_SPLIT, DataConfig
 from melcache.loader.schedule import Deal, fresh_deal
 
@@ -98,7 +98,7 @@ STATE_KEYS = {
     "pad_multiple": "data.pad_multiple",
     "sync_buckets": "data.sync_buckets",
     "sync_split": "data.sync_split",
-    "batch_plan": "batch plan (melcache.loader.batching.sort_order)",
+    "batch_plan": "batch plan (melcache.batch_plans.sort_order)",
     "attention_frames": "data.attention_frames",
     "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
     "mix_schedule": "data.mix_schedule (first batch, frame shares)",

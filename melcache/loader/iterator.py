@@ -1,4 +1,4 @@
-"""One pass over a :class:`melcache.loader.make.StreamLoader`: the iterator ``iter(loader)``
+"""One pass over a :class:`melcache.loader.stream_loader.StreamLoader`: the iterator ``iter(loader)``
 returns, and the error an endless stream ends with. The iterator knows nothing of its
 loader: it reports each consumed batch's :class:`Cursor` through a callback."""
 

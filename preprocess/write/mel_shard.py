@@ -31,9 +31,9 @@ from preprocess.config import BuildConfig
 from preprocess.inputs.archives import audio_input
 from preprocess.inputs.audio import AudioError, encode_flac, load_mono
 from preprocess.inputs.corpus import read_transcript
-from preprocess.inputs.layout import RECEIPTS, Corpus, clean_text, utterance_hash
+from preprocess.inputs.records import RECEIPTS, Corpus, clean_text, utterance_hash
 from preprocess.job.pool import keep_freed_memory
-from preprocess.plan.shards import Plan, PlannedShard, PlannedUtterance
+from preprocess.plan.shard_plan import Plan, PlannedShard, PlannedUtterance
 from preprocess.write.extractor import MelExtractor
 from preprocess.write.index_table import save_shard_rows
 

@@ -1,6 +1,6 @@
 """What a step measures after its backward, in one place for the trainer: the gradient norm,
 clipping (``train/optim/clipping.py``), spike skips (``train/adapt/spikes.py``) and the noise scale
-(``train/adapt/monitor.py``). The spike decision needs the global loss and the monitor the per-rank
+(``train/adapt/noise_scale.py``). The spike decision needs the global loss and the monitor the per-rank
 gradient norms: both travel in one all-reduce of a few scalars on the device, none is read on
 the host, and the run pays for it only with one of them on.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.adapt.monitor import NoiseScale
+from train.adapt.noise_scale import NoiseScale
 from train.adapt.spikes import SpikeSkipper
 from train.config.tables import Config
 from train.optim.clipping import GradClip

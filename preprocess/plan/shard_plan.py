@@ -26,7 +26,7 @@ from melcache.features import FeatureConfig
 from melcache.format import FORMAT_VERSION, shard_name, temp_path
 from melcache.storage import BYTES_PER_VALUE
 from preprocess.config import BuildConfig
-from preprocess.inputs.layout import Rejection, key_base, key_digest
+from preprocess.inputs.records import Rejection, key_base, key_digest
 from preprocess.plan.scan import Scan
 
 # Per-sample bytes besides the mel: three 512-byte tar headers, npy header, json.

@@ -62,8 +62,8 @@ import torch
 
 from melcache.features import FeatureConfig
 from melcache.loader.batch import utf8_tokens
-from melcache.loader.batch_iterator import BatchIterator, LoaderClosed
 from melcache.loader.data_config import DataConfig
+from melcache.loader.iterator import BatchIterator, LoaderClosed
 from melcache.loader.mix import (
     CacheArg,
     OpenedMix,
