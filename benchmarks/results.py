@@ -82,7 +82,9 @@ def table(quick: bool, data: Path | None = None) -> str:
     """Run the build benchmark and render its rows as markdown."""
     py = sys.executable
     build_cmd = [py, "-m", "benchmarks.build_bench", "--hours", "0.5" if quick else "3"]
+    load_before = os.getloadavg()[0]  # others' work on the same cores moves every figure
     build = {row["row"]: row for row in run_json(build_cmd, data and data / "build")}
+    load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     b, naive, comp = (
         build["preprocess build"],
         build["naive librosa loop"],
@@ -92,7 +94,8 @@ def table(quick: bool, data: Path | None = None) -> str:
     bound = comp[f"bound_{b['workers']}_workers_x"]
     stock_bound = comp[f"stock_bound_{b['workers']}_workers_x"]
     lines = [
-        f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results`.",
+        f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results` "
+        f"(1-minute load average {load}).",
         "",
         "| what | melcache | reference | ratio | command |",
         "|---|---|---|---|---|",
