@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO
+from helpers import REPO, shard_bytes
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -31,7 +31,6 @@ from melcache.format import (
     fast_decode_mel,
     group_samples,
     iter_members,
-    open_tar_writer,
     tar_members,
 )
 from melcache.index import read_index, read_stats, write_stats
@@ -64,14 +63,6 @@ def test_stages_meet_only_in_the_contract_package(package: str) -> None:
     assert modules, f"{package} has no modules"
     wrong = {m: sorted(p - ALLOWED[package] - {package}) for m, p in modules.items()}
     assert not {m: p for m, p in wrong.items() if p}
-
-
-def shard_bytes(samples: list[dict]) -> bytes:
-    buffer = io.BytesIO()
-    with open_tar_writer(buffer) as writer:
-        for sample in samples:
-            writer.write(sample)
-    return buffer.getvalue()
 
 
 def test_format_round_trip_through_both_readers() -> None:

@@ -9,6 +9,7 @@ import io
 import numpy as np
 import pytest
 import webdataset as wds
+from helpers import shard_bytes
 
 from melcache.format import (
     TAR_MTIME,
@@ -38,29 +39,15 @@ def _samples(seed: int, count: int) -> list[dict]:
     return samples
 
 
-def _webdataset_bytes(samples: list[dict]) -> bytes:
-    buffer = io.BytesIO()
-    with wds.TarWriter(
-        buffer, user=TAR_OWNER, group=TAR_OWNER, encoder=False, mtime=TAR_MTIME
-    ) as writer:
-        for sample in samples:
-            writer.write(sample)
-    return buffer.getvalue()
-
-
-def _our_bytes(samples: list[dict]) -> bytes:
-    buffer = io.BytesIO()
-    with open_tar_writer(buffer) as writer:
-        for sample in samples:
-            writer.write(sample)
-    return buffer.getvalue()
+def _webdataset_writer(buffer: io.BytesIO) -> wds.TarWriter:
+    return wds.TarWriter(buffer, user=TAR_OWNER, group=TAR_OWNER, encoder=False, mtime=TAR_MTIME)
 
 
 @pytest.mark.parametrize(("seed", "count"), [(0, 0), (1, 1), (2, 7), (3, 40)])
 def test_shards_are_the_bytes_webdataset_wrote(seed: int, count: int) -> None:
     samples = _samples(seed, count)
-    ours = _our_bytes(samples)
-    assert ours == _webdataset_bytes(samples)
+    ours = shard_bytes(samples)
+    assert ours == shard_bytes(samples, _webdataset_writer)
     assert len(ours) % 10240 == 0  # whole tar records, as tarfile ends an archive
     if count:
         keys = {key for key, _, _ in tar_members(ours, "written")}
