@@ -82,27 +82,38 @@ def table(quick: bool, data: Path | None = None) -> str:
     """Run the build benchmark and render its rows as markdown."""
     py = sys.executable
     build_cmd = [py, "-m", "benchmarks.build.build_bench", "--hours", "0.5" if quick else "3"]
+    load_before = os.getloadavg()[0]  # others' work on the same cores moves every figure
     build = {row["row"]: row for row in run_json(build_cmd, data and data / "build")}
+    load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     b, naive, comp = (
         build["preprocess build"],
         build["naive librosa loop"],
         build["components, one core"],
     )
+    ratio = build["ratio"]
     bound = comp[f"bound_{b['workers']}_workers_x"]
     stock_bound = comp[f"stock_bound_{b['workers']}_workers_x"]
     lines = [
-        f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results`.",
+        f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results` "
+        f"(1-minute load average {load}).",
         "",
         "| what | melcache | reference | ratio | command |",
         "|---|---|---|---|---|",
         f"| build, steady real-time factor ({b['workers']} workers, {b['audio_hours']} h) | {b['steady_real_time_x']}× | naive librosa loop {naive['real_time_x']}× | {build['ratio']['build_steady_over_naive']}× | `{_cmd(build_cmd)}` |",
         f"| build, steady, the same corpus already at 24 kHz (no resampling step) | {build['preprocess build, sources already 24 kHz']['steady_real_time_x']}× | | | same |",
-        f"| build against its bound: decode + soxr HQ + mel measured alone, same run, × {b['workers']} cores | {b['steady_real_time_x']}× | {bound}× (per core: decode {comp['decode_real_time_x']}×, resample {comp['resample_real_time_x']}×, mel {comp['mel_real_time_x']}×) | {build['ratio']['build_steady_over_component_bound']:.0%} of bound | same |",
+        f"| build against its bound: decode + soxr HQ + mel measured alone, same run, × {b['workers']} cores (median of {ratio['rounds']} rounds, each against the bound timed around it) | {b['steady_real_time_x']}× | {bound}× (per core: decode {comp['decode_real_time_x']}×, resample {comp['resample_real_time_x']}×, mel {comp['mel_real_time_x']}×) | {ratio['build_steady_over_component_bound']:.0%} of bound (IQR {_percents(ratio, 'build_steady_over_component_bound_iqr')}) | same |",
+        f"| the same in CPU time: the three steps' CPU seconds alone over the build's (all its processes) | {b['cpu_s_per_audio_hour']} CPU s per audio hour | | {ratio['build_cpu_over_component_bound']:.0%} of bound (IQR {_percents(ratio, 'build_cpu_over_component_bound_iqr')}) | same |",
         f"| the issue's reference recipe alone (libsndfile float decode + soxr HQ + stock torchaudio mel), same run, × {b['workers']} cores | | {stock_bound}× (per core: decode {comp['decode_stock_real_time_x']}×, mel {comp['mel_stock_real_time_x']}×) | | same |",
         f"| build wall time per hour of audio | {b['wall_s_per_audio_hour']} s | | | same |",
         f"| storage per hour of audio (float16 mel) | {b['cache_mb_per_audio_hour']} MB | 172.8 MB raw 16-bit 24 kHz PCM | | same |",
     ]
     return "\n".join(lines)
+
+
+def _percents(row: dict[str, Any], key: str) -> str:
+    """An interquartile range of ratios as percentages, ``low … high``."""
+    low, high = row[key]
+    return f"{low:.0%} … {high:.0%}"
 
 
 def trainer_table(quick: bool, data: Path | None = None) -> str:

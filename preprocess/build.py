@@ -267,18 +267,12 @@ def _write_shards(
     config: BuildConfig,
     receipts: dict[str, dict[str, Any]],
 ) -> None:
-    jobs = (
-        (
-            planned_shard(plan, scan, i),
-            corpus,
-            options.out,
-            features,
-            config,
-            options.keep_audio,
-            plan.digest,
-        )
-        for i in todo
-    )
+    shards = [planned_shard(plan, scan, i) for i in todo]  # the pool submits all at once
+    # Longest first: the plan ends with its longest utterances' shards, so in plan order the
+    # build ended with one worker on a long shard while the others had nothing left to do.
+    shards.sort(key=lambda shard: -sum(item.samples for item in shard.items))
+    common = (corpus, options.out, features, config, options.keep_audio, plan.digest)
+    jobs = ((shard, *common) for shard in shards)
     total = sum(len(plan.shard_members(i)) for i in todo)
     seconds = 0.0
     with tqdm(total=total, desc="build", unit="utt", disable=None) as bar:

@@ -4,6 +4,7 @@ synthetic speech made once and reused; and a timed build."""
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -40,12 +41,28 @@ def speech_cache(corpus: Path, cache: Path, hours: float) -> Path:
 
 def timed_build(src: Path, out: Path, workers: int, *extra: str) -> tuple[float, float, int]:
     """Wall seconds of a fresh ``preprocess build`` (given ``extra`` arguments), the audio
-    seconds and shard bytes it wrote."""
+    seconds and shard bytes it wrote (its CPU seconds: :func:`build_cpu_seconds`)."""
     shutil.rmtree(out, ignore_errors=True)
+    cpu = _children_cpu()
     started = time.perf_counter()
     command = [sys.executable, "-m", "preprocess", "build", "--src", str(src), "--out", str(out)]
     command += ["--workers", str(workers), *extra]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - started
+    _last_cpu[out] = _children_cpu() - cpu
     index = json.loads((out / "index.json").read_text())
     return wall, index["totals"]["seconds"], sum(s["bytes"] for s in index["shards"])
+
+
+_last_cpu: dict[Path, float] = {}  # by --out: CPU seconds of the last build timed there
+
+
+def build_cpu_seconds(out: Path) -> float:
+    """CPU seconds, user and system, of every process of the last build :func:`timed_build`
+    timed into ``out``."""
+    return _last_cpu[out]
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # waited-for children, theirs too
+    return usage.ru_utime + usage.ru_stime

@@ -27,13 +27,14 @@ def probe(path: str | BinaryIO) -> tuple[int, int]:
     """Return ``(num_samples, sample_rate)`` from the header of a file (or the bytes of one),
     without decoding."""
     _check_readable(path)
-    try:
-        info = sf.info(path)
+    try:  # not sf.info, which also formats the header's log and descriptions
+        with sf.SoundFile(path) as file:
+            frames, rate = file.frames, file.samplerate
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
         raise AudioError(f"unreadable audio: {_plain(exc, path)}") from None
-    if info.samplerate <= 0:
+    if rate <= 0:
         raise AudioError("unreadable audio: header gives no sample rate")
-    return int(info.frames), int(info.samplerate)
+    return int(frames), int(rate)
 
 
 def resampled_length(num_samples: int, source_rate: int, target_rate: int) -> int:
@@ -58,7 +59,7 @@ def load_mono(
     if audio.shape[0] == 0:
         raise AudioError("empty audio: no samples")
     mono = audio.mean(axis=1, dtype=np.float32) if audio.shape[1] > 1 else audio[:, 0]
-    peak = float(np.max(np.abs(mono)))
+    peak = max(float(mono.max()), -float(mono.min()))  # |x|'s max without an |x| array
     if not math.isfinite(peak):  # float audio from a broken resampler or DSP export
         raise AudioError("non-finite audio: NaN or infinite samples")
     if peak <= 10 ** (silence_dbfs / 20):

@@ -53,6 +53,29 @@ def ordered_map(
         executor.shutdown(wait=True, cancel_futures=True)
 
 
+# glibc's mallopt parameters, and what a build writer sets them to (see keep_freed_memory).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_BELOW = 32 << 20  # glibc's largest dynamic mmap threshold: any one utterance's arrays
+_TRIM_ABOVE = 512 << 20
+
+
+def keep_freed_memory() -> None:
+    """Have glibc's malloc keep freed memory for the next allocation, where it can.
+
+    A build writer allocates and frees the same few large arrays for every utterance (its
+    samples, frames, spectrum, mel: 0.1-10 MB each). By default glibc maps each afresh and
+    returns it when freed, so every page is faulted in and zeroed again: ~180 page faults
+    per utterance and 15 % of the writer's CPU time in the kernel. Kept on the heap, they
+    are reused. Elsewhere than glibc this does nothing.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BELOW)
+        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE)
+    except (OSError, AttributeError):
+        pass
+
+
 def _start_worker(
     parent: int, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
 ) -> None:

@@ -32,6 +32,7 @@ from preprocess.inputs.archives import audio_input
 from preprocess.inputs.audio import AudioError, encode_flac, load_mono
 from preprocess.inputs.corpus import read_transcript
 from preprocess.inputs.records import RECEIPTS, Corpus, clean_text, utterance_hash
+from preprocess.job.pool import keep_freed_memory
 from preprocess.plan.shard_plan import Plan, PlannedShard, PlannedUtterance
 from preprocess.write.extractor import MelExtractor
 from preprocess.write.index_table import save_shard_rows
@@ -47,6 +48,7 @@ def init_worker(features: FeatureConfig) -> None:
     # keeps float sums (hence fp16 bytes) identical whatever --workers is.
     global _extractor
     torch.set_num_threads(1)
+    keep_freed_memory()
     _extractor = MelExtractor(features)
 
 
@@ -149,7 +151,10 @@ def _write_utterance(
         tally.rejected.append({"source": item.source, "reason": str(exc), "stage": "decode"})
         return
     mel16, mel32 = _extractor.compute(audio)
-    sums = mel32.sum(axis=0, dtype=np.float64)  # a non-finite value makes its column's sum so
+    # Cast once and square in place: the same float64 sums, bit for bit, as summing with
+    # dtype=float64 and squaring into a float64 array, for one cast instead of two.
+    mel64 = mel32.astype(np.float64)
+    sums = mel64.sum(axis=0)  # a non-finite value makes its column's sum so
     if not np.isfinite(sums).all():  # finite float audio far beyond ±1 overflows the spectrum
         reason = "non-finite mel: audio samples far outside [-1, 1]"
         tally.rejected.append({"source": item.source, "reason": reason, "stage": "decode"})
@@ -168,7 +173,7 @@ def _write_utterance(
     stored = encode_mel(mel16 if config.storage == FP16 else mel32, config.storage)
     writer.write(encode_sample(item.key, stored, meta, flac, MEL_MEMBERS[config.storage]))
     tally.sums += sums
-    tally.squares += np.square(mel32, dtype=np.float64).sum(axis=0)
+    tally.squares += np.square(mel64, out=mel64).sum(axis=0)
     tally.frames.append(meta["frames"])
     tally.seconds += meta["seconds"]
 

@@ -48,7 +48,9 @@ def test_build_bench_prints_every_row(tmp_path: Path) -> None:
     data = tmp_path / "data"
     rows = {
         r["row"]: r
-        for r in bench_rows("build.build_bench", data, "--hours", "0.06", "--workers", "2")
+        for r in bench_rows(
+            "build.build_bench", data, "--hours", "0.06", "--workers", "2", "--rounds", "4"
+        )
     }
     build, native = rows["preprocess build"], rows["preprocess build, sources already 24 kHz"]
     # Steady rates are differences of two short walls here: present, but noise in sign.
@@ -63,8 +65,15 @@ def test_build_bench_prints_every_row(tmp_path: Path) -> None:
     assert set(rows["ratio"]) == {
         "row",
         "build_steady_over_naive",
+        "rounds",
         "build_steady_over_component_bound",
+        "build_steady_over_component_bound_iqr",
+        "build_cpu_over_component_bound",
+        "build_cpu_over_component_bound_iqr",
     }
+    low, high = rows["ratio"]["build_cpu_over_component_bound_iqr"]
+    assert 0 < low <= rows["ratio"]["build_cpu_over_component_bound"] <= high
+    assert build["cpu_s_per_audio_hour"] > 0
     # the 24 kHz copy holds the same utterances, resampled once
     assert sorted(p.name for p in data.glob("speech-0.06h-24k/**/*.wav")) == sorted(
         p.name for p in data.glob("speech-0.06h/**/*.wav")

@@ -29,7 +29,6 @@ from melcache.format import (
     fast_decode_mel,
     group_samples,
     iter_members,
-    open_tar_writer,
     tar_members,
 )
 from melcache.index import read_index, read_stats, write_stats
@@ -37,7 +36,7 @@ from melcache.reader import DIGESTS, ShardCheck, integrity_problems, read_shard
 from melcache.sections import make_section
 from preprocess.check.verify import verify
 from preprocess.config import BuildConfig
-from tests.support.helpers import REPO
+from tests.support.helpers import REPO, shard_bytes
 
 # Which top-level packages each may import: the two stages meet only in melcache.
 ALLOWED = {"melcache": set(), "preprocess": {"melcache"}, "train": {"melcache"}}
@@ -63,14 +62,6 @@ def test_stages_meet_only_in_the_contract_package(package: str) -> None:
     assert modules, f"{package} has no modules"
     wrong = {m: sorted(p - ALLOWED[package] - {package}) for m, p in modules.items()}
     assert not {m: p for m, p in wrong.items() if p}
-
-
-def shard_bytes(samples: list[dict]) -> bytes:
-    buffer = io.BytesIO()
-    with open_tar_writer(buffer) as writer:
-        for sample in samples:
-            writer.write(sample)
-    return buffer.getvalue()
 
 
 def test_format_round_trip_through_both_readers() -> None:

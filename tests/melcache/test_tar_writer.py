@@ -1,0 +1,76 @@
+"""The shard writer writes what the libraries it replaced wrote, byte for byte (webdataset's
+TarWriter, np.save), so caches built before and after it are the same files. In-process and
+quick."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from melcache.format import (
+    TAR_MTIME,
+    TAR_OWNER,
+    encode_npy,
+    encode_sample,
+    open_tar_writer,
+    tar_members,
+)
+from tests.support.helpers import shard_bytes
+
+
+def _samples(seed: int, count: int) -> list[dict]:
+    """Samples of every shape a shard holds: sizes on and off the 512-byte blocks, empty
+    members, keys that need a pax header (long, non-ASCII), audio and extra members."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(count):
+        key = ["utt", "spk-ü_é", "x" * 130, "é" * 60][i % 4] + f"{i:05d}"
+        frames = int(rng.integers(0, 700))
+        meta = {"text": "héllo " * int(rng.integers(0, 90)), "frames": frames, "bucket": i}
+        sample = encode_sample(key, rng.normal(size=(frames, 100)).astype(np.float16), meta)
+        if i % 3 == 0:
+            sample["flac"] = rng.bytes(int(rng.choice([0, 511, 512, 513, 1024, 10240, 99_999])))
+        if i % 5 == 0:
+            sample["_ignored"] = b"metadata both writers leave out"
+        samples.append(sample)
+    return samples
+
+
+def _webdataset_writer(buffer: io.BytesIO) -> wds.TarWriter:
+    return wds.TarWriter(buffer, user=TAR_OWNER, group=TAR_OWNER, encoder=False, mtime=TAR_MTIME)
+
+
+@pytest.mark.parametrize(("seed", "count"), [(0, 0), (1, 1), (2, 7), (3, 40)])
+def test_shards_are_the_bytes_webdataset_wrote(seed: int, count: int) -> None:
+    samples = _samples(seed, count)
+    ours = shard_bytes(samples)
+    assert ours == shard_bytes(samples, _webdataset_writer)
+    assert len(ours) % 10240 == 0  # whole tar records, as tarfile ends an archive
+    if count:
+        keys = {key for key, _, _ in tar_members(ours, "written")}
+        assert keys == {s["__key__"] for s in samples}
+
+
+def test_write_returns_the_data_bytes() -> None:
+    sample = {"__key__": "k", "json": b"{}", "mel.npy": bytes(1000), "_skip": b"xx"}
+    with open_tar_writer(io.BytesIO()) as writer:
+        assert writer.write(sample) == 1002
+
+
+def test_mel_npy_is_what_np_save_writes() -> None:
+    rng = np.random.default_rng(0)
+    shapes = [
+        (0, 100),
+        (1, 100),
+        (7, 80),
+        (3, 1),
+        *((int(n), 100) for n in rng.integers(0, 3000, 50)),
+    ]
+    for shape in shapes:
+        for mel in (rng.normal(size=shape), np.asfortranarray(rng.normal(size=shape))):
+            saved = io.BytesIO()
+            np.save(saved, np.ascontiguousarray(mel, dtype="<f2"), allow_pickle=False)
+            assert encode_npy(mel) == saved.getvalue()
