@@ -36,7 +36,8 @@ from melcache.reader import DIGESTS, ShardCheck, integrity_problems, read_shard
 from melcache.sections import make_section
 from preprocess.check.verify import verify
 from preprocess.config import BuildConfig
-from tests.support.helpers import REPO, shard_bytes
+from tests.support.helpers import REPO
+from tests.support.tars import shard_bytes
 
 # Which top-level packages each may import: the two stages meet only in melcache.
 ALLOWED = {"melcache": set(), "preprocess": {"melcache"}, "train": {"melcache"}}

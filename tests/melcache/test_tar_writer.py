@@ -18,7 +18,7 @@ from melcache.format import (
     open_tar_writer,
     tar_members,
 )
-from tests.support.helpers import shard_bytes
+from tests.support.tars import shard_bytes
 
 
 def _samples(seed: int, count: int) -> list[dict]:

@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -36,7 +35,6 @@ from melcache.format import (
     fast_decode_mel,
     group_samples,
     iter_members,
-    open_tar_writer,
 )
 from melcache.lock import process_stat
 from melcache.reader import DIGESTS
@@ -212,16 +210,6 @@ def cache_digests(cache: Path) -> dict[str, str]:
     """sha256 of every shard, of index.json and of rejected.jsonl."""
     paths = [*sorted(cache.glob("*.tar")), cache / INDEX_NAME, cache / REJECTED_NAME]
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
-
-
-def shard_bytes(samples: list[dict], open_writer: Callable[[Any], Any] = open_tar_writer) -> bytes:
-    """The tar bytes of ``samples`` as ``open_writer`` (the shard writer by default) writes
-    them."""
-    buffer = io.BytesIO()
-    with open_writer(buffer) as writer:
-        for sample in samples:
-            writer.write(sample)
-    return buffer.getvalue()
 
 
 def recorded(data: bytes) -> dict[str, int | str]:
