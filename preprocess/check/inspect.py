@@ -17,6 +17,7 @@ from melcache.fields.format import FIELDS_KEY
 from melcache.index import index_storage, read_index
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
+from melcache.table import Table
 from preprocess.config import BuildConfig
 from preprocess.plan.scan import Scan
 from preprocess.plan.shard_plan import Plan, length_rejections
@@ -57,8 +58,36 @@ def summarize(cache: Path | str) -> str:
     if totals.get("filtered_out"):
         lines.insert(-1, f"left out by --where: {totals['filtered_out']}")
     lines += [f"  {n:>6}  {reason}" for reason, n in totals["rejected_by_reason"].items()]
+    lines += _text_lines(cache, index)
     lines += _field_lines(index.get(FIELDS_KEY, {}), hours)
     return "\n".join(lines)
+
+
+def _text_lines(cache: Path | str, index: dict[str, Any]) -> list[str]:
+    """Text × frames per bucket, from the table (none without one): characters per second
+    (5th / 50th / 95th percentile) and the padding of the text, and of text then frames as
+    one sequence (``data.sequence = "text+frames"``), each padded to the bucket's longest.
+    Characters, not tokens: a model's tokenizer is the loader's (``docs/loader.md``)."""
+    if not index.get("table"):
+        return []
+    table = Table(str(cache), index)
+    chars = table.column("text_length").astype(np.int64)
+    frames = table.column("frames").astype(np.int64)
+    starts = table.column("shard_rows").astype(np.int64)
+    bucket_of = np.repeat([s["bucket"] for s in index["shards"]], np.diff(starts))
+    per_second = index["features"]["sample_rate"] / index["features"]["hop_length"]
+    lines = ["", "bucket  text chars/s (p5 / p50 / p95)  text pad  text+frames pad  (by the table)"]
+    for bucket in np.unique(bucket_of).tolist():
+        held = bucket_of == bucket
+        rate = chars[held] * per_second / np.maximum(frames[held], 1)
+        low, mid, high = np.percentile(rate, [5, 50, 95])
+        text, both = chars[held], chars[held] + frames[held]
+        lines.append(
+            f"{bucket:>6}  {low:6.1f} / {mid:6.1f} / {high:6.1f}           "
+            f"{padding_fraction(text.sum(), len(text) * text.max()):6.1%}  "
+            f"{padding_fraction(both.sum(), len(both) * both.max()):14.1%}"
+        )
+    return lines
 
 
 def _field_lines(fields: dict[str, Any], hours: float) -> list[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+import melcache
 from melcache.format import INDEX_NAME
 from tests.support.helpers import needs_extra, run_preprocess
 
@@ -22,6 +23,14 @@ def test_summary_lists_buckets_and_totals(sample_cache: Path) -> None:
     bucket_rows = [line for line in text.splitlines() if line.strip()[:1].isdigit() and "–" in line]
     assert len(bucket_rows) == len(index["buckets"])
     assert "rejected: 0 of 30 discovered" in text
+    # text × frames per bucket, from the table: the text's padding computed from the cache
+    rows = text.split("(by the table)")[1].strip().splitlines()
+    assert len(rows) == len(index["buckets"])
+    with melcache.open(sample_cache) as cache:
+        last = [u for u in cache if u.meta["bucket"] == index["buckets"][-1]["bucket"]]
+    chars = [len(u.text) for u in last]
+    padding = 1 - sum(chars) / (len(chars) * max(chars))
+    assert rows[-1].split()[-2] == f"{padding:.1%}"
 
 
 def test_pictures_are_real_images(sample_cache: Path, tmp_path: Path) -> None:
