@@ -66,6 +66,10 @@ class InMemory:
         """Epochs per cache, which the trainer logs: none for batches held in memory."""
         return {}
 
+    def heard(self) -> dict:
+        """What an epoch dealt under data.balance, which the trainer logs: nothing here."""
+        return {}
+
     def close(self) -> None:
         pass
 
