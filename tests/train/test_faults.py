@@ -161,7 +161,7 @@ def rank_pid(torchrun_pid: int, rank: int) -> int:
 
 def skip_log_ranks(output: str, name: str) -> list[int]:
     """The rank of every "skipping shard NAME" log line, one entry per line."""
-    pattern = rf"\[rank (\d)\] melcache\.loader\.make: skipping shard {re.escape(name)}: .*{re.escape(name)}"
+    pattern = rf"\[rank (\d)\] melcache\.loader\.stream_loader: skipping shard {re.escape(name)}: .*{re.escape(name)}"
     return [int(rank) for rank in re.findall(pattern, output)]
 
 
