@@ -115,9 +115,16 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_numbers(self, "data")
+        self._check_selection()
+        self._check_batches()
+        self._check_mix()
+        self._check_reads()
+
+    def _check_selection(self) -> None:
+        """``data.where`` and ``[data.balance]``: parsed here, once, not in every worker."""
         require(isinstance(self.where, str), "data.where", self.where, "an expression (a string)")
         if self.where:
-            Where(self.where, "data.where")  # one line now, not in every worker
+            Where(self.where, "data.where")
         object.__setattr__(self, "balance", check_balance(self.balance))
         require(
             self.sync_buckets or not (self.where or self.balance),
@@ -125,6 +132,9 @@ class DataConfig:
             self.sync_buckets,
             "true with data.where or data.balance (they are dealt per bucket)",
         )
+
+    def _check_batches(self) -> None:
+        """How batches are cut: the budget, the sequence, the schedule and the shard check."""
         if isinstance(self.batch_frames, Mapping):
             object.__setattr__(self, "batch_frames", _budget_table(self.batch_frames))
         else:
@@ -149,6 +159,9 @@ class DataConfig:
             self.sync_buckets,
             "true or false",
         )
+
+    def _check_mix(self) -> None:
+        """The mix's weights, its schedule, and whether a cache may change under a resume."""
         require(
             isinstance(self.allow_data_change, bool),
             "data.allow_data_change",
@@ -160,6 +173,9 @@ class DataConfig:
         )
         object.__setattr__(self, "mix", {w: _weight(w, v) for w, v in self.mix.items()})
         object.__setattr__(self, "mix_schedule", _mix_schedule(self.mix_schedule))
+
+    def _check_reads(self) -> None:
+        """What each batch carries beyond the mel, and where remote shards are kept."""
         require(
             isinstance(self.extras, tuple) and all(isinstance(n, str) and n for n in self.extras),
             "data.extras",
