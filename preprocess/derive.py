@@ -28,12 +28,14 @@ from melcache.features import features_from_dict
 from melcache.fields.format import (
     FIELDS_KEY,
     ROWS_NAME,
+    VALUES_NAME,
     FieldEncoder,
     cache_fields,
     field_folder,
     name_problem,
     provenance_digest,
     rows_array,
+    values_array,
 )
 from melcache.format import INDEX_NAME, write_atomic
 from melcache.index import index_storage, read_index, write_index
@@ -93,8 +95,10 @@ def derive(options: DeriveOptions) -> dict[str, Any] | None:
     meeting = Meeting(k, n)
     try:
         with running_build(state, options.part):
+            scalar = encoder.per_utterance and encoder.shape == ()
             jobs = [
-                _job(options, index, i, folder, state, digest) for i in range(len(index["shards"]))
+                _job(options, index, i, (folder, state), digest, scalar)
+                for i in range(len(index["shards"]))
             ]
             todo = [job for i, job in enumerate(jobs) if i % n == k and not _done(job)]
             _run(todo, options, workers, encoder)
@@ -144,6 +148,8 @@ def _provenance(
         "frame_rate": encoder.frame_rate,
         "mel_multiple": encoder.mel_multiple,
         "bf16": options.device.startswith("cuda") and encoder.bf16,
+        # Only where set, so the provenance digests of per-frame fields stay as they were.
+        **({"per_utterance": True} if encoder.per_utterance else {}),
     }
 
 
@@ -164,9 +170,15 @@ def _differs(cache: Path, name: str, have: dict[str, Any], new: dict[str, Any]) 
 
 
 def _job(
-    options: DeriveOptions, index: dict[str, Any], i: int, folder: Path, state: Path, digest: str
+    options: DeriveOptions,
+    index: dict[str, Any],
+    i: int,
+    folders: tuple[Path, Path],
+    digest: str,
+    scalar: bool,
 ) -> DeriveJob:
-    entry = index["shards"][i]
+    """Shard ``i``'s job; ``folders``: the field's version folder and derive's state."""
+    entry, (folder, state) = index["shards"][i], folders
     return DeriveJob(
         cache=str(options.cache),
         mel_entry=entry,
@@ -177,6 +189,7 @@ def _job(
         n_mels=int(index["features"]["n_mels"]),
         storage=index_storage(index),
         pad_value=log_floor_value(index["features"]),
+        scalar=scalar,
     )
 
 
@@ -212,13 +225,19 @@ def _finish(
     jobs: list[DeriveJob],
     old: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Write rows.npy, then list the field in index.json; drop a replaced version after."""
+    """Write rows.npy (and a scalar field's values.npy), then list the field in index.json;
+    drop a replaced version after."""
     receipts = [read_json(job.receipt) for job in jobs]
     digest = provenance_digest(provenance)
     folder = cache / field_folder(name, digest)
     rows = rows_array([tuple(row) for r in receipts for row in r["rows"]])
     write_atomic(folder / ROWS_NAME, rows)
     shards = [r["shard"] for r in receipts]
+    scalar: dict[str, Any] = {"per_utterance": True} if encoder.per_utterance else {}
+    if encoder.per_utterance and encoder.shape == ():
+        values = values_array([v for r in receipts for v in r["values"]], encoder.dtype)
+        write_atomic(folder / VALUES_NAME, values)
+        scalar["values"] = _file_entry(VALUES_NAME, values)
     entry = {
         "provenance_digest": digest,
         "folder": field_folder(name, digest),
@@ -227,11 +246,12 @@ def _finish(
         "shape": list(encoder.shape),
         "frame_rate": encoder.frame_rate,
         "shards": shards,
-        "rows": {"name": ROWS_NAME, "bytes": len(rows), "sha256": hashlib.sha256(rows).hexdigest()},
+        "rows": _file_entry(ROWS_NAME, rows),
         "totals": {
             "frames": sum(s["frames"] for s in shards),
             "bytes": sum(s["bytes"] for s in shards),
         },
+        **scalar,
     }
     # Two derives of different fields may finish at once: one index update at a time, each
     # reading the index afresh, so neither drops the other's entry.
@@ -243,6 +263,10 @@ def _finish(
     if old is not None and old["folder"] != entry["folder"]:
         shutil.rmtree(cache / old["folder"], ignore_errors=True)
     return entry
+
+
+def _file_entry(name: str, data: bytes) -> dict[str, Any]:
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def default_device() -> str:

@@ -6,6 +6,7 @@ provenance, so a ``--replace`` never overwrites the field readers are using)::
 
     fields/NAME/DIGEST/bNN-NNNNNN.tar   one field shard per mel shard, same name, same keys
     fields/NAME/DIGEST/rows.npy         uint64 [rows, 4]: offset, size, frames, digest
+    fields/NAME/DIGEST/values.npy       [rows] of the field's dtype: a scalar field's values
 
 A field shard is a plain tar (mtime 0, as mel shards): first ``.mel.json`` (key ``""``, which
 no utterance has) binding it to its mel shard (name and sha256) and to the field, then one
@@ -14,6 +15,10 @@ dtype, ``np.save`` format (no pickle), beside ``<key>.json``, the mel sample's m
 verbatim (so a model that reads fields alone reads no mel shard). ``rows.npy`` has one row per utterance in the cache
 table's row order: where that member's data starts in its field shard and its length, its
 frames, and the low 32 bits of the data's xxh3_64 (checked before a random read is parsed).
+A field is per frame (``[frames, *shape]``), or, where its encoder says ``per_utterance``, one
+value per utterance (stored as ``[1, *shape]``). A per-utterance field of one number (``shape``
+``()``: a quality score) also gets ``values.npy``, every utterance's value in table row order,
+so ``data.where`` and ``data.balance.weight`` read it before any shard is read.
 ``index.json`` lists each field under ``fields`` with its provenance and every shard's bytes,
 sha256 and xxh3_128, so ``verify`` and the loader check field shards like mel shards.
 
@@ -43,6 +48,7 @@ from melcache.index import check_shard_entry
 FIELDS_KEY = "fields"  # in index.json
 FIELDS_DIR = "fields"
 ROWS_NAME = "rows.npy"
+VALUES_NAME = "values.npy"
 BOUND_NAME = ".mel.json"  # the key "" and member "mel.json": no utterance key is empty
 FIELD_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a member suffix: no dots, no paths
 DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "float16", "float32")
@@ -60,7 +66,9 @@ class FieldEncoder:
     come out integral). ``config`` (JSON) is the encoder's own configuration, ``weights`` the
     file its weights came from (hashed into the provenance), ``features`` the mel feature keys
     it expects (every one must equal the cache's). ``bf16``: CUDA may run it under bfloat16
-    autocast (``False`` for encoders whose rounding would move).
+    autocast (``False`` for encoders whose rounding would move). ``per_utterance``: the
+    module gives ``[B, *shape]``, one value per utterance (a quality score), not per frame;
+    with ``shape`` ``()`` the field is a number ``data.where`` can select on.
     """
 
     module: Callable[[Any], Any]
@@ -72,6 +80,7 @@ class FieldEncoder:
     weights: Path | None = None
     features: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     bf16: bool = True
+    per_utterance: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -86,6 +95,8 @@ class FieldEncoder:
 
     def field_frames(self, mel_frames: int) -> int:
         """Frames of the field for a mel of ``mel_frames`` (padded to ``mel_multiple``)."""
+        if self.per_utterance:
+            return 1
         padded = -(-mel_frames // self.mel_multiple) * self.mel_multiple
         return round(padded * self.frame_rate)
 
@@ -161,6 +172,29 @@ def _check_layout(entry: Mapping[str, Any], at: str) -> None:
         raise UserError(f"{at}: provenance and shards must be an object and a list")
     if not isinstance(rows, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(rows.get("sha256"))):
         raise UserError(f"{at}.rows = {rows!r}: expected its sha256")
+    if entry.get("per_utterance", False) not in (False, True):
+        raise UserError(f"{at}.per_utterance = {entry['per_utterance']!r}: expected true")
+    values = entry.get("values")
+    if values is not None and not (
+        is_scalar(entry)
+        and isinstance(values, dict)
+        and re.fullmatch(r"[0-9a-f]{64}", str(values.get("sha256")))
+    ):
+        raise UserError(f"{at}.values = {values!r}: expected the sha256 of a scalar field's")
+
+
+def is_scalar(entry: Mapping[str, Any]) -> bool:
+    """Whether a field entry holds one number per utterance (what ``data.where`` reads)."""
+    return entry.get("per_utterance") is True and entry.get("shape") == []
+
+
+def entry_frames(entry: Mapping[str, Any], mel_frames: int) -> int:
+    """Frames of field ``entry`` for a mel of ``mel_frames``: :meth:`FieldEncoder.field_frames`
+    from the index's record of it."""
+    if entry.get("per_utterance"):
+        return 1
+    multiple = entry["provenance"].get("mel_multiple", 1)
+    return round(-(-mel_frames // multiple) * multiple * entry["frame_rate"])
 
 
 def missing_field(where: str, fields: Mapping[str, Any], name: str, by: str) -> UserError:
@@ -288,6 +322,13 @@ def rows_array(rows: Sequence[tuple[int, int, int, int]]) -> bytes:
     """``rows.npy`` bytes from ``(offset, size, frames, digest)`` per utterance."""
     buffer = io.BytesIO()
     np.save(buffer, np.asarray(rows, dtype="<u8").reshape(-1, len(ROW_COLUMNS)), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def values_array(values: Sequence[float | int], dtype: str) -> bytes:
+    """``values.npy`` bytes: a scalar field's value per utterance, in table row order."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<")), allow_pickle=False)
     return buffer.getvalue()
 
 

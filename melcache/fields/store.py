@@ -20,6 +20,7 @@ from melcache.fields.format import (
     HEAD_BYTES,
     ROW_COLUMNS,
     ROWS_NAME,
+    VALUES_NAME,
     binding_problem,
     cache_fields,
     decode_field,
@@ -87,13 +88,7 @@ class FieldStore:
         if name not in self._rows:
             entry = self.entries[name]
             location = member_location(self.cache, f"{entry['folder']}/{ROWS_NAME}")
-            try:
-                data = bytes(read_bytes(location))
-            except OSError as exc:
-                raise ShardError(f"{location}: cannot read ({exc})") from None
-            if hashlib.sha256(data).hexdigest() != entry["rows"]["sha256"]:
-                raise ShardError(f"{location}: sha256 differs from the index (corrupt or replaced)")
-            rows = np.load(io.BytesIO(data), allow_pickle=False)
+            rows = _checked_npy(location, entry["rows"]["sha256"])
             count = sum(s["samples"] for s in self.index["shards"])
             if rows.dtype != np.dtype("<u8") or rows.shape != (count, len(ROW_COLUMNS)):
                 raise ShardError(
@@ -101,6 +96,27 @@ class FieldStore:
                 )
             self._rows[name] = rows
         return self._rows[name]
+
+    def values(self, name: str) -> np.ndarray:
+        """``values.npy`` of scalar field ``name``: one number per table row, checked by its
+        sha256, dtype and length; one line for a field that is not one number per utterance."""
+        entry = self.entries[name]
+        if "values" not in entry:
+            shape = ", ".join(map(str, entry["shape"]))
+            held = f"[1, {shape}] per utterance" if entry.get("per_utterance") else f"[T, {shape}]"
+            raise UserError(
+                f"cache {self.cache}: field {name!r} holds {held}, not one number per utterance; "
+                "data.where and data.balance.weight read a field derived with "
+                "FieldEncoder(per_utterance=True, shape=())"
+            )
+        location = member_location(self.cache, f"{entry['folder']}/{VALUES_NAME}")
+        values = _checked_npy(location, entry["values"]["sha256"])
+        count = sum(s["samples"] for s in self.index["shards"])
+        if values.dtype != np.dtype(entry["dtype"]).newbyteorder("<") or values.shape != (count,):
+            raise ShardError(
+                f"{location}: {values.dtype} {values.shape}, expected {entry['dtype']} [{count}]"
+            )
+        return values
 
     def row(
         self, row: int, shard: str, read: Callable[[str, str, int, int], Any]
@@ -135,6 +151,17 @@ class FieldStore:
                 )
             out[name] = values
         return out
+
+
+def _checked_npy(location: str, sha256: str) -> np.ndarray:
+    """The array in the ``.npy`` at ``location``, whose bytes the index gives ``sha256`` of."""
+    try:
+        data = bytes(read_bytes(location))
+    except OSError as exc:
+        raise ShardError(f"{location}: cannot read ({exc})") from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ShardError(f"{location}: sha256 differs from the index (corrupt or replaced)")
+    return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 NO_MEL = "none"  # a RawSample's storage when it was read from a field shard: no mel at all

@@ -89,21 +89,26 @@ class Rows:
     meta: list[dict[str, Any]]  # what expressions see: speaker, frames, text_length, extras
 
     @classmethod
-    def of(cls, table: Table, fields: Sequence[str]) -> Rows:
+    def of(
+        cls, table: Table, fields: Sequence[str], scalars: Mapping[str, np.ndarray] | None = None
+    ) -> Rows:
         """The rows of ``table``; each row's ``meta`` holds only ``fields`` (those the
-        expressions name), so a cache's strings are decoded only where asked for."""
+        expressions name), so a cache's strings are decoded only where asked for.
+        ``scalars``: derived fields of one number per utterance, by name, a value per row."""
         frames = table.column("frames").astype(np.int64)
         speakers = table.column("speaker").astype(np.int64)
         names = [None, *table.strings("speakers")]
         lengths = table.column("text_length").tolist()
         extras = table.strings("extras") if table.has("extras") else None
-        wanted = set(fields) - {"speaker", "frames", "text_length"}
+        scalars = scalars or {}
+        wanted = set(fields) - {"speaker", "frames", "text_length", *scalars}
         if wanted and extras is None:
             raise UserError(
                 f"{table.location}: has no extras column, but data.where / data.balance name "
                 f"{sorted(wanted)}: python -m preprocess index-table {table.location.rsplit('/', 1)[0]} "
                 "rewrites the table with one (a cache built with [build] extras)"
             )
+        derived = {name: values.tolist() for name, values in scalars.items()}
         meta = []
         for row, (frame, speaker, length) in enumerate(
             zip(frames.tolist(), speakers.tolist(), lengths, strict=True)
@@ -111,17 +116,22 @@ class Rows:
             item = {"speaker": names[speaker], "frames": frame, "text_length": length}
             if wanted:
                 item.update({k: v for k, v in extras[row].items() if k in wanted})
+            item.update({name: values[row] for name, values in derived.items()})
             meta.append(item)
         return cls(frames, speakers, meta)
 
 
-def selection_key(data_where: str, balance: Mapping[str, Any]) -> str | None:
+def selection_key(
+    data_where: str, balance: Mapping[str, Any], versions: Sequence[str] = ()
+) -> str | None:
     """What a loader state records of ``data.where`` and ``[data.balance]`` (``None``:
     neither): ``w:DIGEST`` and ``b:DIGEST`` joined by ``+``, each where set, so a resume
-    tells a filter changed (a data change) from weights changed (allowed, as a mix's)."""
+    tells a filter changed (a data change) from weights changed (allowed, as a mix's).
+    ``versions``: the derived fields the expressions read (``name@provenance digest``), so a
+    field derived again counts as a filter changed."""
     parts = []
     if data_where:
-        parts.append(f"w:{_digest(data_where)}")
+        parts.append(f"w:{_digest([data_where, *versions] if versions else data_where)}")
     if balance:
         parts.append(f"b:{_digest(dict(sorted(balance.items())))}")
     return "+".join(parts) or None
@@ -146,29 +156,43 @@ class Chosen:
     names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
-def choose(
-    table: Table, extras: Sequence[str], where: str, balance: Mapping[str, Any], location: str
-) -> Chosen:
-    """The selection of one cache from its table (see the module docstring; ``extras``: the
-    cache's, ``build.extras``); one line for a field the cache does not carry, when nothing
-    is left, or for a weight that is not a finite number ≥ 0."""
+def named_fields(where: str, balance: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The field names ``data.where`` and ``[data.balance]`` read, by the key naming them."""
     named = {"data.where": Where(where, "data.where").fields if where else []}
     if "weight" in balance:
         named["data.balance.weight"] = Where(balance["weight"], "data.balance.weight").fields
     if "language_temperature" in balance:
         named["data.balance.language"] = [balance.get("language", "language")]
-    known = ["speaker", "frames", "text_length", *extras]
+    return named
+
+
+def choose(
+    table: Table,
+    extras: Sequence[str],
+    where: str,
+    balance: Mapping[str, Any],
+    location: str,
+    scalars: Mapping[str, np.ndarray] | None = None,
+) -> Chosen:
+    """The selection of one cache from its table (see the module docstring; ``extras``: the
+    cache's, ``build.extras``; ``scalars``: the derived fields of one number per utterance
+    the expressions read, a value per row); one line for a field the cache does not carry,
+    when nothing is left, or for a weight that is not a finite number ≥ 0."""
+    named = named_fields(where, balance)
+    known = ["speaker", "frames", "text_length", *extras, *(scalars or {})]
     for key, names in named.items():
         unknown = sorted(set(names) - set(known))
         if unknown:
             raise UserError(
                 f"cache {location}: {key} names {unknown[0]!r}, which its utterances do not "
                 f"carry (they have {', '.join(known)}); a field of the corpus's metadata is "
-                'carried by [build] extras = ["NAME"]'
+                'carried by [build] extras = ["NAME"], a score of the audio by python -m '
+                "preprocess derive with a per-utterance encoder"
             )
     fields = {name for names in named.values() for name in names}
     shard_rows = table.column("shard_rows").astype(np.int64)
-    return weigh(Rows.of(table, sorted(fields)), shard_rows, where, balance, location)
+    rows = Rows.of(table, sorted(fields), scalars)
+    return weigh(rows, shard_rows, where, balance, location)
 
 
 def weigh(

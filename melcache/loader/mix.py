@@ -15,13 +15,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from melcache.batch_plans import round_up
 from melcache.errors import UserError
 from melcache.extras import REFERENCE, cache_extras
 from melcache.features import FeatureConfig, check_features, features_from_dict
+from melcache.fields.format import cache_fields
 from melcache.fields.store import FieldStore
+from melcache.format import INDEX_NAME
 from melcache.index import read_index
-from melcache.loader.balance import Chosen, choose
+from melcache.loader.balance import Chosen, choose, named_fields
 from melcache.loader.data_config import DataConfig
 from melcache.loader.schedule import SubStream, mix_weights
 from melcache.loader.spec import MixCache
@@ -69,10 +73,27 @@ def with_choice(mix: OpenedMix, data: DataConfig) -> OpenedMix:
                 f"{len(source.shards)}; data.where and data.balance need them one for one"
             )
         extras = cache_extras(index)
-        chosen.append(choose(table, extras, data.where, data.balance, source.location))
+        scalars, versions = _scalar_fields(source.location, index, extras, data)
+        chosen.append(choose(table, extras, data.where, data.balance, source.location, scalars))
         first = tuple(table.column("shard_rows").tolist())
-        sources.append(dataclasses.replace(source, first_rows=first))
+        sources.append(dataclasses.replace(source, first_rows=first, selected_by=versions))
     return dataclasses.replace(mix, sources=tuple(sources), chosen=tuple(chosen))
+
+
+def _scalar_fields(
+    location: str, index: Mapping[str, Any], extras: Sequence[str], data: DataConfig
+) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """The derived fields ``data.where`` / ``data.balance`` name that are no extra (an extra
+    of the same name is the one read): each one's value per table row, and its version
+    (``name@provenance digest``); one line for a field that is not one number each."""
+    named = {name for names in named_fields(data.where, data.balance).values() for name in names}
+    fields = cache_fields(index, member_location(location, INDEX_NAME))
+    wanted = sorted(named & set(fields) - set(extras))
+    if not wanted:
+        return {}, ()
+    store = FieldStore(location, index, wanted, by="data.where / data.balance")
+    versions = tuple(f"{name}@{fields[name]['provenance_digest']}" for name in wanted)
+    return {name: store.values(name) for name in wanted}, versions
 
 
 def open_mix(

@@ -54,6 +54,7 @@ class MixCache:
     ranged: bool = False
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # entries asked for
     first_rows: tuple[int, ...] = ()  # data.where / data.balance: the table's first row a shard
+    selected_by: tuple[str, ...] = ()  # the derived fields they read, as name@provenance digest
     # data.sequence = "text+frames": text tokens per table row (melcache/loader/sequence.py)
     text: TextLengths | None = dataclasses.field(default=None, compare=False)
 
@@ -80,6 +81,11 @@ class StreamSpec:
     # How a unit's samples are sorted and cut (melcache.batch_plans.plan_even_batches): a state of an
     # earlier release continues with its own.
     plan: int = BATCH_PLAN_VERSION
+
+    @property
+    def selection_versions(self) -> tuple[str, ...]:
+        """The derived fields ``data.where`` / ``data.balance`` read, of every cache."""
+        return tuple(version for source in self.sources for version in source.selected_by)
 
     def phase(self, rank_step: int) -> int:
         """Phase of the mix (0: ``schedule``; i: ``phases[i - 1]``) at a rank's batch."""

@@ -14,6 +14,7 @@ from melcache.codec import decode_mel
 from melcache.errors import UserError
 from melcache.features import FeatureConfig
 from melcache.fields.format import FIELDS_KEY
+from melcache.fields.store import FieldStore
 from melcache.index import index_storage, read_index
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
@@ -59,7 +60,7 @@ def summarize(cache: Path | str) -> str:
         lines.insert(-1, f"left out by --where: {totals['filtered_out']}")
     lines += [f"  {n:>6}  {reason}" for reason, n in totals["rejected_by_reason"].items()]
     lines += _text_lines(cache, index)
-    lines += _field_lines(index.get(FIELDS_KEY, {}), hours)
+    lines += _field_lines(cache, index, hours)
     return "\n".join(lines)
 
 
@@ -90,19 +91,33 @@ def _text_lines(cache: Path | str, index: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _field_lines(fields: dict[str, Any], hours: float) -> list[str]:
-    """One line per derived field: what it holds, its size and where it came from."""
+def _field_lines(cache: Path | str, index: dict[str, Any], hours: float) -> list[str]:
+    """One line per derived field: what it holds, its size and where it came from; a score's
+    percentiles (a field of one number per utterance), to choose a ``data.where`` by."""
+    fields = index.get(FIELDS_KEY, {})
     lines = ["", f"derived fields: {len(fields) or 'none'}"] if fields else []
     for name, entry in fields.items():
         made = entry["provenance"]
         megabytes = entry["totals"]["bytes"] / 1e6
         weights = (made.get("checkpoint_sha256") or "none")[:12]
+        shape = ", ".join(map(str, entry["shape"]))
+        held = (
+            f"[{shape}] per utterance"
+            if entry.get("per_utterance")
+            else f"[T, {shape}] at {entry['frame_rate']}x the mel's frame rate"
+        )
         lines.append(
-            f"  {name}: {entry['dtype']} [T, {', '.join(map(str, entry['shape']))}] at "
-            f"{entry['frame_rate']}x the mel's frame rate, {entry['totals']['frames']} frames, "
+            f"  {name}: {entry['dtype']} {held}, {entry['totals']['frames']} frames, "
             f"{megabytes:.2f} MB ({megabytes / hours:.1f} MB per hour); {made['encoder']}, "
             f"weights sha256 {weights}…, provenance {entry['provenance_digest']}"
         )
+        if "values" in entry:
+            values = FieldStore(cache, index, [name], by="inspect").values(name)
+            low, mid, high = np.percentile(values, [5, 50, 95]).tolist()
+            lines.append(
+                f"    values p5 / p50 / p95: {low:.4g} / {mid:.4g} / {high:.4g} "
+                f'(data.where = "{name} >= …" selects on it)'
+            )
     return lines
 
 

@@ -15,8 +15,10 @@ import numpy as np
 from melcache.errors import ShardError, UserError
 from melcache.fields.format import (
     ROWS_NAME,
+    VALUES_NAME,
     binding_problem,
     cache_fields,
+    entry_frames,
     field_samples,
     read_bound,
 )
@@ -38,24 +40,50 @@ def field_problems(cache: Path, index: dict[str, Any]) -> list[str]:
     starts = table.column("shard_rows")
     problems: list[str] = []
     for name, entry in fields.items():
-        rows = _rows(cache, entry, problems)
+        rows = _array(cache / entry["folder"] / ROWS_NAME, entry["rows"], problems)
+        values = None
+        if "values" in entry:
+            values = _array(cache / entry["folder"] / VALUES_NAME, entry["values"], problems)
+            if values is not None and values.shape != frames.shape:
+                problems.append(f"{entry['folder']}/{VALUES_NAME}: {values.shape[0]} values, "
+                                f"the table has {len(frames)} rows")  # fmt: skip
+                values = None
         for number, mel in enumerate(index["shards"]):
             span = range(int(starts[number]), int(starts[number + 1]))
             problems += _shard_problems(cache, name, entry, number, mel, span, keys, frames, rows)
+            if values is not None:
+                problems += _value_problems(cache, name, entry, mel, span, values)
     return problems
 
 
-def _rows(cache: Path, entry: dict[str, Any], problems: list[str]) -> np.ndarray | None:
-    location = cache / entry["folder"] / ROWS_NAME
+def _array(location: Path, recorded: dict[str, Any], problems: list[str]) -> np.ndarray | None:
+    """The ``.npy`` at ``location`` if its sha256 is the index's (``recorded``), else a problem."""
     try:
         data = location.read_bytes()
     except OSError as exc:
         problems.append(f"{location}: cannot read ({exc.strerror})")
         return None
-    if hashlib.sha256(data).hexdigest() != entry["rows"]["sha256"]:
+    if hashlib.sha256(data).hexdigest() != recorded["sha256"]:
         problems.append(f"{location}: sha256 differs from the index")
         return None
     return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def _value_problems(
+    cache: Path, name: str, entry: dict[str, Any], mel: dict[str, Any], span: range, values: Any
+) -> list[str]:
+    """Each utterance whose number in ``values.npy`` is not its field shard's."""
+    where = f"{entry['folder']}/{mel['name']}"
+    try:
+        samples = field_samples(load_shard(str(cache / where)), name, entry, where)
+    except ShardError:
+        return []  # named by _shard_problems
+    return [
+        f"{entry['folder']}/{VALUES_NAME}: row {row} ({key}) holds {values[row]!r}, its field "
+        f"shard {float(held[0])!r}"
+        for (key, held), row in zip(samples, span, strict=False)
+        if not np.array_equal(held.reshape(-1)[:1], values[row : row + 1])
+    ]
 
 
 def _shard_problems(
@@ -85,12 +113,10 @@ def _shard_problems(
         return [*problems, str(exc)]
     if bound:
         return [*problems, bound]
-    provenance = entry["provenance"]
-    mel_multiple, rate = provenance.get("mel_multiple", 1), entry["frame_rate"]
     if [key for key, _ in samples] != [keys[row] for row in span]:
         problems.append(f"{where}: keys are not those of {mel['name']}, in its order")
     for (key, values), row in zip(samples, span, strict=False):
-        expected = round(-(-int(frames[row]) // mel_multiple) * mel_multiple * rate)
+        expected = entry_frames(entry, int(frames[row]))
         if len(values) != expected:
             problems.append(f"{where}:{key}: {len(values)} frames, the mel's give {expected}")
     return problems

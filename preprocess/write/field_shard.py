@@ -54,6 +54,7 @@ class DeriveJob:
     n_mels: int
     storage: str
     pad_value: float  # the log floor: silence, what the loader pads with
+    scalar: bool = False  # one number per utterance: its values go to values.npy too
 
 
 _encoder: FieldEncoder | None = None
@@ -145,6 +146,8 @@ def derive_shard(job: DeriveJob) -> dict[str, Any]:
         "rows": rows,
         "mel_frames": job.mel_entry["frames"],
     }
+    if job.scalar:  # each utterance's number, for values.npy (JSON keeps a float's bits)
+        receipt["values"] = [v.item() for v in values]
     write_atomic(job.receipt, json.dumps(receipt).encode())
     return receipt
 
@@ -174,8 +177,9 @@ def encode_all(
                 exc,
             ) from None
         for i, row in enumerate(rows):
+            value = result[i][None] if encoder.per_utterance else result[i]  # stored [1, *shape]
             try:
-                out[row] = _stored(result[i], encoder, len(mels[row]))
+                out[row] = _stored(value, encoder, len(mels[row]))
             except UserError as exc:
                 raise UserError(f"{names[row]}: {exc}") from None
     return out  # type: ignore[return-value]
@@ -196,9 +200,13 @@ def run_encoder(encoder: FieldEncoder, mel: torch.Tensor, device: torch.device) 
 def _stored(values: np.ndarray, encoder: FieldEncoder, mel_frames: int) -> np.ndarray:
     frames = encoder.field_frames(mel_frames)
     if values.shape != (frames, *encoder.shape):
+        gave, declared = tuple(values.shape), [frames, *encoder.shape]
+        if encoder.per_utterance:  # the module's own shapes, without the stored frame axis
+            gave, declared = gave[1:], declared[1:]
         raise UserError(
-            f"the encoder gave {tuple(values.shape)} for {mel_frames} mel frames, it declares "
-            f"[{frames}, {', '.join(map(str, encoder.shape))}]"
+            f"the encoder gave {gave} for {mel_frames} mel frames, it declares "
+            f"[{', '.join(map(str, declared))}]"
+            + (" per utterance" if encoder.per_utterance else "")
         )
     kind = np.dtype(encoder.dtype)
     if values.dtype.kind == "f" and not np.isfinite(values).all():  # never into a field

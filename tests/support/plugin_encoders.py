@@ -45,3 +45,22 @@ class _Failing(torch.nn.Module):
 def failing_encoder(checkpoint: str | None = None, device: str = "cpu", **_: Any) -> FieldEncoder:
     """An encoder whose forward raises."""
     return FieldEncoder(module=_Failing(), config={}, dtype="int16", shape=(1,))
+
+
+class _Seconds(torch.nn.Module):
+    """Each utterance's length in mel frames / 100: one number per utterance."""
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        return torch.full((mel.shape[0],), mel.shape[1] / 100)
+
+
+def seconds_score(checkpoint: str | None = None, device: str = "cpu", **_: Any) -> FieldEncoder:
+    """A per-utterance score other than the SNR example's: a field derived again with another
+    provenance (tests/melcache/loader/test_where_scores.py)."""
+    return FieldEncoder(module=_Seconds(), config={"score": "frames / 100"}, dtype="float32",
+                        shape=(), per_utterance=True)  # fmt: skip
+
+
+def frame_ones(checkpoint: str | None = None, device: str = "cpu", **_: Any) -> FieldEncoder:
+    """A field of one value per frame, which data.where cannot select on."""
+    return _field(1.0, at=0)

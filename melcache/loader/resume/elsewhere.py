@@ -113,7 +113,7 @@ def stream_keys(spec: StreamSpec) -> list[list[Any]]:
     """Each sub-stream's ``[cache, content digest, bucket]``: what a state's positions are of.
     Under ``data.where`` or ``data.balance`` the digest ends with ``+`` and their key, as
     they change the sub-streams' batches as a change of content does."""
-    chosen = selection_key(spec.data.where, spec.data.balance)
+    chosen = selection_key(spec.data.where, spec.data.balance, spec.selection_versions)
     digests = [
         content_digest(source.shards) + (f"+{chosen}" if chosen else "") for source in spec.sources
     ]

@@ -57,7 +57,8 @@ def state_identity(spec: StreamSpec, weights: Sequence[float]) -> dict[str, Any]
         "sync_split": data.split if data.split != 1 else None,
         "batch_plan": spec.plan if spec.plan != 1 else None,
         "attention_frames": data.attention if spec.plan >= COST_CUT_PLAN else None,
-        "selection": selection_key(data.where, data.balance),  # None: every utterance once
+        # None: every utterance once
+        "selection": selection_key(data.where, data.balance, spec.selection_versions),
         # None for frames (states of earlier releases hold no such key): text lengths change
         # the counts, so a state holds the sequence and its tokenizer's fingerprint.
         "sequence": _sequence(spec),
