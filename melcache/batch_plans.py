@@ -171,6 +171,32 @@ def sort_order(
     return np.argsort(-(lengths + jitter), kind="stable")
 
 
+def spread_copies(order: np.ndarray, rows: Sequence[int], count: int) -> np.ndarray:
+    """``order`` (longest first) with the ``c`` copies of one row moved a batch apart: the
+    ``j``-th to ``j`` batches' worth of places before the first, into batches of longer
+    utterances, where it raises no batch's longest (only near the front, toward shorter ones).
+    Equal lengths would otherwise put them side by side, an utterance of weight 5 heard five
+    times in one step. It costs padding: a copy moved pads to a neighbour's longest (about a
+    batch's range of lengths each). Any order keeps the budget: ``count`` is fit from the unit's longest
+    (:func:`even_batch_count`), so equal runs of any order fit it, and the cut never exceeds
+    those."""
+    ranked = np.asarray(rows, np.int64)[order]
+    places = len(ranked)
+    by_row = np.argsort(ranked, kind="stable")  # places grouped by row, in order within each
+    starts = np.flatnonzero(np.r_[True, ranked[by_row][1:] != ranked[by_row][:-1]])
+    sizes = np.diff(np.r_[starts, places])
+    if sizes.max(initial=1) == 1:
+        return order
+    group = np.repeat(np.arange(len(starts)), sizes)
+    copy = np.arange(places) - starts[group]  # j: which copy of its row
+    stride = places / count  # places a batch
+    first = by_row[starts].astype(np.float64)
+    shift = np.maximum(0.0, (sizes - 1) * stride - first)  # the front: room toward shorter
+    keys = np.empty(places)
+    keys[by_row] = (first + shift)[group] - copy * stride
+    return order[np.argsort(keys, kind="stable")]
+
+
 def plan_even_batches(
     frames: Sequence[int],
     *,
@@ -180,6 +206,7 @@ def plan_even_batches(
     pad_multiple: int,
     plan: int = BATCH_PLAN_VERSION,
     attention_frames: int = 0,
+    rows: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Cut one shard's (or unit's) samples into ``count`` batches of near-equal padded frames
     (``B × round_up(longest)``), neighbours in length (:func:`sort_order` of ``plan``), in
@@ -196,8 +223,13 @@ def plan_even_batches(
     at ``T = A``, about 6 × its width), each batch within equal counts' padded frames: the
     batches of a unit's longer utterances then hold fewer of them, where equal frames would
     have them cost more.
+
+    ``rows`` (``data.balance.spread``): each sample's table row, where a row may come more
+    than once; its copies are then spread a batch apart (:func:`spread_copies`).
     """
     order = sort_order(frames, rng=rng, pad_multiple=pad_multiple, plan=plan)
+    if rows is not None:
+        order = spread_copies(order, rows, count)
     padded = -(-np.asarray(frames, dtype=np.int64)[order] // pad_multiple) * pad_multiple
     equal = [part for part in np.array_split(padded, count) if len(part)]
     if attention_frames and plan >= COST_CUT_PLAN:

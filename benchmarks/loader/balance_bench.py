@@ -36,6 +36,7 @@ import numpy as np
 
 from benchmarks.common.synthetic_cache import LOCATION, SyntheticCache, draw_cache, reading
 from benchmarks.loader.step_costs import plan_rows
+from melcache.batch_plans import padding_fraction, round_up
 from melcache.features import FeatureConfig
 from melcache.loader import make_loader
 from melcache.loader.balance import Chosen, Rows, weigh
@@ -70,11 +71,13 @@ def speakers_and_languages(
 
 
 def balanced_spec(
-    cache: SyntheticCache, chosen: Chosen | None, rank: int, world_size: int
+    cache: SyntheticCache, chosen: Chosen | None, rank: int, world_size: int, spread: bool = False
 ) -> StreamSpec:
-    """The spec ``make_loader`` would give, with ``chosen`` (or no selection)."""
+    """The spec ``make_loader`` would give, with ``chosen`` (or no selection); ``spread``:
+    ``data.balance.spread``, an utterance's copies a batch apart."""
     first = tuple(chosen.shard_rows.tolist()) if chosen is not None else ()
-    data = dataclasses.replace(DATA, balance=BALANCE if chosen is not None else {})
+    balance = {**BALANCE, **({"spread": True} if spread else {})}
+    data = dataclasses.replace(DATA, balance=balance if chosen is not None else {})
     subs = substreams([cache.shards], data, True, [chosen] if chosen is not None else ())
     return StreamSpec(
         sources=(MixCache(LOCATION, cache.shards, first_rows=first),),
@@ -94,22 +97,32 @@ def epoch_shares(
     spec: StreamSpec, rows_of_key: dict[str, int], groups: dict[str, np.ndarray], target: dict
 ) -> dict[str, float]:
     """Total-variation distance from ``target`` of the hours every sub-stream's epoch 0
-    holds, per group, counted from the batches one rank's stream yields."""
+    holds, per group, counted from the batches one rank's stream yields; with the share of
+    copies in a batch that holds another copy of their utterance, and the padding."""
     left = {u: sub.per_epoch for u, sub in enumerate(spec.subs)}
     stream_of = {unit[0]: u for u, sub in enumerate(spec.subs) for unit in sub.units}
     heard = np.zeros(len(next(iter(groups.values()))))
+    copies = beside = padded = 0
     for visit, _, samples, _, _ in planned_stream(spec, 0):
         epoch, first = visit
         stream = stream_of[first]
         if epoch == 0 and stream in left:
             for sample in samples:
                 heard[rows_of_key[sample.key]] += sample.frames
+            copies += len(samples)
+            beside += len(samples) - len({sample.key for sample in samples})
+            padded += len(samples) * round_up(
+                max(s.frames for s in samples), spec.data.pad_multiple
+            )
             left[stream] -= 1
             if left[stream] == 0:
                 del left[stream]
         if not left:
             break
-    out = {}
+    out = {
+        "copies_beside_their_own": round(beside / max(copies, 1), 4),
+        "padding_pct": round(100 * padding_fraction(heard.sum(), padded), 2),
+    }
     for name, codes in groups.items():
         got = np.bincount(codes, heard)
         got = got / got.sum()
@@ -217,8 +230,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     natural = {name: np.bincount(codes, frames) / frames.sum() for name, codes in groups.items()}
     rows_of_key = {key: i for i, key in enumerate(keys)}
     with reading(cache):
-        for name, pick in (("balanced", chosen), ("plain", None)):
-            spec = balanced_spec(cache, pick, 0, 1)
+        for name, pick, spread in (("balanced", chosen, False),
+                                   ("balanced, spread = true", chosen, True),
+                                   ("plain", None, False)):  # fmt: skip
+            spec = balanced_spec(cache, pick, 0, 1, spread)
             goal = target if pick is not None else natural
             print(json.dumps({"measure": f"epoch 0 shares, {name}", "target": "balance" if pick is not None else "natural",
                               "target_language": [round(float(v), 3) for v in target["language"]],

@@ -172,6 +172,7 @@ def bucket_batches(
                 lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
                 pad_multiple=data.pad_multiple, plan=spec.plan,
                 attention_frames=data.attention,
+                rows=members.rows if sub.picks and data.balance.get("spread") else None,
             ) if count else []  # fmt: skip
         if batch < len(plan):
             held = members.fetch(plan[batch])

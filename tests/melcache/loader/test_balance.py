@@ -302,3 +302,45 @@ def test_a_balanced_4_rank_state_resumes_at_2_ranks_reading_each_epoch_as_dealt(
     # The check can fail: a new job started afresh repeats what the old one had read.
     afresh, _ = job(2, 30)
     assert first_epochs(before + afresh) != first_epochs(whole)
+
+
+def test_spread_puts_an_utterances_copies_in_other_batches_within_the_budget() -> None:
+    from melcache.batch_plans import even_batch_count, make_rng, plan_even_batches
+
+    rng = np.random.default_rng(5)
+    rows = np.repeat(np.arange(400), rng.integers(1, 5, 400))  # up to 4 copies each
+    frames = rng.integers(200, 400, 400)[rows]
+    count = even_batch_count(len(rows), int(frames.max()), batch_frames=6000,
+                             max_batch_size=64, pad_multiple=8)  # fmt: skip
+    cut = {"rng": make_rng(0, 4), "count": count, "max_batch_size": 64, "pad_multiple": 8}
+    beside = {}
+    for spread in (False, True):
+        batches = plan_even_batches(frames.tolist(), rows=rows.tolist() if spread else None, **cut)
+        assert sorted(i for b in batches for i in b) == list(range(len(rows)))
+        assert all(len(b) * -(-int(frames[b].max()) // 8) * 8 <= 6000 for b in batches)
+        beside[spread] = sum(len(b) - len(set(rows[b].tolist())) for b in batches)
+    assert beside[True] * 3 < beside[False], beside
+
+
+def test_spread_through_the_loader_keeps_what_is_heard(cache: Path) -> None:
+    """An epoch deals the same copies with and without ``spread``; only their batches differ."""
+    from melcache.loader.stream import planned_stream
+
+    heard, beside = {}, {}
+    for spread in (False, True):
+        balance = {"speaker_temperature": 0.0, "spread": spread}
+        loader = make_loader(cache, DataConfig(batch_frames=2400, num_workers=0, balance=balance))
+        left = {unit[0]: sub.per_epoch for sub in loader.spec.subs for unit in sub.units[:1]}
+        first_of = {unit[0]: sub.units[0][0] for sub in loader.spec.subs for unit in sub.units}
+        heard[spread], beside[spread] = collections.Counter(), 0
+        for (epoch, first), _, samples, _, _ in planned_stream(loader.spec, 0):
+            stream = first_of[first]
+            if epoch == 0 and left.get(stream):
+                heard[spread].update(s.key for s in samples)
+                beside[spread] += len(samples) - len({s.key for s in samples})
+                left[stream] -= 1
+            if not any(left.values()):
+                break
+        loader.close()
+    assert heard[True] == heard[False] and max(heard[True].values()) > 1
+    assert beside[True] < beside[False], beside
