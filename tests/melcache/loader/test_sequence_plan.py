@@ -171,10 +171,11 @@ def test_a_state_resumes_batch_for_batch_and_is_refused_under_another_sequence(
             other.load_state_dict(state)
 
 
-def job(cache: Path, world_size: int, steps: int, states=None):
-    """``steps`` steps of a job of one-process ranks: each sub-stream's keys in reading
-    order, and the ranks' states after."""
-    loaders = [loader(cache, r, world_size, **TEXT, **ONE_RANGE) for r in range(world_size)]
+def job(cache: Path, world_size: int, steps: int, states=None, sequence: str = "text+frames"):
+    """``steps`` steps of a job of one-process ranks declaring ``sequence``: each
+    sub-stream's keys in reading order, and the ranks' states after."""
+    data = {"sequence": sequence, **ONE_RANGE}
+    loaders = [loader(cache, r, world_size, **data) for r in range(world_size)]
     for each in loaders if states is not None else ():
         each.load_state_dict(states)
     streams = [iter(each) for each in loaders]
