@@ -30,6 +30,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -279,6 +280,7 @@ def most_per_batch(data: Any, bucket: int, longest_text: int | None) -> int:
 # costs within a step, move; a gain under 1 % is within that spread (docs/results.md).
 MOST_CELLS = 4
 CELL_GAIN = 0.01
+CAP_STEP = 0.001  # the two-axis cut's cost caps, apart by this share
 
 
 def two_axis_cost(text: np.ndarray, frames: np.ndarray, attention: int) -> np.ndarray:
@@ -300,19 +302,17 @@ def two_axis_order(
     padded cost of ``count`` equal runs (:func:`two_axis_cost` of each run's longest text and
     frames) falls by more than :data:`CELL_GAIN`; the choice is a function of the lengths."""
     tie = rng.random(len(text))
-    best, best_cost = None, 0.0
+    sizes = np.diff(np.linspace(0, len(text), count + 1).astype(np.int64))  # equal runs
+    starts = np.cumsum(sizes) - sizes
+    best, best_cost = np.lexsort((tie, -text, -frames)), 0
     for cells in range(1, MOST_CELLS + 1):
-        edges = np.quantile(text, np.linspace(0, 1, cells + 1)[1:-1]) if cells > 1 else []
-        cell = np.searchsorted(edges, text, side="left")
-        order = np.lexsort((tie, -text, -frames, -cell))
-        cost = sum(
-            len(run) * int(two_axis_cost(text[run].max(), frames[run].max(), attention))
-            for run in np.array_split(order, count)
-            if len(run)
-        )
-        if best is None or cost < best_cost * (1 - CELL_GAIN):
+        edges = np.quantile(text, np.linspace(0, 1, cells + 1)[1:-1])
+        order = np.lexsort((tie, -text, -frames, -np.searchsorted(edges, text)))
+        longest_t = np.maximum.reduceat(text[order], starts)
+        longest_f = np.maximum.reduceat(frames[order], starts)
+        cost = int(sizes @ two_axis_cost(longest_t, longest_f, attention))
+        if cells == 1 or cost < best_cost * (1 - CELL_GAIN):
             best, best_cost = order, cost
-    assert best is not None
     return best
 
 
@@ -344,6 +344,12 @@ def plan_two_axis_batches(
     text_cap = max(len(run) * int(t[run].max()) for run in equal)
     frame_cap = max(len(run) * int(f[run].max()) for run in equal)
     top = max(len(r) * int(two_axis_cost(t[r].max(), f[r].max(), attention_frames)) for r in equal)
+    # Caps on a geometric grid from the least any count runs can reach (each sample's own
+    # cost, and the mean run's) to ``top``: 0.1 % apart, so the search takes ~10 tries.
+    alone = two_axis_cost(t, f, attention_frames)
+    low = min(top, max(int(alone.max()), -(-int(alone.sum()) // count)))
+    tries = math.ceil(math.log(top / low) / math.log1p(CAP_STEP))
+    cap = lambda k: top if k >= tries else math.ceil(low * (1 + CAP_STEP) ** k)  # noqa: E731
 
     def ends(cap: int) -> list[int]:
         out, start = [], 0
@@ -359,4 +365,6 @@ def plan_two_axis_batches(
             out.append(start)
         return out
 
-    return _cut(order, ends(_least(1, top, lambda cap: len(ends(cap)) <= count)), count, rng)
+    return _cut(
+        order, ends(cap(_least(0, tries, lambda k: len(ends(cap(k))) <= count))), count, rng
+    )
