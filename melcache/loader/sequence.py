@@ -283,33 +283,37 @@ CELL_GAIN = 0.01
 CAP_STEP = 0.001  # the two-axis cut's cost caps, apart by this share
 
 
-def two_axis_cost(text: np.ndarray, frames: np.ndarray, attention: int) -> np.ndarray:
+def two_axis_cost(text: Any, frames: Any, attention: int) -> np.ndarray:
     """``A`` × the cost of one row of an encoder-decoder padded to ``text`` and ``frames``:
     ``T·(1 + T/A) + F·(1 + F/A) + T·F/A`` (the encoder, the decoder, and the decoder's cross
     attention over the text: ``4·d·T·F`` a layer, as self-attention's ``4·d·F²``), in
     integers; layers of encoder and decoder counted alike."""
-    t, f = text.astype(np.int64), frames.astype(np.int64)
+    t, f = np.asarray(text, dtype=np.int64), np.asarray(frames, dtype=np.int64)
     return t * (attention + t) + f * (attention + f) + t * f
 
 
 def two_axis_order(
-    text: np.ndarray, frames: np.ndarray, *, rng: np.random.Generator, count: int, attention: int
-) -> np.ndarray:
-    """Places of a unit's samples (padded ``text`` and ``frames``) as the two-axis cut takes
-    them: longest frames first, then longest text, ties in random order; or, where they pay,
-    in text cells first (2-D cells: the unit split at quantiles of its text into 2 to
+    text: np.ndarray, frames: np.ndarray, *, rng: np.random.Generator, count: int, pad: int,
+    attention: int,
+) -> np.ndarray:  # fmt: skip
+    """Places of a unit's samples (``text`` tokens and ``frames`` of each) as the two-axis cut
+    takes them: longest padded frames first (the decoder's axis, most positions), then
+    longest text, ties in random order (so batches change members between epochs); or, where
+    they pay, text cells first (2-D cells: the unit split at quantiles of its text into 2 to
     :data:`MOST_CELLS` cells, longest text first), each sorted so. Cells pay where the
-    padded cost of ``count`` equal runs (:func:`two_axis_cost` of each run's longest text and
-    frames) falls by more than :data:`CELL_GAIN`; the choice is a function of the lengths."""
+    padded cost of ``count`` equal runs (:func:`two_axis_cost` of each run's longest padded
+    text and frames) falls by more than :data:`CELL_GAIN`; the choice is a function of the
+    lengths alone."""
     tie = rng.random(len(text))
+    padded_t, padded_f = -(-text // pad) * pad, -(-frames // pad) * pad
     sizes = np.diff(np.linspace(0, len(text), count + 1).astype(np.int64))  # equal runs
     starts = np.cumsum(sizes) - sizes
-    best, best_cost = np.lexsort((tie, -text, -frames)), 0
+    best, best_cost = np.arange(0), 0
     for cells in range(1, MOST_CELLS + 1):
         edges = np.quantile(text, np.linspace(0, 1, cells + 1)[1:-1])
-        order = np.lexsort((tie, -text, -frames, -np.searchsorted(edges, text)))
-        longest_t = np.maximum.reduceat(text[order], starts)
-        longest_f = np.maximum.reduceat(frames[order], starts)
+        order = np.lexsort((tie, -text, -padded_f, -np.searchsorted(edges, text)))
+        longest_t = np.maximum.reduceat(padded_t[order], starts)
+        longest_f = np.maximum.reduceat(padded_f[order], starts)
         cost = int(sizes @ two_axis_cost(longest_t, longest_f, attention))
         if cells == 1 or cost < best_cost * (1 - CELL_GAIN):
             best, best_cost = order, cost
@@ -336,10 +340,10 @@ def plan_two_axis_batches(
     that ``count`` greedy runs reach. Growing a run only raises its longest, so the greedy
     runs are the fewest, and equal runs meet the caps: the search always ends within
     ``count``, and the count is known before the unit is read."""
-    t = -(-np.asarray(text, dtype=np.int64) // pad_multiple) * pad_multiple
-    f = -(-np.asarray(frames, dtype=np.int64) // pad_multiple) * pad_multiple
-    order = two_axis_order(t, f, rng=rng, count=count, attention=attention_frames)
-    t, f = t[order], f[order]
+    t, f = np.asarray(text, dtype=np.int64), np.asarray(frames, dtype=np.int64)
+    order = two_axis_order(t, f, rng=rng, count=count, pad=pad_multiple, attention=attention_frames)
+    t = -(-t[order] // pad_multiple) * pad_multiple
+    f = -(-f[order] // pad_multiple) * pad_multiple
     equal = [run for run in np.array_split(np.arange(len(t)), count) if len(run)]
     text_cap = max(len(run) * int(t[run].max()) for run in equal)
     frame_cap = max(len(run) * int(f[run].max()) for run in equal)
