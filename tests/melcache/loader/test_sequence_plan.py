@@ -237,7 +237,7 @@ def test_a_model_of_fields_alone_plans_on_text_plus_the_fields_frames(
         assert all(s.frames in halves for s in samples)  # the codes' frames, not the mel's
 
 
-def test_the_trainers_metrics_report_text_and_sequence_padding() -> None:
+def test_the_trainers_metrics_report_text_sequence_and_axes_padding() -> None:
     import torch
 
     from train.parallel.env import Env
@@ -252,6 +252,7 @@ def test_the_trainers_metrics_report_text_and_sequence_padding() -> None:
     assert out["text_padding_pct"] == pytest.approx(100 * 4 / 12)
     assert out["padding_pct"] == pytest.approx(100 * 18 / 32)
     assert out["sequence_padding_pct"] == pytest.approx(100 * 2 / 24)
+    assert out["axes_padding_pct"] == pytest.approx(100 * (4 + 18) / (12 + 32))  # two axes
 
 
 def test_a_4_rank_job_resumes_batch_for_batch(sample_cache: Path, sidecars: Path) -> None:
