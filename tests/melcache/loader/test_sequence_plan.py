@@ -255,9 +255,12 @@ def test_the_trainers_metrics_report_text_sequence_and_axes_padding() -> None:
     assert out["axes_padding_pct"] == pytest.approx(100 * (4 + 18) / (12 + 32))  # two axes
 
 
-def test_a_4_rank_job_resumes_batch_for_batch(sample_cache: Path, sidecars: Path) -> None:
+@pytest.mark.parametrize("sequence", ["text+frames", "text,frames"])
+def test_a_4_rank_job_resumes_batch_for_batch(
+    sample_cache: Path, sidecars: Path, sequence: str
+) -> None:
     def ranks(states=None):
-        made = [loader(sample_cache, r, 4, **TEXT) for r in range(4)]
+        made = [loader(sample_cache, r, 4, sequence=sequence) for r in range(4)]
         for rank, each in enumerate(made if states is not None else ()):
             each.load_state_dict(states[rank])  # each rank its own state: the same job
         return made, [iter(each) for each in made]
