@@ -9,7 +9,10 @@ a batch of ``B`` utterances all as long as the bucket's longest, with text as lo
 longest text of the shard that holds it; for a model whose sequence is text then frames
 (``data.sequence = "text+frames"``) the text makes the bucket's longest ``text + frames``
 (from the table and the text-length sidecar, ``melcache/loader/sequence.py``) and the budget
-counts those positions. ``B`` doubles from the previous bucket's answer until
+counts those positions; for an encoder-decoder whose text is an axis of its own
+(``"text,frames"``) the text is the bucket's longest real text (the sidecar's, not a worst case)
+beside its longest frames, and the answer is two budgets, ``data.batch_frames`` and
+``data.batch_text`` (``B ×`` each padded length), since the loader bounds each axis by its own. ``B`` doubles from the previous bucket's answer until
 a step runs out of memory, then bisects to the largest ``B`` that fits (exact: the search is
 over whole utterances). The budget is ``B × padded length``: shorter utterances of the bucket
 pack more of them into it, and their attention costs less.
@@ -54,7 +57,7 @@ from melcache.fields.format import cache_fields
 from melcache.index import read_index
 from melcache.loader import bucket_lengths
 from melcache.loader.batch import Batch, stand_in_extras
-from melcache.loader.sequence import sequence_tops
+from melcache.loader.sequence import sequence_tops, text_tops
 from melcache.location import member_location
 from melcache.reader import ShardCheck, read_shard
 from train.config.tables import Config
@@ -75,6 +78,7 @@ class Row:
     samples: int  # of the longest length, per batch
     peak_mib: float  # the peak memory of that step
     text_tokens: int  # the text length the steps used
+    text_budget: int = 0  # data.sequence = "text,frames": padded text tokens per micro-batch
 
 
 def tune(
@@ -106,7 +110,9 @@ def tune(
         )
     longest = max(s["max_frames"] for s in read_index(shards)["shards"])
     roomy = cfg.data.max_batch_size * round_up(longest, cfg.data.pad_multiple)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_frames=roomy))
+    # batch_text 0: the roomy batch_frames bounds the text too, never below the longest text
+    roomy_data = dataclasses.replace(cfg.data, batch_frames=roomy, batch_text=0)
+    cfg = dataclasses.replace(cfg, data=roomy_data)
     quiet = logging.getLogger("train.trainer")  # the trials' skipped steps are the search
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -163,8 +169,11 @@ def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
     fits_at_least = 1
     spec = trainer.parts.loader.spec
     declared = sequence_tops(spec.sources[:1], asked)[0]  # data.sequence = "text+frames"
+    texts = text_tops(spec.sources[:1], asked)[0]  # "text,frames": each shard's longest text
     for bucket, max_frames in sorted(bucket_lengths(tuple(counted)).items())[::-1]:
-        if declared is None:  # the longest text of the shard of the longest frames
+        if texts is not None:  # the bucket's longest real text, beside its longest frames
+            tokens = _longest_sequence(spec.sources[0].shards, texts, bucket)
+        elif declared is None:  # the longest text of the shard of the longest frames
             tokens = _longest_text(shards, index, bucket, spec.tokenizer)
         else:  # the bucket's longest text + frames, its frames as long as the bucket's longest
             tokens = _longest_sequence(spec.sources[0].shards, declared, bucket) - max_frames
@@ -188,7 +197,8 @@ def _search_buckets(trainer: Trainer, probe: Any, shards: str) -> list[Row]:
         # The budget counts what the loader's plan does: frames, or text + frames positions.
         length = max_frames if declared is None else max_frames + tokens
         budget = size * round_up(length, data.pad_multiple)
-        rows.append(Row(bucket, max_frames, budget, size, peaks[size] / MIB, tokens))
+        text_budget = size * round_up(max(1, tokens), data.pad_multiple) if texts else 0
+        rows.append(Row(bucket, max_frames, budget, size, peaks[size] / MIB, tokens, text_budget))
         fits_at_least = size  # a shorter bucket fits at least as many utterances
     return rows[::-1]
 
@@ -289,7 +299,8 @@ def _trainer_tensors(trainer: Trainer) -> Iterator[torch.Tensor]:
 
 
 def _longest_sequence(shards: Sequence[Mapping[str, Any]], tops: Sequence[int], bucket: int) -> int:
-    """The longest text + frames of ``bucket``'s shards (``tops``: each shard's)."""
+    """The longest of ``bucket``'s shards' ``tops`` (each shard's longest text + frames, or
+    text)."""
     return max(top for entry, top in zip(shards, tops, strict=True) if entry["bucket"] == bucket)
 
 
@@ -322,4 +333,7 @@ def render(rows: list[Row], where: str) -> tuple[str, str]:
         f"peak {r.peak_mib:.1f} MiB"
         for r in rows
     ]
+    if any(r.text_budget for r in rows):  # data.sequence = "text,frames": the text's own
+        toml += ["", "[data.batch_text]"]
+        toml += [f"{r.bucket} = {r.text_budget}  # ≤ {r.text_tokens} tokens" for r in rows]
     return "\n".join(lines), "\n".join(toml) + "\n"

@@ -3,15 +3,19 @@
 (``data.sequence``), side by side in one run.
 
     python -m benchmarks.train.sequence_tune_bench --cache CACHE [--memory-limit-mib 384]
+        [--config tiny] [--max-batch-size 64]
 
-The model is ``configs/tiny.toml``'s (fp32, ``max_batch_size`` 64): the reference prefix LM,
-whose sequence is the text's tokens then the mel frames. For each arm ``train tune`` searches
-the per-bucket table on CPU against ``--memory-limit-mib`` of live tensors
+The model is ``--config``'s (``configs/tiny.toml``: the reference prefix LM, whose sequence is
+the text's tokens then the mel frames), fp32. For each arm ``train tune`` searches the
+per-bucket table: on CUDA against the device's memory (``train.memory.target`` of it, the
+allocator's peak), on CPU against ``--memory-limit-mib`` of live tensors
 (``train.memory.probes.MemoryCap``); then each arm's trainer, with its table, trains on the
 batches its own loader yields, in alternating turns of ``--turn`` steps (``--rounds`` each), so
 a change in the machine's load falls on both: text + frames positions (real, not padding) per
-second of training steps, and the peak of live tensors over ``--peak-steps`` more steps under
-the same counter (not timed: counting slows each op). Prints one JSON line per arm.
+second of training steps, and the peak memory over ``--peak-steps`` more steps (CUDA: the
+allocator's peak allocated; CPU: live tensors under the same counter, not timed, as counting
+slows each op). Prints one JSON line per arm. ``benchmarks/gpu_bench.sh`` runs it on a GPU
+with ``configs/base.toml`` and room for 512 rows, where memory, not the row cap, binds.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ REPO = Path(__file__).resolve().parents[2]
 ARMS = ("frames", "text+frames")
 
 
-def config(arm: str) -> Config:
-    overrides = ["train.precision=fp32", "data.max_batch_size=64", f'data.sequence="{arm}"']
-    return load_config(REPO / "configs" / "tiny.toml", overrides)
+def config(arm: str, preset: str, max_batch_size: int) -> Config:
+    overrides = ["train.precision=fp32", f"data.max_batch_size={max_batch_size}"]
+    return load_config(REPO / "configs" / f"{preset}.toml", [*overrides, f'data.sequence="{arm}"'])
 
 
 def positions(batch: object) -> int:
@@ -52,18 +56,26 @@ def positions(batch: object) -> int:
 def timed_turn(trainer: Trainer, batches: Iterator, steps: int) -> tuple[float, int]:
     """Seconds and real positions of ``steps`` training steps."""
     seconds, count = 0.0, 0
+    cuda = trainer.env.device.type == "cuda"
     for batch in itertools.islice(batches, steps):
         start = time.perf_counter()
         trainer.train_step([batch])
+        if cuda:  # the step's kernels, not their launch
+            torch.cuda.synchronize(trainer.env.device)
         seconds += time.perf_counter() - start
         count += positions(batch)
     return seconds, count
 
 
 def peak_mib(trainer: Trainer, batches: Iterator, steps: int) -> float:
-    """The largest peak of live tensors of ``steps`` training steps (the model's and
-    optimizer's tensors included), MiB."""
-
+    """The largest peak memory of ``steps`` training steps (the model's and optimizer's
+    tensors included), MiB: on CUDA the allocator's peak allocated, else live tensors."""
+    device = trainer.env.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        for batch in itertools.islice(batches, steps):
+            trainer.train_step([batch])
+        return torch.cuda.max_memory_allocated(device) / MIB
     cap = MemoryCap(float("inf"), tensor_bytes(_trainer_tensors(trainer)))
     peak = 0
     for batch in itertools.islice(batches, steps):
@@ -82,12 +94,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--turn", type=int, default=15)
     p.add_argument("--peak-steps", type=int, default=30)
+    p.add_argument("--config", default="tiny", help="a preset of configs/")
+    p.add_argument("--max-batch-size", type=int, default=64)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)  # shared cores: a second OpenMP thread's spinning swamps the timing
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":  # shared cores: a second OpenMP thread's spinning swamps the timing
+        torch.set_num_threads(1)
     trainers, streams, tables = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="sequence-tune-") as out:
         for arm in ARMS:
-            cfg = config(arm)
+            cfg = config(arm, args.config, args.max_batch_size)
             rows, where = tune(cfg, args.cache, memory_limit_mib=args.memory_limit_mib)
             tables[arm] = {str(r.bucket): r.budget for r in rows}
             print(json.dumps({"measure": "tune", "sequence": arm, "where": where,
@@ -98,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = dataclasses.replace(
                 cfg, data=dataclasses.replace(cfg.data, batch_frames=tables[arm])
             )
-            env = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+            env = Env(rank=0, world_size=1, local_rank=0, device=device)
             trainers[arm] = Trainer(cfg, args.cache, Path(out) / arm.replace("+", "_"), env)
             streams[arm] = iter(trainers[arm].parts.loader)
             timed_turn(trainers[arm], streams[arm], 3)  # warm-up

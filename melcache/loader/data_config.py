@@ -21,8 +21,10 @@ from melcache.where import Where
 ON_ERROR = ("raise", "skip")
 MAX_SYNC_SPLIT = 1_000  # length ranges a bucket at most (data.sync_split)
 MAX_ATTENTION_FRAMES = 1 << 24  # data.attention_frames at most
-# data.sequence: frames alone, or text tokens then frames (melcache/loader/sequence.py)
-SEQUENCES = ("frames", "text+frames")
+# data.sequence: frames alone, text tokens then frames in one sequence ("+": their lengths add),
+# or text and frames as two axes of an encoder-decoder ("," as in a shape: each padded on its
+# own); melcache/loader/sequence.py
+SEQUENCES = ("frames", "text+frames", "text,frames")
 # Length ranges per bucket of a fresh stream (data.sync_split = 0): on drawn 50 h and 200 h
 # caches 6 ranges keep 0.97 of a step's compute at 8-512 ranks, against 0.88-0.91 with 1 and
 # 0.96 with 4 (benchmarks/loader/schedule_bench.py --parts synthetic, docs/results.md).
@@ -78,9 +80,14 @@ class DataConfig:
     # 0: ATTENTION_FRAMES for a fresh stream, and a resumed one keeps its own.
     attention_frames: int = bounded(0, 0, MAX_ATTENTION_FRAMES)
     # What the model's sequence is made of (a model's melcache_contract "sequence"): "frames",
-    # or "text+frames" (text tokens then frames, one sequence: every plan, budget and cost on
-    # S = text + frames; melcache/loader/sequence.py, docs/loader.md "One sequence").
+    # "text+frames" (text tokens then frames, one sequence: every plan, budget and cost on
+    # S = text + frames) or "text,frames" (an encoder's text and a decoder's frames, two axes
+    # each padded and budgeted on its own); melcache/loader/sequence.py, docs/loader.md.
     sequence: str = "frames"
+    # data.sequence = "text,frames": padded text tokens per micro-batch, a count or a table
+    # {bucket: count} as batch_frames is (B × padded longest text ≤ it). 0: each bucket's
+    # batch_frames (a text position costs an encoder of the decoder's width what a frame costs).
+    batch_text: int | Mapping[str, int] = 0
     # Frame shares of the caches of a mix, keyed by location as given to --shards (default:
     # their hours), and α: the shares used are ∝ weight^α (α < 1 lifts small caches).
     mix: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -139,7 +146,22 @@ class DataConfig:
             object.__setattr__(self, "batch_frames", _budget_table(self.batch_frames))
         else:
             require(_is_count(self.batch_frames), "data.batch_frames", self.batch_frames, _BUDGET)
+        if isinstance(self.batch_text, Mapping):
+            object.__setattr__(self, "batch_text", _budget_table(self.batch_text, "batch_text"))
+        else:
+            require(
+                self.batch_text == 0 or _is_count(self.batch_text),
+                "data.batch_text",
+                self.batch_text,
+                f"0 (each bucket's batch_frames) or {_BUDGET}",
+            )
         require(self.sequence in SEQUENCES, "data.sequence", self.sequence, " or ".join(SEQUENCES))
+        require(
+            self.sequence == "text,frames" or self.batch_text == 0,
+            "data.batch_text",
+            self.batch_text,
+            '0 unless data.sequence = "text,frames" (the text is budgeted on its own only there)',
+        )
         require(
             self.sequence == "frames" or self.sync_buckets,
             "data.sequence",
@@ -226,6 +248,13 @@ class DataConfig:
             return self.batch_frames
         return self.batch_frames[str(bucket)]
 
+    def text_budget(self, bucket: int) -> int:
+        """Padded text tokens per micro-batch in bucket ``bucket`` (``data.sequence =
+        "text,frames"``): ``batch_text``, or the bucket's ``batch_frames`` where it is 0."""
+        if isinstance(self.batch_text, Mapping):
+            return self.batch_text[str(bucket)]
+        return self.batch_text or self.budget(bucket)
+
 
 _BUDGET = "a positive count, or a table of bucket numbers to counts such as {0 = 24000, 1 = 16000}"
 
@@ -258,12 +287,14 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _budget_table(table: Mapping[Any, Any]) -> dict[str, int]:
-    """A ``batch_frames`` table checked and keyed by canonical bucket numbers, in order."""
-    require(len(table) > 0, "data.batch_frames", dict(table), _BUDGET)
+def _budget_table(table: Mapping[Any, Any], key_name: str = "batch_frames") -> dict[str, int]:
+    """A budget table (``batch_frames``, ``batch_text``) checked and keyed by canonical bucket
+    numbers, in order."""
+    name = f"data.{key_name}"
+    require(len(table) > 0, name, dict(table), _BUDGET)
     out: dict[str, int] = {}
     for key, value in table.items():
-        require(str(key).isdigit(), "data.batch_frames", dict(table), _BUDGET)
-        require(_is_count(value), f"data.batch_frames.{key}", value, "a positive count")
+        require(str(key).isdigit(), name, dict(table), _BUDGET)
+        require(_is_count(value), f"{name}.{key}", value, "a positive count")
         out[str(int(key))] = value
     return dict(sorted(out.items(), key=lambda item: int(item[0])))

@@ -48,6 +48,7 @@ from typing import Any
 from melcache.batch_plans import SUBSTREAM_ORDER, even_batch_count, even_units, make_rng
 from melcache.loader.balance import Chosen, UnitPicks, allocate
 from melcache.loader.data_config import DataConfig
+from melcache.loader.sequence import most_per_batch
 
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 SILVER = math.sqrt(2.0) - 1.0  # independent of GOLDEN over the rationals: a 2-D sequence
@@ -82,23 +83,26 @@ def substreams(
     sync: bool,
     chosen: Sequence[Chosen | None] = (),
     tops: Sequence[Sequence[int] | None] = (),
+    texts: Sequence[Sequence[int] | None] = (),
 ) -> tuple[SubStream, ...]:
     """The sub-streams of a mix: one per (cache, bucket) when ``sync``, else one per cache;
     ``chosen``: each cache's selection (``data.where``, ``data.balance``), if any; ``tops``:
     per cache, each shard's longest declared sequence (``data.sequence``,
-    melcache/loader/sequence.py) where it is not the index's ``max_frames``."""
+    melcache/loader/sequence.py) where it is not the index's ``max_frames``; ``texts``: per
+    cache, each shard's longest text where text is an axis of its own (``"text,frames"``)."""
     out = []
     for source, shards in enumerate(sources):
         given = tops[source] if source < len(tops) else None
         top = given or [entry["max_frames"] for entry in shards]
+        text = texts[source] if source < len(texts) else None
         groups: dict[int, list[int]] = {}
         for shard_id, entry in enumerate(shards):
             groups.setdefault(entry["bucket"] if sync else WHOLE, []).append(shard_id)
         for bucket, ids in sorted(groups.items()):
             units = [[i] for i in ids]
             if bucket != WHOLE:
-                cut = {"batch_frames": data.budget(bucket), "max_batch_size": data.max_batch_size,
-                       "pad_multiple": data.pad_multiple}  # fmt: skip
+                cut = {"batch_frames": data.budget(bucket), "pad_multiple": data.pad_multiple,
+                       "max_batch_size": _most(data, bucket, text, ids)}  # fmt: skip
                 grouped = even_units([shards[i]["samples"] for i in ids],
                                      [top[i] for i in ids], **cut)  # fmt: skip
                 units = [[ids[j] for j in unit] for unit in grouped]
@@ -107,19 +111,28 @@ def substreams(
                     sum(shards[i]["samples"] for i in unit),
                     max(top[i] for i in unit),
                     batch_frames=data.budget(shards[unit[0]]["bucket"]),
-                    max_batch_size=data.max_batch_size,
+                    max_batch_size=_most(data, shards[unit[0]]["bucket"], text, unit),
                     pad_multiple=data.pad_multiple,
                 )
                 for unit in units
             ]
             out += _split(source, bucket, units, counts, shards, data.split)
     if chosen:
+        longest = [
+            (tops[s] if tops else None, texts[s] if texts else None) for s in range(len(chosen))
+        ]
         out = [
             sub
             for source, pick in enumerate(chosen)
-            for sub in _chosen(out, source, pick, data, tops[source] if tops else None)
+            for sub in _chosen(out, source, pick, data, *longest[source])
         ]
     return tuple(sub for sub in out if sub.per_epoch)  # data.where may leave a range empty
+
+
+def _most(data: DataConfig, bucket: int, text: Sequence[int] | None, shards: Sequence[int]) -> int:
+    """Utterances a batch of these ``shards`` may hold: ``max_batch_size``, and where text is
+    an axis of its own (``text``: each shard's longest) what fits ``data.batch_text``."""
+    return most_per_batch(data, bucket, max(text[i] for i in shards) if text else None)
 
 
 def _chosen(
@@ -128,13 +141,15 @@ def _chosen(
     chosen: Chosen,
     data: DataConfig,
     top: Sequence[int] | None,
+    text: Sequence[int] | None = None,
 ) -> list[SubStream]:
     """The sub-streams of cache ``source`` with the copies ``chosen`` deals their units,
     dealt over all of them at once (a speaker's remainder carried across buckets too);
-    ``top``: each shard's longest declared sequence, if not frames."""
+    ``top``: each shard's longest declared sequence, if not frames; ``text``: each shard's
+    longest text, where it is an axis of its own."""
     mine = [sub for sub in subs if sub.source == source]
     picks = iter(allocate(chosen, [unit for sub in mine for unit in sub.units]))
-    return [_picked(sub, [next(picks) for _ in sub.units], chosen, data, top) for sub in mine]
+    return [_picked(sub, [next(picks) for _ in sub.units], chosen, data, top, text) for sub in mine]
 
 
 def _picked(
@@ -143,16 +158,18 @@ def _picked(
     chosen: Chosen,
     data: DataConfig,
     top: Sequence[int] | None,
+    text: Sequence[int] | None,
 ) -> SubStream:
     """``sub`` with its units' ``picks``: each unit's batches and the epoch's frames counted
     from them, the longest utterance a unit may hold that of its rows ever picked (with a
-    declared sequence, its shards' longest: a bound, as the text is not per row here)."""
+    declared sequence, or a text axis, its shards' longest: a bound, as the text is not per
+    row here)."""
     counts = tuple(
         even_batch_count(
             pick.size,
             max(top[s] for s in unit) if top else int(chosen.frames[pick.rows].max(initial=0)),
             batch_frames=data.budget(sub.bucket),
-            max_batch_size=data.max_batch_size,
+            max_batch_size=_most(data, sub.bucket, text, unit),
             pad_multiple=data.pad_multiple,
         )
         if pick.size

@@ -7,6 +7,14 @@
   decoder-only TTS LM), ``S = text + frames`` per utterance. The units' batch counts, the
   sort and the cut of each unit, the cost cut ``B·S·(1 + S/A)``, the length ranges and the
   budget (``data.batch_frames`` then counts padded ``S`` positions) all run on ``S``.
+- ``"text,frames"``: two axes, the text's tokens to an encoder and the frames to a decoder
+  (an encoder-decoder TTS), each padded to its own longest: ``,`` as in a shape ``(text,
+  frames)``, where ``+`` adds the two into one length. A batch of ``B`` rows, ``T`` padded
+  text and ``F`` padded frames keeps ``B·F ≤ data.batch_frames`` and ``B·T ≤
+  data.batch_text`` (0: the bucket's ``batch_frames``), as NeMo's 2-D buckets bound a cell
+  on duration and tokens at once; the units' counts fit both (:func:`text_tops`). Buckets and
+  length ranges stay on frames (the decoder's axis, most of the positions); each unit is cut
+  by :func:`plan_two_axis_batches`.
 
 Text lengths under the run's tokenizer are read from each cache once, with the table's help
 (only the ``json`` members, no mel), and kept in a sidecar bound to the table's digest and
@@ -19,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -30,13 +40,14 @@ import numpy as np
 import xxhash
 
 from melcache.access import Cache
+from melcache.batch_plans import _cut, _least, round_up
 from melcache.errors import ShardError, UserError
 from melcache.fields.format import ROW_COLUMNS
 from melcache.format import write_atomic
 from melcache.loader.batch import token_ids
 from melcache.loader.data_config import SEQUENCES
 
-FRAMES, TEXT_FRAMES = SEQUENCES
+FRAMES, TEXT_FRAMES, TWO_AXES = SEQUENCES
 FIELD_FRAMES = ROW_COLUMNS.index("frames")  # a field's rows.npy column of each row's frames
 SIDECAR_VERSION = 1
 # Texts the fingerprint tokenises: scripts, digits, punctuation and ChatTTS's control tokens,
@@ -61,6 +72,11 @@ class TextLengths:
     def of_shard(self, shard: int) -> np.ndarray:
         """Text tokens of shard number ``shard``'s rows, in tar order."""
         return self.per_row[int(self.shard_rows[shard]) : int(self.shard_rows[shard + 1])]
+
+    def longest_texts(self) -> list[int]:
+        """Each shard's longest text in tokens (an empty shard: 0)."""
+        pairs = itertools.pairwise(self.shard_rows.tolist())
+        return [int(self.per_row[a:b].max(initial=0)) for a, b in pairs]
 
     def tops(self, shards: Sequence[Mapping[str, Any]]) -> list[int]:
         """Each shard's longest ``text + frames`` (an empty shard: its ``max_frames``)."""
@@ -104,7 +120,7 @@ def text_lengths(
     refused, naming the command that writes one."""
     if not index.get("table"):
         raise UserError(
-            f"cache {location}: data.sequence = {TEXT_FRAMES!r} plans on text lengths by the "
+            f"cache {location}: data.sequence with text plans on text lengths by the "
             f"cache's utterances.table, which it has not; python -m preprocess index-table "
             f"{location} writes one"
         )
@@ -157,15 +173,14 @@ def _count(cache: Cache, tokenizer: Callable[[str], Any], shard_rows: np.ndarray
     return out
 
 
-def declared_lengths(
-    frames: Sequence[int],
+def declared_texts(
     owners: Sequence[Mapping[str, Any]],
     unit: Iterable[int],
     shards: Sequence[Mapping[str, Any]],
     text: TextLengths,
 ) -> list[int]:
-    """``text + frames`` of a unit's samples (``frames`` and their shards' entries
-    ``owners``, in unit order; a shard is there whole or not at all, as a unit is read)."""
+    """Text tokens of a unit's samples (their shards' entries ``owners``, in unit order; a
+    shard is there whole or not at all, as a unit is read)."""
     out: list[int] = []
     for shard in unit:
         held = sum(1 for owner in owners[len(out) :] if owner is shards[shard])
@@ -176,7 +191,7 @@ def declared_lengths(
             raise ShardError(
                 f"{shards[shard]['name']}: {held} samples read, the table holds {len(tokens)}"
             )
-        out += (np.asarray(frames[len(out) : len(out) + held]) + tokens).tolist()
+        out += tokens.tolist()
     return out
 
 
@@ -206,7 +221,7 @@ def sequence_tops(sources: Sequence[Any], data: Any) -> list[list[int] | None]:
     own); a shard whose longest does not fit its bucket's budget is refused by name."""
     out: list[list[int] | None] = []
     for source in sources:
-        if source.text is None:
+        if source.text is None or data.sequence != TEXT_FRAMES:  # frames: the index's own
             out.append(None)
             continue
         tops = source.text.tops(source.shards)
@@ -221,3 +236,139 @@ def sequence_tops(sources: Sequence[Any], data: Any) -> list[list[int] | None]:
                 )
         out.append(tops)
     return out
+
+
+def text_tops(sources: Sequence[Any], data: Any) -> list[list[int] | None]:
+    """Per source, each shard's longest text (``data.sequence = "text,frames"``; else
+    ``None``); a shard whose longest text does not fit its bucket's ``data.batch_text`` (or a
+    table of them that leaves out a bucket) is refused by name."""
+    out: list[list[int] | None] = []
+    for source in sources:
+        if source.text is None or data.sequence != TWO_AXES:
+            out.append(None)
+            continue
+        tops = source.text.longest_texts()
+        for entry, top in zip(source.shards, tops, strict=True):
+            bucket = entry["bucket"]
+            if isinstance(data.batch_text, Mapping) and str(bucket) not in data.batch_text:
+                raise UserError(
+                    f"data.batch_text names buckets {sorted(map(int, data.batch_text))} but "
+                    f"cache {source.location} has bucket {bucket}: give one budget per bucket"
+                )
+            if round_up(top, data.pad_multiple) > data.text_budget(bucket):
+                raise UserError(
+                    f"{source.location}: shard {entry['name']} holds a text of {top} tokens, "
+                    f"over data.batch_text = {data.text_budget(bucket)} (bucket {bucket}); "
+                    f"with data.sequence = {TWO_AXES!r} the text axis has its own budget"
+                )
+        out.append(tops)
+    return out
+
+
+def most_per_batch(data: Any, bucket: int, longest_text: int | None) -> int:
+    """Utterances a batch of ``bucket`` may hold beside the frames' budget: ``max_batch_size``,
+    and with a text axis (``longest_text``: the unit's longest) what fits ``batch_text``."""
+    if longest_text is None:
+        return data.max_batch_size
+    fit = data.text_budget(bucket) // round_up(max(1, longest_text), data.pad_multiple)
+    return min(data.max_batch_size, fit)
+
+
+# Text cells of a unit (2-D cells, :func:`two_axis_order`): at most this many, and taken only
+# where they cut the unit's padded cost by more than CELL_GAIN of it. Cells leave the counts
+# alone (they come from the unit's longest), so only the batches' shapes, hence the ranks'
+# costs within a step, move; a gain under 1 % is within that spread (docs/results.md).
+MOST_CELLS = 4
+CELL_GAIN = 0.01
+CAP_STEP = 0.001  # the two-axis cut's cost caps, apart by this share
+
+
+def two_axis_cost(text: Any, frames: Any, attention: int) -> np.ndarray:
+    """``A`` × the cost of one row of an encoder-decoder padded to ``text`` and ``frames``:
+    ``T·(1 + T/A) + F·(1 + F/A) + T·F/A`` (the encoder, the decoder, and the decoder's cross
+    attention over the text: ``4·d·T·F`` a layer, as self-attention's ``4·d·F²``), in
+    integers; layers of encoder and decoder counted alike."""
+    t, f = np.asarray(text, dtype=np.int64), np.asarray(frames, dtype=np.int64)
+    return t * (attention + t) + f * (attention + f) + t * f
+
+
+def two_axis_order(
+    text: np.ndarray, frames: np.ndarray, *, rng: np.random.Generator, count: int, pad: int,
+    attention: int,
+) -> np.ndarray:  # fmt: skip
+    """Places of a unit's samples (``text`` tokens and ``frames`` of each) as the two-axis cut
+    takes them: longest padded frames first (the decoder's axis, most positions), then
+    longest text, ties in random order (so batches change members between epochs); or, where
+    they pay, text cells first (2-D cells: the unit split at quantiles of its text into 2 to
+    :data:`MOST_CELLS` cells, longest text first), each sorted so. Cells pay where the
+    padded cost of ``count`` equal runs (:func:`two_axis_cost` of each run's longest padded
+    text and frames) falls by more than :data:`CELL_GAIN`; the choice is a function of the
+    lengths alone."""
+    tie = rng.random(len(text))
+    padded_t, padded_f = -(-text // pad) * pad, -(-frames // pad) * pad
+    sizes = np.diff(np.linspace(0, len(text), count + 1).astype(np.int64))  # equal runs
+    starts = np.cumsum(sizes) - sizes
+    best, best_cost = np.arange(0), 0
+    for cells in range(1, MOST_CELLS + 1):
+        edges = np.quantile(text, np.linspace(0, 1, cells + 1)[1:-1])
+        order = np.lexsort((tie, -text, -padded_f, -np.searchsorted(edges, text)))
+        longest_t = np.maximum.reduceat(padded_t[order], starts)
+        longest_f = np.maximum.reduceat(padded_f[order], starts)
+        cost = int(sizes @ two_axis_cost(longest_t, longest_f, attention))
+        if cells == 1 or cost < best_cost * (1 - CELL_GAIN):
+            best, best_cost = order, cost
+    return best
+
+
+def plan_two_axis_batches(
+    text: Sequence[int],
+    frames: Sequence[int],
+    *,
+    rng: np.random.Generator,
+    count: int,
+    max_batch_size: int,
+    pad_multiple: int,
+    attention_frames: int,
+) -> list[list[int]]:
+    """Cut a unit's samples (``text`` tokens and ``frames`` of each) into ``count`` batches of
+    near-equal cost (:func:`two_axis_cost` of each batch's padded longest text and frames),
+    in :func:`two_axis_order`, in shuffled order.
+
+    A run from place ``i`` grows while its size × its longest padded text, × its longest
+    padded frames and × its cost stay within the caps: the first two those of ``count``
+    equal runs (so within the budgets :func:`most_per_batch` counts with), the cost the least
+    that ``count`` greedy runs reach. Growing a run only raises its longest, so the greedy
+    runs are the fewest, and equal runs meet the caps: the search always ends within
+    ``count``, and the count is known before the unit is read."""
+    t, f = np.asarray(text, dtype=np.int64), np.asarray(frames, dtype=np.int64)
+    order = two_axis_order(t, f, rng=rng, count=count, pad=pad_multiple, attention=attention_frames)
+    t = -(-t[order] // pad_multiple) * pad_multiple
+    f = -(-f[order] // pad_multiple) * pad_multiple
+    equal = [run for run in np.array_split(np.arange(len(t)), count) if len(run)]
+    text_cap = max(len(run) * int(t[run].max()) for run in equal)
+    frame_cap = max(len(run) * int(f[run].max()) for run in equal)
+    top = max(len(r) * int(two_axis_cost(t[r].max(), f[r].max(), attention_frames)) for r in equal)
+    # Caps on a geometric grid from the least any count runs can reach (each sample's own
+    # cost, and the mean run's) to ``top``: 0.1 % apart, so the search takes ~10 tries.
+    alone = two_axis_cost(t, f, attention_frames)
+    low = min(top, max(int(alone.max()), -(-int(alone.sum()) // count)))
+    tries = math.ceil(math.log(top / low) / math.log1p(CAP_STEP))
+    cap = lambda k: top if k >= tries else math.ceil(low * (1 + CAP_STEP) ** k)  # noqa: E731
+
+    def ends(cap: int) -> list[int]:
+        out, start = [], 0
+        while start < len(t):
+            stop = min(len(t), start + max_batch_size)
+            longest_t = np.maximum.accumulate(t[start:stop])
+            longest_f = np.maximum.accumulate(f[start:stop])
+            size = np.arange(1, stop - start + 1)
+            fits = (size * longest_t <= text_cap) & (size * longest_f <= frame_cap)
+            fits &= size * two_axis_cost(longest_t, longest_f, attention_frames) <= cap
+            misfit = np.flatnonzero(~fits)
+            start += max(1, int(misfit[0]) if len(misfit) else stop - start)
+            out.append(start)
+        return out
+
+    return _cut(
+        order, ends(cap(_least(0, tries, lambda k: len(ends(cap(k))) <= count))), count, rng
+    )

@@ -28,6 +28,8 @@ import itertools
 from collections.abc import Hashable, Iterator
 from typing import Any
 
+import numpy as np
+
 from melcache.access import Cache
 from melcache.batch_plans import (
     BATCH_PLAN,
@@ -41,11 +43,11 @@ from melcache.errors import ShardError
 from melcache.loader.batch import PackedBatch, collate
 from melcache.loader.field_reads import BatchFields
 from melcache.loader.schedule import SubStream, locate
-from melcache.loader.sequence import declared_lengths
+from melcache.loader.sequence import TWO_AXES, declared_texts, plan_two_axis_batches
 from melcache.loader.shard_reads import SkipLog, disk_counts, read_checked
 from melcache.loader.spec import Cursor, Position, StreamSpec
 from melcache.loader.transport import BatchRing
-from melcache.loader.units import ranged_unit, takes_little, whole_unit
+from melcache.loader.units import UnitMembers, ranged_unit, takes_little, whole_unit
 from melcache.location import member_location
 from melcache.reader import RawSample, ShardCheck
 
@@ -158,28 +160,44 @@ def bucket_batches(
                 members = members.chosen(picked)
             rng = make_rng(spec.seed, EVEN_PLAN, sub.source, epoch, unit[0])
             count = min(sub.batches[place], len(members.frames))
-            data, lengths = spec.data, members.frames
-            if source.text is not None and sub.picks:  # text+frames, chosen rows: cut on S
-                lengths = [
-                    f + int(source.text.per_row[r])
-                    for f, r in zip(lengths, members.rows, strict=True)
-                ]
-            elif source.text is not None:  # data.sequence = "text+frames": cut on S
-                lengths = declared_lengths(
-                    lengths, members.owners, unit, source.shards, source.text
-                )
-            plan = plan_even_batches(
-                lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
-                pad_multiple=data.pad_multiple, plan=spec.plan,
-                attention_frames=data.attention,
-                rows=members.rows if sub.picks and data.balance.get("spread") else None,
-            ) if count else []  # fmt: skip
+            plan = _cut_unit(spec, sub, members, unit, rng, count) if count else []
         if batch < len(plan):
             held = members.fetch(plan[batch])
             if held:  # else every shard of the batch failed, each recorded
                 owners = (members.owners[at] for at, _ in held)
                 entries = tuple({entry["name"]: entry for entry in owners}.values())
                 yield visit, (taken,), [sample for _, sample in held], sub.source, entries
+
+
+def _cut_unit(
+    spec: StreamSpec,
+    sub: SubStream,
+    members: UnitMembers,
+    unit: tuple[int, ...],
+    rng: np.random.Generator,
+    count: int,
+) -> list[list[int]]:
+    """A unit's ``count`` batches (places in ``members``), cut on what ``data.sequence``
+    declares: frames, ``text + frames`` (one length), or text and frames (two axes)."""
+    data, frames, source = spec.data, members.frames, spec.sources[sub.source]
+    if source.text is None:
+        texts = None
+    elif sub.picks:  # data.where, data.balance: the chosen rows
+        texts = [int(source.text.per_row[r]) for r in members.rows]
+    else:
+        texts = declared_texts(members.owners, unit, source.shards, source.text)
+    if texts is not None and data.sequence == TWO_AXES:
+        return plan_two_axis_batches(
+            texts, frames, rng=rng, count=count, max_batch_size=data.max_batch_size,
+            pad_multiple=data.pad_multiple, attention_frames=data.attention,
+        )  # fmt: skip
+    lengths = frames if texts is None else [f + t for f, t in zip(frames, texts, strict=True)]
+    spread = sub.picks and data.balance.get("spread")  # copies a batch apart (one axis only)
+    return plan_even_batches(
+        lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
+        pad_multiple=data.pad_multiple, plan=spec.plan, attention_frames=data.attention,
+        rows=members.rows if spread else None,
+    )  # fmt: skip
 
 
 def progress(spec: StreamSpec, positions: list[list[tuple[int, ...]]]) -> list[list[float]]:

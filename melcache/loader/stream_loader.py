@@ -89,7 +89,7 @@ from melcache.loader.resume import (
     stream_keys,
 )
 from melcache.loader.schedule import SubStream, make_schedule, substreams
-from melcache.loader.sequence import sequence_tops, with_text
+from melcache.loader.sequence import sequence_tops, text_tops, with_text
 from melcache.loader.spec import Cursor, StreamSpec
 from melcache.loader.stream import progress
 from melcache.loader.workers import check_shared_memory, worker_batches
@@ -321,8 +321,7 @@ def make_loader(
     check_extras(mix, data.extras)
     num_slots = world_size * max(1, data.num_workers)
     check_layout(mix.sources, data, num_slots)
-    tops = sequence_tops(mix.sources, data)
-    subs = substreams([s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen, tops)
+    subs = planned_substreams(mix, data)
     check_disk_cache(mix.sources, subs, data)
     if rank == 0:  # one line per job, not per rank
         for line in whole_shared_reads(mix.sources, subs, data, num_slots):
@@ -348,10 +347,7 @@ def schedules(
     """A stream's sub-streams and the schedules of its mix's phases, as ``StreamSpec`` takes
     them; ``subs``: the sub-streams where the caller has computed them already."""
     if subs is None:
-        tops = sequence_tops(mix.sources, data)
-        subs = substreams(
-            [s.shards for s in mix.sources], data, data.sync_buckets, mix.chosen, tops
-        )
+        subs = planned_substreams(mix, data)
     return {
         "subs": subs,
         "schedule": make_schedule(subs, mix.weights, seed=seed, sync=data.sync_buckets),
@@ -360,6 +356,14 @@ def schedules(
             for start, weights in mix.phases
         ),
     }
+
+
+def planned_substreams(mix: OpenedMix, data: DataConfig) -> tuple[SubStream, ...]:
+    """The mix's sub-streams, counted on what ``data.sequence`` declares (each shard's
+    longest ``text + frames``, or its longest text beside its frames)."""
+    shards = [s.shards for s in mix.sources]
+    tops, texts = sequence_tops(mix.sources, data), text_tops(mix.sources, data)
+    return substreams(shards, data, data.sync_buckets, mix.chosen, tops, texts)
 
 
 def _is_int(value: object) -> bool:

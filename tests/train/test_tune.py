@@ -5,6 +5,7 @@ tuned table stays under it."""
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import subprocess
@@ -14,14 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from melcache.loader import Batch
+from melcache.access import Cache
+from melcache.batch_plans import round_up
+from melcache.loader import Batch, make_loader
+from melcache.loader.batch import utf8_tokens
+from melcache.loader.stream import planned_stream
 from tests.support.helpers import PROBE, REPO, SAMPLE_CORPUS, build_cache, run_ok, torchrun
 from tests.support.train_probe import worst_batch
 from train.config.tables import load_config
 from train.memory.probes import MemoryCap, tensor_bytes
 from train.parallel.env import Env
 from train.trainer import Trainer
-from train.tune import largest_fitting, tune
+from train.tune import largest_fitting, render, tune
 
 CPU = Env(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 TINY = REPO / "configs" / "tiny.toml"
@@ -204,3 +209,33 @@ def test_tune_under_torchrun_with_ddp_is_refused_in_one_line(train_cache: Path, 
         'searches train.parallel.strategy = "fsdp2" or "hsdp"' in x for x in lines
     )
     assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_tune_sizes_an_encoder_decoder_on_both_axes_with_its_longest_real_text(
+    sample_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``data.sequence = "text,frames"``: each bucket's worst batch holds its longest frames
+    and its longest real text (of all its shards, not the longest frames' shard's), and the
+    answer is two tables. The sample cache: several shards a bucket."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the text lengths' sidecar
+    overrides = [*OVERRIDES[:-1], 'data.sequence="text,frames"']  # sync_buckets: the default
+    rows, where = tune(load_config(TINY, overrides), str(sample_cache), memory_limit_mib=LIMIT_MIB)
+    longest: dict[int, int] = {}
+    with Cache(sample_cache) as cache:
+        for shard, entry in enumerate(cache.index["shards"]):
+            top = max(len(utf8_tokens(text)) for text in cache.texts(shard))
+            longest[entry["bucket"]] = max(longest.get(entry["bucket"], 0), top)
+    assert {r.bucket: r.text_tokens for r in rows} == longest
+    for row in rows:
+        assert row.text_budget == row.samples * round_up(row.text_tokens, 8)
+        assert row.budget == row.samples * round_up(row.max_frames, 8)
+    output = tmp_path / "budgets.toml"
+    output.write_text(render(rows, where)[1])
+    tuned = tomllib.loads(output.read_text())["data"]
+    assert tuned["batch_text"] == {str(r.bucket): r.text_budget for r in rows}
+    data = load_config([TINY, output], overrides).data
+    spec = make_loader(sample_cache, data, tokenizer=utf8_tokens).spec  # both tables accepted
+    for _, _, samples, _, entries in itertools.islice(planned_stream(spec, 0), 20):
+        text = max(len(utf8_tokens(s.text)) for s in samples)
+        assert len(samples) * round_up(text, 8) <= tuned["batch_text"][str(entries[0]["bucket"])]

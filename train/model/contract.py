@@ -26,10 +26,12 @@ optional, the defaults being the reference :class:`train.model.text_to_mel.TextT
 - ``"mel"``: ``False`` for a model that reads fields only: the loader then reads the field
   shards alone (no mel byte), ``batch.mel`` is ``[B, T, 0]``, and ``mel_lengths``, bucketing,
   budgets and the schedule count the first field's frames.
-- ``"sequence"``: what the model's sequence is made of: ``"frames"`` (the default) or
+- ``"sequence"``: what the model's sequence is made of: ``"frames"`` (the default),
   ``"text+frames"`` (the text's tokens then one position per frame, ChatTTS's GPT): the
-  loader then plans, budgets and cuts on ``text + frames`` (``data.sequence``,
-  ``melcache/loader/sequence.py``, docs/loader.md "One sequence").
+  loader then plans, budgets and cuts on ``text + frames``; or ``"text,frames"`` (an
+  encoder-decoder's text and frames, two axes each padded and budgeted on its own,
+  ``data.batch_text`` beside ``data.batch_frames``): ``data.sequence``,
+  ``melcache/loader/sequence.py``, docs/loader.md "One sequence".
 - ``"home"``: ``"package.module:function"``, the writer of the model's home format, which
   ``python -m train export`` calls with the runs of models declaring it (``train/export.py``;
   ChatTTS's ``asset/`` folder: ``examples/chattts/home.py``).

@@ -127,6 +127,11 @@ class Meter:
             text_padding_pct=100.0 * padding_fraction(sums["text_tokens"], sums["padded_text"]),
             sequence_padding_pct=100.0
             * padding_fraction(sums["frames"] + sums["text_tokens"], sums["padded_sequence"]),
+            # An encoder-decoder (data.sequence = "text,frames") pads each axis on its own.
+            axes_padding_pct=100.0
+            * padding_fraction(
+                sums["frames"] + sums["text_tokens"], sums["padded_frames"] + sums["padded_text"]
+            ),
             data_wait_pct=100.0 * sums["wait_s"] / self.env.world_size / elapsed,
         )
         out.update(peak_memory(self.env.device))

@@ -21,7 +21,7 @@ from melcache.loader.resume.state import (
     Resumed,
     parse_deals,
 )
-from melcache.loader.sequence import FRAMES, tokenizer_fingerprint
+from melcache.loader.sequence import FRAMES, TWO_AXES, tokenizer_fingerprint
 from melcache.loader.spec import StreamSpec
 
 STATE_VERSION = 4
@@ -70,7 +70,9 @@ def _sequence(spec: StreamSpec) -> str | None:
     fingerprint (another tokenizer counts other text lengths, so cuts other batches)."""
     if spec.data.sequence == FRAMES:
         return None
-    return f"{spec.data.sequence}:{tokenizer_fingerprint(spec.tokenizer)}"
+    held = f"{spec.data.sequence}:{tokenizer_fingerprint(spec.tokenizer)}"
+    # a text axis of its own has its own budget, which counts batches too
+    return f"{held}:{spec.data.batch_text}" if spec.data.sequence == TWO_AXES else held
 
 
 def _mix_schedule(spec: StreamSpec) -> list[list[Any]]:

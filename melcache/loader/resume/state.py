@@ -100,7 +100,7 @@ STATE_KEYS = {
     "sync_split": "data.sync_split",
     "batch_plan": "batch plan (melcache.batch_plans.sort_order)",
     "attention_frames": "data.attention_frames",
-    "sequence": "data.sequence (and its tokenizer)",
+    "sequence": "data.sequence (and its tokenizer; with text as an axis, data.batch_text)",
     "mix": "mix shares (data.mix, data.mix_temperature, the caches' hours)",
     "mix_schedule": "data.mix_schedule (first batch, frame shares)",
     "cache_digest": "cache content digest",

@@ -171,10 +171,11 @@ def test_a_state_resumes_batch_for_batch_and_is_refused_under_another_sequence(
             other.load_state_dict(state)
 
 
-def job(cache: Path, world_size: int, steps: int, states=None):
-    """``steps`` steps of a job of one-process ranks: each sub-stream's keys in reading
-    order, and the ranks' states after."""
-    loaders = [loader(cache, r, world_size, **TEXT, **ONE_RANGE) for r in range(world_size)]
+def job(cache: Path, world_size: int, steps: int, states=None, sequence: str = "text+frames"):
+    """``steps`` steps of a job of one-process ranks declaring ``sequence``: each
+    sub-stream's keys in reading order, and the ranks' states after."""
+    data = {"sequence": sequence, **ONE_RANGE}
+    loaders = [loader(cache, r, world_size, **data) for r in range(world_size)]
     for each in loaders if states is not None else ():
         each.load_state_dict(states)
     streams = [iter(each) for each in loaders]
@@ -236,7 +237,7 @@ def test_a_model_of_fields_alone_plans_on_text_plus_the_fields_frames(
         assert all(s.frames in halves for s in samples)  # the codes' frames, not the mel's
 
 
-def test_the_trainers_metrics_report_text_and_sequence_padding() -> None:
+def test_the_trainers_metrics_report_text_sequence_and_axes_padding() -> None:
     import torch
 
     from train.parallel.env import Env
@@ -251,11 +252,15 @@ def test_the_trainers_metrics_report_text_and_sequence_padding() -> None:
     assert out["text_padding_pct"] == pytest.approx(100 * 4 / 12)
     assert out["padding_pct"] == pytest.approx(100 * 18 / 32)
     assert out["sequence_padding_pct"] == pytest.approx(100 * 2 / 24)
+    assert out["axes_padding_pct"] == pytest.approx(100 * (4 + 18) / (12 + 32))  # two axes
 
 
-def test_a_4_rank_job_resumes_batch_for_batch(sample_cache: Path, sidecars: Path) -> None:
+@pytest.mark.parametrize("sequence", ["text+frames", "text,frames"])
+def test_a_4_rank_job_resumes_batch_for_batch(
+    sample_cache: Path, sidecars: Path, sequence: str
+) -> None:
     def ranks(states=None):
-        made = [loader(sample_cache, r, 4, **TEXT) for r in range(4)]
+        made = [loader(sample_cache, r, 4, sequence=sequence) for r in range(4)]
         for rank, each in enumerate(made if states is not None else ()):
             each.load_state_dict(states[rank])  # each rank its own state: the same job
         return made, [iter(each) for each in made]
