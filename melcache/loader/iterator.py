@@ -118,6 +118,11 @@ class HandOff(Generic[Item]):
             self._stream.close()
             return
         self._stop.set()
+        if threading.current_thread() is self._thread:
+            # A garbage collection on the thread finalised the iterator: the thread cannot
+            # join itself, but with room made for its put it sees the stop and ends.
+            self._drain()
+            return
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         while self._thread.is_alive() and time.monotonic() < deadline:
             self._drain()  # a thread waiting to put an item sees the stop after the put

@@ -19,7 +19,7 @@ import torch
 import melcache.loader.workers
 from melcache.errors import ShardError
 from melcache.loader import LoaderClosed
-from melcache.loader.iterator import HANDOFF_DEPTH, BatchIterator
+from melcache.loader.iterator import HANDOFF_DEPTH, BatchIterator, HandOff
 from tests.support.helpers import REPO, group_gone
 from tests.support.loaders import assert_same, loader, take
 
@@ -132,3 +132,25 @@ def test_a_process_that_fails_mid_stream_exits_at_once_and_leaves_no_worker(
     assert "Exception ignored" not in done.stderr, done.stderr
     for worker in map(int, done.stdout.split()):
         assert group_gone(worker, timeout=10), f"loader worker {worker} outlived its process"
+
+
+def test_a_handoff_closed_on_its_own_thread_still_stops_and_closes_its_stream(
+    sample_cache: Path,
+) -> None:
+    """A garbage collection on the hand-off thread may finalise the iterator there."""
+    before = children()
+    opened = loader(sample_cache, **OPTIONS)
+    stream = melcache.loader.workers.worker_batches(opened.spec, opened._positions, 0, False)
+    errors: list[Exception] = []
+
+    def close_here() -> None:
+        try:
+            handoff.close()
+        except Exception as exc:  # a thread joining itself
+            errors.append(exc)
+
+    handoff = HandOff(stream, on_start=close_here)
+    next(handoff)  # the first batch on this thread; the thread starts and closes itself
+    handoff._thread.join(timeout=30)
+    assert not errors and not handoff._thread.is_alive() and children() == before
+    assert stream.gi_frame is None  # closed: its finally stopped the workers
