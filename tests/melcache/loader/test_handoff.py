@@ -7,8 +7,6 @@ and the workers stop however the iterator ends, and a process exits without wait
 from __future__ import annotations
 
 import multiprocessing
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,8 +18,8 @@ import melcache.loader.workers
 from melcache.errors import ShardError
 from melcache.loader import LoaderClosed
 from melcache.loader.iterator import HANDOFF_DEPTH, BatchIterator, HandOff
-from tests.support.helpers import REPO, group_gone
-from tests.support.loaders import assert_same, loader, take
+from tests.support.helpers import group_gone
+from tests.support.loaders import assert_same, loader, run_script, take
 
 OPTIONS = {"num_workers": 2, "batch_frames": 1500, "max_batch_size": 2, "seed": 3}
 
@@ -118,13 +116,7 @@ def test_a_process_that_fails_mid_stream_exits_at_once_and_leaves_no_worker(
     sample_cache: Path,
 ) -> None:
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", EXITS_WITHOUT_CLOSE, str(sample_cache)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_script(EXITS_WITHOUT_CLOSE, str(sample_cache), timeout=120)
     assert time.monotonic() - start < 60
     assert done.returncode == 1
     assert done.stderr.count("Traceback") == 1, done.stderr
