@@ -122,7 +122,8 @@ def trainer_table(quick: bool, data: Path | None = None) -> str:
     command = [sys.executable, "benchmarks/train/trainer_bench.py"]
     command += ["--steps", "10" if quick else "20", "--rounds", "3" if quick else "30"]
     trainer = run_json(command)[0]  # one indented JSON object
-    o = trainer["overhead"]
+    o, shrunk, wait = trainer["overhead"], trainer["machinery"], trainer["data_wait"]
+    load = ", ".join(f"{x:.1f}" for x in trainer["load_average"])
 
     def cell(key: str) -> str:
         iqr = o.get(f"{key}_pct_cpu_iqr")
@@ -133,15 +134,17 @@ def trainer_table(quick: bool, data: Path | None = None) -> str:
         [
             f"Measured {datetime.date.today()} on {machine()}, by `python -m benchmarks.results "
             f"--only trainer`: {o['rounds']} rounds of {o['steps_per_round']} steps per loop, "
-            f"{o['precision']}, bare loop {o['bare_ms_per_step_cpu']} CPU ms per step. Each figure "
-            "is a median of per-round ratios, so the two parts need not add up to the whole.",
+            f"{o['precision']}, bare loop {o['bare_ms_per_step_cpu']} CPU ms per step, load average "
+            f"{load} (before, between and after the parts). Each figure is a median of per-round "
+            "ratios, so the two parts need not add up to the whole.",
             "",
             "| what | melcache | command |",
             "|---|---|---|",
             f"| trainer overhead vs a bare loop (median, CPU time / wall) | {cell('overhead')} | `{_cmd(command)}` |",
             f"| the recipe's clipping alone (the bare loop + `clip_grad_norm_` at `optim.grad_clip` = {o['grad_clip']:g}, over the bare loop) | {cell('clipping')} | same |",
             f"| the trainer's machinery alone (the trainer over that clipped bare loop) | {cell('overhead_over_clipped')} | same |",
-            f"| trainer data wait, 2-process run on the sample corpus (steady) | {trainer['data_wait']['data_wait_pct_steady']:.1f} % | same |",
+            f"| the trainer's machinery in milliseconds, the model shrunk to nothing (trainer − clipped bare loop, median of {shrunk['rounds']} rounds of {shrunk['steps_per_round']} steps, CPU time / wall) | {shrunk['over_clipped_ms_per_step_cpu']:.2f} ms / {shrunk['over_clipped_ms_per_step_wall']:.2f} ms a step (bare loop {shrunk['bare_ms_per_step_cpu']} CPU ms) | same |",
+            f"| trainer data wait, 2-process run on the sample corpus (steady, median of {wait['runs']} runs, range) | {wait['data_wait_pct_steady_median']:.2f} % ({wait['data_wait_pct_steady_range'][0]:.2f} … {wait['data_wait_pct_steady_range'][1]:.2f}) | same |",
         ]
     )
 

@@ -11,15 +11,19 @@
    Each round times the loops back to back (order rotating), in wall time and in process CPU
    time; CPU time is the steadier measure on shared cores. An overhead is the median of the
    per-round ratios, with their interquartile range: the noise of the machine.
+   The same rounds with the model shrunk to nothing (``SHRUNK``: one layer of width 8, one
+   utterance a batch) give the trainer's machinery as milliseconds a step, which the ratios
+   above cannot resolve on noisy cores.
 2. **Data wait**: the README quick-start job (``torchrun --nproc-per-node 2``, tiny config)
-   on the sample corpus, reading ``data_wait_pct`` from its metrics.jsonl.
+   on the sample corpus, reading ``data_wait_pct`` from its metrics.jsonl; ``--wait-runs``
+   jobs, their median and range. The load average is recorded before and after each part.
 
 Both run on the GPU where there is one (the overhead on ``cuda:0``, synchronised at the ends
 of each timed loop; the job with one rank per GPU), else on CPU.
 
 Usage::
 
-    python benchmarks/train/trainer_bench.py [--shards DIR] [--steps 30] [--rounds 5]
+    python benchmarks/train/trainer_bench.py [--shards DIR] [--steps 30] [--rounds 5] [--wait-runs 3]
 
 Without ``--shards`` the sample corpus is built into a temporary folder first.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -46,6 +51,14 @@ from train.parallel.env import Env  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.toml"
+# The tiny config with its model shrunk to nothing: what is left of a step is the loop's own.
+SHRUNK = [
+    "model.args.dim=8",
+    "model.args.layers=1",
+    "model.args.heads=1",
+    "data.batch_frames=1000",  # the sample corpus's longest utterance fits
+    "data.max_batch_size=1",
+]
 
 
 class InMemory:
@@ -153,6 +166,8 @@ def overhead(shards: str, steps: int, rounds: int, overrides: list[str]) -> dict
         ):
             ratios = [r[over][i] / r[under][i] for r in rounds_ms]
             out.update(_percent(f"{key}_pct_{clock}", ratios))
+        over = [r["trainer"][i] - r["bare_clipped"][i] for r in rounds_ms]
+        out[f"over_clipped_ms_per_step_{clock}"] = round(statistics.median(over), 3)
     out["rounds_ms"] = rounds_ms
     return out
 
@@ -167,7 +182,20 @@ def _percent(key: str, ratios: list[float]) -> dict:
     return out
 
 
-def data_wait(shards: str, steps: int) -> dict:
+def data_wait(shards: str, steps: int, runs: int) -> dict:
+    """The steady data wait of ``runs`` jobs: their median, range and each."""
+    jobs = [_one_job(shards, steps) for _ in range(runs)]
+    waits = [job["data_wait_pct_steady"] for job in jobs]
+    return {
+        "command": jobs[0]["command"],
+        "runs": runs,
+        "data_wait_pct_steady_median": round(statistics.median(waits), 2),
+        "data_wait_pct_steady_range": [min(waits), max(waits)],
+        "jobs": jobs,
+    }
+
+
+def _one_job(shards: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             sys.executable,
@@ -209,14 +237,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--wait-steps", type=int, default=40, help="steps of the real run")
+    parser.add_argument("--wait-runs", type=int, default=3, help="real runs")
+    parser.add_argument("--machinery-rounds", type=int, default=10)
     parser.add_argument("overrides", nargs="*", help="trainer config overrides")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         shards = args.shards or build_sample_cache(Path(tmp) / "cache")
-        result = {
-            "overhead": overhead(shards, args.steps, args.rounds, args.overrides),
-            "data_wait": data_wait(shards, args.wait_steps),
-        }
+        result = {"load_average": [os.getloadavg()[0]]}
+        result["overhead"] = overhead(shards, args.steps, args.rounds, args.overrides)
+        result["load_average"].append(os.getloadavg()[0])
+        shrunk = [*args.overrides, *SHRUNK]
+        result["machinery"] = overhead(shards, 200, args.machinery_rounds, shrunk)
+        result["load_average"].append(os.getloadavg()[0])
+        result["data_wait"] = data_wait(shards, args.wait_steps, args.wait_runs)
+        result["load_average"].append(os.getloadavg()[0])
     print(json.dumps(result, indent=1))
 
 

@@ -25,10 +25,11 @@ their weights. Each sub-stream reads every shard once per epoch across the job's
 ``world_size × max(1, num_workers)`` workers and never runs dry (no DDP hang).
 
 Resume: DataLoader hands out its workers' batches round-robin, and each batch carries its
-worker's position after it in its sub-stream (``melcache/loader/stream.py``); the loader records it as
-the batch is handed to the caller. A restore re-reads at most one shard (or unit) per worker and
-sub-stream, skipping its consumed batches without decoding a mel. A rank's own state resumes
-the same job batch for batch (``melcache/loader/resume/same_job.py``); the list of every rank's
+worker's position after it in its sub-stream (``melcache/loader/stream.py``); the loader records
+it as the batch is handed to the caller, never as the iterator's hand-off thread takes it
+ahead (``melcache/loader/iterator.py``): a state describes exactly the batches the loop
+consumed. A restore re-reads at most one shard (or unit) per worker and sub-stream, skipping
+its consumed batches without decoding a mel. A rank's own state resumes the same job batch for batch (``melcache/loader/resume/same_job.py``); the list of every rank's
 state resumes a job of another world size, worker count or mix (``melcache/loader/resume/elsewhere.py``);
 a state of another seed or batch budget is refused, naming the key.
 
@@ -43,10 +44,12 @@ Lifetime: an iterator holds its loader (the loader holds it only weakly), so an 
 the last iterator is dropped or at ``close()``. The stream is endless by contract: once
 stopped, ``next()`` raises :class:`LoaderClosed` saying why, never ``StopIteration``.
 
-Throughput: workers (``melcache/loader/workers.py``) pad mels straight into shared-memory ring slots
-(``melcache/loader/transport.py``, each the size of the largest batch any bucket can make) and
-DataLoader carries only the small rest; the consumer copies each mel out, into pinned memory
-when ``pin_memory`` (default: CUDA available). ``benchmarks/loader/loader_bench.py`` measures it.
+Throughput: workers (``melcache/loader/workers.py``) pad mels straight into shared-memory ring
+slots (``melcache/loader/transport.py``, each the size of the largest batch any bucket can
+make) and DataLoader carries only the small rest; the consumer copies each mel out, into
+pinned memory when ``pin_memory`` (default: CUDA available), on the iterator's hand-off
+thread, a few batches ahead, so the training loop's ``next()`` is a queue get.
+``benchmarks/loader/loader_bench.py`` measures it.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from melcache.features import FeatureConfig
 from melcache.loader.balance import epoch_report
 from melcache.loader.batch import utf8_tokens
 from melcache.loader.data_config import DataConfig
-from melcache.loader.iterator import BatchIterator, LoaderClosed
+from melcache.loader.iterator import HANDOFF_DEPTH, BatchIterator, LoaderClosed
 from melcache.loader.mix import (
     CacheArg,
     OpenedMix,
@@ -171,7 +174,11 @@ class StreamLoader:
         self.close()  # one live stream at a time: it owns the state
         positions = [list(p) for p in self._positions]
         stream = worker_batches(self.spec, positions, self._batches, self.pin_memory)
-        iterator = BatchIterator(self, stream, self._consume)
+        # Without worker processes the stream reads in next(), as DataLoader's own does.
+        ahead = HANDOFF_DEPTH if self.spec.data.num_workers > 0 else 0
+        iterator = BatchIterator(
+            self, stream, self._consume, ahead, _pinning_device(self.pin_memory)
+        )
         # Held weakly: the iterator keeps this loader alive, not the other way round, so the
         # workers stop as soon as the last iterator is dropped, whether or not the loader is.
         self._active = weakref.ref(iterator)
@@ -368,6 +375,15 @@ def planned_substreams(mix: OpenedMix, data: DataConfig) -> tuple[SubStream, ...
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pinning_device(pin_memory: bool) -> Callable[[], None] | None:
+    """What the hand-off thread runs first when it pins memory: the caller's CUDA device made
+    its own, or pinning would open a context on device 0 (a new thread's) on every rank."""
+    if not pin_memory:
+        return None
+    device = torch.cuda.current_device()
+    return lambda: torch.cuda.set_device(device)
 
 
 def _resolve_pin_memory(requested: bool | None) -> bool:

@@ -15,7 +15,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import torch
@@ -98,8 +98,10 @@ def _keep(item: Any) -> Any:
 
 def worker_batches(
     spec: StreamSpec, positions: list[list[tuple[int, ...]]], batches: int, pin_memory: bool
-) -> Iterator[tuple[Batch, Cursor]]:
-    """One rank's batches from DataLoader workers, each with the worker position after it."""
+) -> Generator[tuple[Batch, Cursor], None, None]:
+    """One rank's batches from DataLoader workers, each with the worker position after it.
+    Its first batch is taken on the thread that forks the workers, the rest on the iterator's
+    hand-off thread (``melcache/loader/iterator.py``), which also closes it."""
     data = spec.data
     rings = [
         BatchRing(RING_SLOTS, largest_batch(spec.sources, data) * spec.n_mels)

@@ -350,7 +350,8 @@ def test_tracker_bench_prints_each_setting_and_the_hand_off(tmp_path: Path) -> N
 @pytest.mark.slow  # three loops timed, then a 2-process run
 def test_trainer_bench_prints_every_figure_the_results_page_reads(train_cache: Path) -> None:
     command = [sys.executable, "benchmarks/train/trainer_bench.py", "--shards", str(train_cache)]
-    command += ["--steps", "2", "--rounds", "4", "--wait-steps", "10"]
+    command += ["--steps", "2", "--rounds", "4", "--wait-steps", "10", "--wait-runs", "2"]
+    command += ["--machinery-rounds", "4"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
@@ -365,7 +366,14 @@ def test_trainer_bench_prints_every_figure_the_results_page_reads(train_cache: P
     # each round times every loop once, each first in turn
     assert [sorted(r) for r in overhead["rounds_ms"]] == [["bare", "bare_clipped", "trainer"]] * 4
     assert overhead["grad_clip"] == 1.0  # configs/tiny.toml's
-    assert 0 <= result["data_wait"]["data_wait_pct_steady"] <= 100
+    wait = result["data_wait"]
+    low, high = wait["data_wait_pct_steady_range"]
+    assert 0 <= low <= wait["data_wait_pct_steady_median"] <= high <= 100
+    assert len(wait["jobs"]) == 2
+    machinery = result["machinery"]  # the same rounds with the model shrunk to nothing
+    assert machinery["bare_ms_per_step_cpu"] < overhead["bare_ms_per_step_cpu"]
+    assert "over_clipped_ms_per_step_cpu" in machinery
+    assert len(result["load_average"]) == 4
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch
 
 from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
+from tests.support.helpers import REPO
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")
 
@@ -87,3 +90,14 @@ def loader(cache: Path | str, **kwargs) -> StreamLoader:
     data_keys = {f.name for f in dataclasses.fields(DataConfig)} - {"tokenizer"}  # a callable
     data = DataConfig(**{k: v for k, v in options.items() if k in data_keys})
     return make_loader(cache, data, **{k: v for k, v in options.items() if k not in data_keys})
+
+
+def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c SCRIPT ARGS`` from the repository; return the finished process."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -35,7 +35,7 @@ from melcache.format import (
     tar_members,
 )
 from tests.support.helpers import REPO, group_gone, recorded
-from tests.support.loaders import all_keys, epoch_keys, index_of, loader, take
+from tests.support.loaders import all_keys, epoch_keys, index_of, loader, run_script, take
 
 
 def biggest_shard(cache: Path) -> str:
@@ -226,13 +226,7 @@ print("done")
 
 @pytest.mark.slow  # a subprocess: what its forked workers print must be seen
 def test_dropped_loaders_never_shut_down_inside_a_child(sample_cache: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", DROPPED_LOADERS, str(sample_cache)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_script(DROPPED_LOADERS, str(sample_cache), timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 

@@ -97,8 +97,9 @@ def test_a_second_iterator_closes_the_first(sample_cache: Path) -> None:
     loader.close()
 
 
+@pytest.mark.parametrize("workers", [0, 2])  # with workers, the end comes through the hand-off
 def test_a_stream_that_ends_is_an_error_not_the_end_of_training(
-    sample_cache: Path, monkeypatch: pytest.MonkeyPatch
+    sample_cache: Path, monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
     """If the workers' streams ever end, ``next()`` says so instead of StopIteration."""
     real = melcache.loader.workers.worker_stream
@@ -109,8 +110,10 @@ def test_a_stream_that_ends_is_an_error_not_the_end_of_training(
             yield next(stream)
 
     monkeypatch.setattr(melcache.loader.workers, "worker_stream", three_batches)
-    batches = iter(make_loader(sample_cache, config(0)))
-    for _ in range(3):
+    before = children()
+    batches = iter(make_loader(sample_cache, config(workers)))
+    for _ in range(3 * max(1, workers)):
         next(batches)
     with pytest.raises(LoaderClosed, match="worker processes stopped"):
         next(batches)
+    assert children() == before  # the stream's end stopped the workers
