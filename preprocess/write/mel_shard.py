@@ -2,8 +2,9 @@
 
 Each shard is written under a temporary name, renamed when complete, then acknowledged by a
 receipt in ``OUT/.build/``: its count, digests (sha256, xxh3_128), rejections, feature sums,
-and which plan and recipe (corpus and config) it belongs to. Transcripts are read again from
-the corpus here and must hash as the scan saw them.
+and which plan and recipe (corpus and config) it belongs to; its table rows are made as it is
+written and kept beside the receipt. Transcripts are read again from the corpus here and must
+hash as the scan saw them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from preprocess.inputs.records import RECEIPTS, Corpus, clean_text, utterance_ha
 from preprocess.job.pool import keep_freed_memory
 from preprocess.plan.shard_plan import Plan, PlannedShard, PlannedUtterance
 from preprocess.write.extractor import MelExtractor
-from preprocess.write.index_table import save_shard_rows
+from preprocess.write.index_table import RowsBuilder, save_shard_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class _Tally:
 
     sums: np.ndarray
     squares: np.ndarray
+    rows: RowsBuilder
     frames: list[int] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     digests: dict[str, str] = dataclasses.field(default_factory=dict)  # sha256, xxh3_128
@@ -84,7 +86,8 @@ def build_shard(
     # A per-process temp name: an orphaned worker of a killed build cannot scribble on a rerun's.
     final = out / task.name
     temp = temp_path(final)
-    tally = _Tally(np.zeros(features.n_mels, np.float64), np.zeros(features.n_mels, np.float64))
+    zeros = np.zeros(features.n_mels, np.float64)
+    tally = _Tally(zeros, zeros.copy(), RowsBuilder(MEL_MEMBERS[config.storage], keep_audio))
     try:
         with open(temp, "wb") as raw:
             stream = HashingStream(raw)
@@ -95,8 +98,8 @@ def build_shard(
                     )
         tally.digests = stream.hexdigests()
         if tally.frames:
-            os.replace(temp, final)  # then its table rows, while it is in the page cache
-            save_shard_rows(final, config.storage, keep_audio, tally.digests["sha256"])
+            os.replace(temp, final)
+            save_shard_rows(final, tally.rows.finish(), tally.digests["sha256"])
         else:  # every utterance was rejected: no empty tar, the receipt says so
             temp.unlink()
         receipt = _receipt(task, final, digest, recipe(corpus, features, config, keep_audio), tally)
@@ -167,11 +170,15 @@ def _write_utterance(
         "sample_rate": features.sample_rate,
         "source": item.source,
         "bucket": bucket,
-        **({META_FIELD: extras} if extras else {}),  # absent without: old shards unchanged
+        # Absent without: old shards unchanged. In name order, as the json member holds them
+        # and as the table's rows made from it have them.
+        **({META_FIELD: dict(sorted(extras.items()))} if extras else {}),
     }
     flac = encode_flac(audio, features.sample_rate) if keep_audio else None
     stored = encode_mel(mel16 if config.storage == FP16 else mel32, config.storage)
-    writer.write(encode_sample(item.key, stored, meta, flac, MEL_MEMBERS[config.storage]))
+    sample = encode_sample(item.key, stored, meta, flac, MEL_MEMBERS[config.storage])
+    written = writer.write(sample)
+    tally.rows.add(item.key, meta, written.spans, written.data, item.source, written.offset)
     tally.sums += sums
     tally.squares += np.square(mel64, out=mel64).sum(axis=0)
     tally.frames.append(meta["frames"])
