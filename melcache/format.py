@@ -37,7 +37,7 @@ import tarfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import webdataset as wds
@@ -160,6 +160,16 @@ def decode_meta(data: bytes, where: str) -> dict[str, Any]:
     return meta
 
 
+class WrittenSample(NamedTuple):
+    """Where :meth:`SampleTarWriter.write` put a sample: its offset in the archive, each
+    member's ``(header offset, data offset, size)`` there (the header's, a pax header's where
+    one leads), and its bytes from its first header to its last member's data."""
+
+    offset: int
+    spans: dict[str, tuple[int, int, int]]
+    data: memoryview
+
+
 class SampleTarWriter:
     """Writes WebDataset samples as ``wds.TarWriter(encoder=False)`` does, byte for byte (its
     members sorted by name, tarfile's pax headers, the fixed owner, mode and mtime that make
@@ -170,9 +180,9 @@ class SampleTarWriter:
         self.stream = stream
         self.offset = 0
 
-    def write(self, sample: dict[str, Any]) -> int:
-        """Append one sample (``__key__`` and its members' bytes); return its data bytes."""
-        key, parts, size = sample["__key__"], [], 0
+    def write(self, sample: dict[str, Any]) -> WrittenSample:
+        """Append one sample (``__key__`` and its members' bytes); return where it went."""
+        key, parts, spans, at, padding = sample["__key__"], [], {}, self.offset, 0
         for member in sorted(sample):
             if member.startswith("_"):  # __key__, and metadata wds.TarWriter leaves out too
                 continue
@@ -180,12 +190,16 @@ class SampleTarWriter:
             info = tarfile.TarInfo(f"{key}.{member}")
             info.size, info.mtime, info.mode = len(data), TAR_MTIME, 0o444
             info.uname = info.gname = TAR_OWNER
-            parts += [info.tobuf(tarfile.PAX_FORMAT), data, _zeros(-len(data) % _BLOCK)]
-            size += len(data)
+            header = info.tobuf(tarfile.PAX_FORMAT)  # a pax header first where one is needed
+            spans[member] = (at, at + len(header), len(data))
+            padding = -len(data) % _BLOCK
+            parts += [header, data, _zeros(padding)]
+            at += len(header) + len(data) + padding
         record = b"".join(parts)
         self.stream.write(record)
+        written = WrittenSample(self.offset, spans, memoryview(record)[: len(record) - padding])
         self.offset += len(record)
-        return size
+        return written
 
     def close(self) -> None:
         """End the archive as tarfile does: two zero blocks, then zeros to a whole record."""

@@ -15,13 +15,16 @@ steps alone just before and just after its pair of builds, and reported as the m
 the per-round ratios with their interquartile range: on shared cores the load moves between
 one measurement and the next. It is reported in CPU time too (the three steps' CPU seconds
 per audio second alone, over the build's, all its processes together), which the load
-moves less.
+moves less. Each round also times the three steps in ``--workers`` processes at once, as
+the build's workers run them (sharing caches and memory bandwidth): the concurrent bound,
+the nearest ceiling a build of that many workers can reach, reported beside the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -66,20 +69,36 @@ def against_bound(
     big: Path, tiny: Path, data: Path, workers: int, rounds: int
 ) -> tuple[list[dict[str, float]], dict[str, float]]:
     """``rounds`` steady builds, each between two timings of the three steps alone (melcache's
-    only, ~3 s each); per round, the build's steady rate over the bound (per-core rate of the
-    three steps × ``workers``), in wall time and in CPU time. Also the component rates of
-    the whole run (stock ones included), timed once at the end for 20 s."""
+    only, ~3 s each) and two in ``workers`` processes at once; per round, the build's steady
+    rate over the bound (per-core rate of the three steps × ``workers``) and over the
+    concurrent bound, in wall time and in CPU time. Also the component rates of the whole
+    run (stock ones included), timed once at the end for 20 s."""
     per_round = []
     for _ in range(rounds):
-        before = component_rates(big, budget_seconds=3, stock=False)
+        before = [component_rates(big, 3, stock=False), concurrent_rates(big, 3, workers)]
         build = steady_build(big, tiny, data, workers)
-        after = component_rates(big, budget_seconds=3, stock=False)
-        wall = statistics.mean(r["all_three_per_core"] for r in (before, after)) * workers
-        cpu = statistics.mean(r["all_three_per_core_cpu"] for r in (before, after))
-        build["of_bound"] = build["steady"] / wall
-        build["of_bound_cpu"] = 1 / (cpu * build["cpu_per_audio"])
+        after = [concurrent_rates(big, 3, workers), component_rates(big, 3, stock=False)]
+        for name, rates in (("", (before[0], after[1])), ("_concurrent", (before[1], after[0]))):
+            wall = statistics.mean(r["all_three_per_core"] for r in rates) * workers
+            cpu = statistics.mean(r["all_three_per_core_cpu"] for r in rates)
+            build[f"of_bound{name}"] = build["steady"] / wall
+            build[f"of_bound{name}_cpu"] = 1 / (cpu * build["cpu_per_audio"])
+        for unit in ("", "_cpu"):  # the concurrent bound over the bound alone
+            build[f"concurrent{unit}"] = (
+                build[f"of_bound{unit}"] / build[f"of_bound_concurrent{unit}"]
+            )
         per_round.append(build)
     return per_round, component_rates(big, budget_seconds=20)
+
+
+def concurrent_rates(src: Path, budget_seconds: float, workers: int) -> dict[str, float]:
+    """:func:`component_rates` (melcache's steps) in ``workers`` processes at once, forked as
+    the build's workers are; each rate is their mean, a per-process (per-core) figure."""
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers) as pool:
+        jobs = [(src, budget_seconds, False)] * workers
+        results = pool.starmap(component_rates, jobs, chunksize=1)
+    return {key: statistics.mean(r[key] for r in results) for key in results[0]}
 
 
 def resampled_copy(src: Path, out: Path, rate: int) -> Path:
@@ -267,6 +286,16 @@ def main() -> None:
             "rounds": args.rounds,
             **_median_iqr("build_steady_over_component_bound", [r["of_bound"] for r in per_round]),
             **_median_iqr("build_cpu_over_component_bound", [r["of_bound_cpu"] for r in per_round]),
+            **_median_iqr(
+                "build_steady_over_concurrent_bound", [r["of_bound_concurrent"] for r in per_round]
+            ),
+            **_median_iqr(
+                "build_cpu_over_concurrent_bound", [r["of_bound_concurrent_cpu"] for r in per_round]
+            ),
+            **_median_iqr("concurrent_bound_over_bound", [r["concurrent"] for r in per_round]),
+            **_median_iqr(
+                "concurrent_bound_over_bound_cpu", [r["concurrent_cpu"] for r in per_round]
+            ),
         },
     ]
     for row in rows:

@@ -1,10 +1,12 @@
 """The per-utterance table of a cache (:mod:`melcache.table`), made from its shards.
 
-The build writes it at the end, from the shards themselves, so every input layout (folder,
-manifest, tars, Parquet, parts) gets the same table; ``python -m preprocess index-table``
-writes one for a cache built before tables existed, and ``verify`` remakes it and compares.
-Each shard is memory-mapped, its tar headers walked (the build's plain ones in place,
-anything else by :mod:`tarfile`) and its samples' bytes hashed; only ``json`` members are parsed.
+The build writes it at the end, from the rows each shard's writer made as it wrote the
+shard (:class:`RowsBuilder`: where each member went, its metadata, its bytes' digest), so
+every input layout (folder, manifest, tars, Parquet, parts) gets the same table;
+``python -m preprocess index-table`` writes one for a cache built before tables existed,
+and ``verify`` remakes it from the shards and compares. Read back, each shard is
+memory-mapped, its tar headers walked (the build's plain ones in place, anything else by
+:mod:`tarfile`) and its samples' bytes hashed; only ``json`` members are parsed.
 """
 
 from __future__ import annotations
@@ -40,47 +42,76 @@ _COLUMNS = ("offset", "frames", "text_length", "digest")
 ROWS_FOLDER = "table-rows"  # in OUT/.build: each shard's rows, saved by its writer
 
 
+class RowsBuilder:
+    """The table rows of one shard, a sample at a time: from a shard read back
+    (:func:`shard_rows`), or from its writer as each sample is written, with no second read."""
+
+    def __init__(self, mel_member: str, keep_audio: bool) -> None:
+        members = {"json": META_MEMBER, "mel": mel_member}
+        if keep_audio:
+            members["flac"] = "flac"
+        self.kinds = {member: kind for kind, member in members.items()}
+        self.columns: dict[str, list[int]] = {name: [] for name in _column_names(keep_audio)}
+        self.rows = TableRows({}, [], [], [], [])
+
+    def add(
+        self,
+        key: str,
+        meta: dict[str, Any],
+        spans: dict[str, tuple[int, int, int]],
+        data: bytes | mmap.mmap | memoryview,
+        where: str,
+        base: int = 0,
+    ) -> None:
+        """One sample's row: ``spans`` its table members' ``(header offset, data offset,
+        size)`` in the shard, ``meta`` its parsed json, ``data`` the shard's bytes from
+        offset ``base`` on (its digest covers its first header to its last member's data)."""
+        missing = sorted(set(self.kinds) - set(spans))
+        if missing:
+            raise ShardError(f"{where}: sample has no {missing[0]} member")
+        start = min(header for header, _, _ in spans.values())
+        end = max(at + size for _, at, size in spans.values())
+        speaker = meta.get("speaker")
+        rows, columns = self.rows, self.columns
+        rows.keys.append(key)
+        rows.sources.append(str(meta.get("source", "")))
+        rows.speakers.append(None if speaker is None else str(speaker))
+        rows.extras.append(sample_extras(meta, where))
+        columns["offset"].append(start)
+        columns["frames"].append(_count(meta.get("frames"), where, "frames"))
+        columns["text_length"].append(len(str(meta.get("text", ""))))
+        columns["digest"].append(sample_digest(data[start - base : end - base]))
+        for member, (_, at, size) in spans.items():
+            columns[f"{self.kinds[member]}_at"].append(at - start)
+            columns[f"{self.kinds[member]}_size"].append(size)
+
+    def finish(self) -> TableRows:
+        """The rows added so far, as one shard's."""
+        rows = self.rows
+        rows.columns = {name: np.array(values, np.int64) for name, values in self.columns.items()}
+        rows.shard_counts = [len(rows.keys)]
+        return rows
+
+
 def shard_rows(path: Path, mel_member: str, keep_audio: bool) -> TableRows:
     """The table rows of one shard, in tar order; :class:`ShardError` naming the shard when a
     sample lacks a member the cache needs or its metadata is unreadable."""
-    members = {"json": META_MEMBER, "mel": mel_member}
-    if keep_audio:
-        members["flac"] = "flac"
-    kinds = {member: kind for kind, member in members.items()}
-    columns: dict[str, list[int]] = {name: [] for name in _column_names(keep_audio)}
-    rows = TableRows({}, [], [], [], [])
+    builder = RowsBuilder(mel_member, keep_audio)
     try:
         with (
             open_regular(path) as file,
             mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data,
         ):
-            entries = _entries(data, file)
-            for key, spans in _samples(entries, kinds):
+            for key, spans in _samples(_entries(data, file), builder.kinds):
                 where = f"{path.name}:{key}"
-                missing = sorted(set(kinds) - set(spans))
-                if missing:
-                    raise ShardError(f"{where}: sample has no {missing[0]} member")
-                start = min(header for header, _, _ in spans.values())
-                end = max(at + size for _, at, size in spans.values())
-                _, meta_at, meta_size = spans[META_MEMBER]
-                meta = decode_meta(data[meta_at : meta_at + meta_size], where)
-                speaker = meta.get("speaker")
-                rows.keys.append(key)
-                rows.sources.append(str(meta.get("source", "")))
-                rows.speakers.append(None if speaker is None else str(speaker))
-                rows.extras.append(sample_extras(meta, where))
-                columns["offset"].append(start)
-                columns["frames"].append(_count(meta.get("frames"), where, "frames"))
-                columns["text_length"].append(len(str(meta.get("text", ""))))
-                columns["digest"].append(sample_digest(data[start:end]))
-                for member, (_, at, size) in spans.items():
-                    columns[f"{kinds[member]}_at"].append(at - start)
-                    columns[f"{kinds[member]}_size"].append(size)
+                meta = {}  # none: add() names the missing member
+                if META_MEMBER in spans:
+                    _, at, size = spans[META_MEMBER]
+                    meta = decode_meta(data[at : at + size], where)
+                builder.add(key, meta, spans, data, where)
     except (OSError, tarfile.TarError, ValueError) as exc:
         raise ShardError(f"{path}: cannot read as a tar ({exc})") from None
-    rows.columns = {name: np.array(values, np.int64) for name, values in columns.items()}
-    rows.shard_counts = [len(rows.keys)]
-    return rows
+    return builder.finish()
 
 
 def _entries(data: mmap.mmap, file: IO[bytes]) -> list[tuple[str, int, int, int]]:
@@ -122,11 +153,10 @@ def _count(value: Any, where: str, field: str) -> int:
     return value
 
 
-def save_shard_rows(shard: Path, storage: str, keep_audio: bool, sha256: str) -> None:
-    """Make the table rows of a shard just written and keep them in ``.build/table-rows/``: in
-    the writer's process, while the shard is still in the page cache, so the end of the build
-    reads them instead of every shard, and an end killed midway resumes from them."""
-    rows = shard_rows(shard, MEL_MEMBERS[storage], keep_audio)
+def save_shard_rows(shard: Path, rows: TableRows, sha256: str) -> None:
+    """Keep the table rows of a shard just written (its writer made them as it wrote) in
+    ``.build/table-rows/``, so the end of the build reads them instead of every shard, and
+    an end killed midway resumes from them."""
     record = {
         "sha256": sha256,
         "columns": {name: values.tolist() for name, values in rows.columns.items()},

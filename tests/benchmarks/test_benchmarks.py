@@ -70,9 +70,21 @@ def test_build_bench_prints_every_row(tmp_path: Path) -> None:
         "build_steady_over_component_bound_iqr",
         "build_cpu_over_component_bound",
         "build_cpu_over_component_bound_iqr",
+        *(
+            f"build_{unit}_over_concurrent_bound{iqr}"
+            for unit in ("steady", "cpu")
+            for iqr in ("", "_iqr")
+        ),
+        *(
+            f"concurrent_bound_over_bound{unit}{iqr}"
+            for unit in ("", "_cpu")
+            for iqr in ("", "_iqr")
+        ),
     }
-    low, high = rows["ratio"]["build_cpu_over_component_bound_iqr"]
-    assert 0 < low <= rows["ratio"]["build_cpu_over_component_bound"] <= high
+    for name in ("build_cpu_over_component_bound", "build_cpu_over_concurrent_bound"):
+        low, high = rows["ratio"][f"{name}_iqr"]
+        assert 0 < low <= rows["ratio"][name] <= high, name
+    assert rows["ratio"]["concurrent_bound_over_bound_cpu"] > 0
     assert build["cpu_s_per_audio_hour"] > 0
     # the 24 kHz copy holds the same utterances, resampled once
     assert sorted(p.name for p in data.glob("speech-0.06h-24k/**/*.wav")) == sorted(

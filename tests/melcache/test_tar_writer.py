@@ -5,6 +5,7 @@ quick."""
 from __future__ import annotations
 
 import io
+import tarfile
 
 import numpy as np
 import pytest
@@ -54,10 +55,23 @@ def test_shards_are_the_bytes_webdataset_wrote(seed: int, count: int) -> None:
         assert keys == {s["__key__"] for s in samples}
 
 
-def test_write_returns_the_data_bytes() -> None:
-    sample = {"__key__": "k", "json": b"{}", "mel.npy": bytes(1000), "_skip": b"xx"}
-    with open_tar_writer(io.BytesIO()) as writer:
-        assert writer.write(sample) == 1002
+@pytest.mark.parametrize("seed", [4, 5])
+def test_write_says_where_each_member_went(seed: int) -> None:
+    """What write() returns is where tarfile finds each member (pax headers included), and
+    the sample's bytes from its first header to its last member's data."""
+    samples = _samples(seed, 12)
+    buffer = io.BytesIO()
+    with open_tar_writer(buffer) as writer:
+        written = [writer.write(sample) for sample in samples]
+    data = buffer.getvalue()
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        found = {m.name: (m.offset, m.offset_data, m.size) for m in tar}
+    for sample, where in zip(samples, written, strict=True):
+        members = sorted(m for m in sample if not m.startswith("_"))
+        assert where.spans == {m: found[f"{sample['__key__']}.{m}"] for m in members}
+        first, (_, at, size) = where.spans[members[0]][0], where.spans[members[-1]]
+        assert first == where.offset
+        assert bytes(where.data) == data[first : at + size]
 
 
 def test_mel_npy_is_what_np_save_writes() -> None:

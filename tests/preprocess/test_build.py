@@ -21,7 +21,7 @@ from melcache.features import FeatureConfig
 from melcache.format import INDEX_NAME, decode_meta
 from melcache.loader import DataConfig, make_loader
 from preprocess.config import BuildConfig
-from preprocess.inputs.records import Corpus
+from preprocess.inputs.records import Corpus, utterance_hash
 from preprocess.plan.shard_plan import PlannedShard, PlannedUtterance
 from preprocess.write import mel_shard as writer
 from tests.support.helpers import REPO, SAMPLE_CORPUS, read_samples, run_preprocess
@@ -258,7 +258,10 @@ def test_a_failed_shard_leaves_no_temporary_file(tmp_path: Path, monkeypatch) ->
         raise RuntimeError("a bug, not a full disk")
 
     monkeypatch.setattr(writer, "_write_utterance", explode)
-    utterance = PlannedUtterance("k", "zh_01.wav", 1, 16000, 0)
+    text = (SAMPLE_CORPUS / "zh" / "zh_01.txt").read_text()  # as scanned: the check passes
+    utterance = PlannedUtterance(
+        "k", "zh_01.wav", 1, 16000, utterance_hash("zh_01.wav", text, None)
+    )
     shard = PlannedShard("b00-000000.tar", 0, 0, (utterance,))
     corpus = Corpus("folder", str(SAMPLE_CORPUS / "zh"))
     (tmp_path / writer.RECEIPTS).mkdir()
