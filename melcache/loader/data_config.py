@@ -139,6 +139,13 @@ class DataConfig:
             self.sync_buckets,
             "true with data.where or data.balance (they are dealt per bucket)",
         )
+        require(
+            not self.balance.get("spread") or self.sequence != "text,frames",
+            "data.balance.spread",
+            True,
+            'false with data.sequence = "text,frames" (its two-axis cut has no one order of '
+            "lengths to spread copies along)",
+        )
 
     def _check_batches(self) -> None:
         """How batches are cut: the budget, the sequence, the schedule and the shard check."""

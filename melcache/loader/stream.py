@@ -192,7 +192,7 @@ def _cut_unit(
             pad_multiple=data.pad_multiple, attention_frames=data.attention,
         )  # fmt: skip
     lengths = frames if texts is None else [f + t for f, t in zip(frames, texts, strict=True)]
-    spread = sub.picks and data.balance.get("spread")  # copies a batch apart (one axis only)
+    spread = sub.picks and data.balance.get("spread")  # copies a batch apart
     return plan_even_batches(
         lengths, rng=rng, count=count, max_batch_size=data.max_batch_size,
         pad_multiple=data.pad_multiple, plan=spec.plan, attention_frames=data.attention,
