@@ -136,7 +136,7 @@ _Transcript = tuple[str | None, str | None, dict[str, Any]]  # text, speaker, th
 def _transcripts(task: PlannedShard, corpus: Corpus) -> list[_Transcript]:
     """Each utterance's text, speaker and row fields, read again from the corpus (not held for
     the whole corpus) and checked against the hash the scan saw. A shard's all at once: read
-    between two utterances' mels, each found this code cold in the caches (5x slower)."""
+    between two utterances' mels, each found this code cold in the caches (92 µs, not 24)."""
     found = []
     for item in task.items:
         said: _Transcript = (None, None, {})
