@@ -234,22 +234,22 @@ def plan_even_batches(
     equal = [part for part in np.array_split(padded, count) if len(part)]
     if attention_frames and plan >= COST_CUT_PLAN:
         ends = _cost_balanced_ends(padded, equal, count, max_batch_size, attention_frames)
-        return _cut(order, ends, count, rng)
+        return batches_at_ends(order, ends, count, rng)
     greedy = _GreedyRuns(padded, max_batch_size)
     # The search runs over caps in units of pad_multiple: a run's size × longest padded length
     # is a multiple of it, so the least cap that works is one too.
     top = max(len(part) * int(part.max()) for part in equal) // pad_multiple
-    cap = _least(1, top, lambda cap: len(greedy.ends(cap * pad_multiple)) <= count)
-    return _cut(order, greedy.ends(cap * pad_multiple), count, rng)
+    cap = least_true(1, top, lambda cap: len(greedy.ends(cap * pad_multiple)) <= count)
+    return batches_at_ends(order, greedy.ends(cap * pad_multiple), count, rng)
 
 
-def _least(low: int, high: int, works: Callable[[int], bool]) -> int:
+def least_true(low: int, high: int, works: Callable[[int], bool]) -> int:
     """The least value in ``low..high`` for which ``works`` holds, by binary search: ``works``
     is false below some value and true from it on, and true at ``high``."""
     return low + bisect.bisect_left(range(low, high), True, key=works)
 
 
-def _cut(
+def batches_at_ends(
     order: np.ndarray, ends: list[int], count: int, rng: np.random.Generator
 ) -> list[list[int]]:
     """The batches of sample places ``order`` ending at ``ends`` (at most ``count``: the
@@ -291,7 +291,7 @@ def _cost_balanced_ends(
         return out
 
     top = max(len(part) * int(part[0]) * (attention_frames + int(part[0])) for part in equal)
-    return ends(_least(1, top, lambda cap: len(ends(cap)) <= count))
+    return ends(least_true(1, top, lambda cap: len(ends(cap)) <= count))
 
 
 class _GreedyRuns:

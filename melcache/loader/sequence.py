@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from melcache.access import Cache
-from melcache.batch_plans import _cut, _least, round_up
+from melcache.batch_plans import batches_at_ends, least_true, round_up
 from melcache.errors import ShardError, UserError
 from melcache.fields.format import ROW_COLUMNS
 from melcache.format import write_atomic
@@ -369,6 +369,6 @@ def plan_two_axis_batches(
             out.append(start)
         return out
 
-    return _cut(
-        order, ends(cap(_least(0, tries, lambda k: len(ends(cap(k))) <= count))), count, rng
+    return batches_at_ends(
+        order, ends(cap(least_true(0, tries, lambda k: len(ends(cap(k))) <= count))), count, rng
     )
