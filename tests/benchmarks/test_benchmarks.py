@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import subprocess
 import sys
@@ -82,8 +83,10 @@ def test_build_bench_prints_every_row(tmp_path: Path) -> None:
         ),
     }
     for name in ("build_cpu_over_component_bound", "build_cpu_over_concurrent_bound"):
+        # The build's CPU is a difference of two builds' here (as the steady rate is): at
+        # 0.06 h a round can come out negative on busy cores (CI saw -0.45), so no sign.
         low, high = rows["ratio"][f"{name}_iqr"]
-        assert 0 < low <= rows["ratio"][name] <= high, name
+        assert math.isfinite(low) and low <= rows["ratio"][name] <= high, name
     assert rows["ratio"]["concurrent_bound_over_bound_cpu"] > 0
     assert build["cpu_s_per_audio_hour"] > 0
     # the 24 kHz copy holds the same utterances, resampled once
