@@ -24,6 +24,7 @@ from melcache.loader import DataConfig, make_loader
 from tests.support.helpers import cache_digests, run_preprocess
 
 SNR = "examples.quality_score.encoder:encoder"
+pytestmark = pytest.mark.slow  # real derives in subprocesses
 
 
 def derive(cache: Path, encoder: str, field: str = "snr", *extra: str) -> None:
