@@ -48,11 +48,12 @@ def field_problems(cache: Path, index: dict[str, Any]) -> list[str]:
                 problems.append(f"{entry['folder']}/{VALUES_NAME}: {values.shape[0]} values, "
                                 f"the table has {len(frames)} rows")  # fmt: skip
                 values = None
+        recorded = (rows, values)
         for number, mel in enumerate(index["shards"]):
             span = range(int(starts[number]), int(starts[number + 1]))
-            problems += _shard_problems(cache, name, entry, number, mel, span, keys, frames, rows)
-            if values is not None:
-                problems += _value_problems(cache, name, entry, mel, span, values)
+            problems += _shard_problems(
+                cache, name, entry, number, mel, span, keys, frames, recorded
+            )
     return problems
 
 
@@ -69,23 +70,6 @@ def _array(location: Path, recorded: dict[str, Any], problems: list[str]) -> np.
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-def _value_problems(
-    cache: Path, name: str, entry: dict[str, Any], mel: dict[str, Any], span: range, values: Any
-) -> list[str]:
-    """Each utterance whose number in ``values.npy`` is not its field shard's."""
-    where = f"{entry['folder']}/{mel['name']}"
-    try:
-        samples = field_samples(load_shard(str(cache / where)), name, entry, where)
-    except ShardError:
-        return []  # named by _shard_problems
-    return [
-        f"{entry['folder']}/{VALUES_NAME}: row {row} ({key}) holds {values[row]!r}, its field "
-        f"shard {float(held[0])!r}"
-        for (key, held), row in zip(samples, span, strict=False)
-        if not np.array_equal(held.reshape(-1)[:1], values[row : row + 1])
-    ]
-
-
 def _shard_problems(
     cache: Path,
     name: str,
@@ -95,9 +79,11 @@ def _shard_problems(
     span: range,
     keys: list[str],
     frames: np.ndarray,
-    rows: np.ndarray | None,
+    recorded: tuple[np.ndarray | None, np.ndarray | None],
 ) -> list[str]:
-    """Problems of field ``name``'s shard aligned with mel shard ``number`` (rows ``span``)."""
+    """Problems of field ``name``'s shard aligned with mel shard ``number`` (rows ``span``),
+    against what ``recorded`` holds where it could be read: ``rows.npy`` and ``values.npy``."""
+    rows, scalars = recorded
     where = f"{entry['folder']}/{mel['name']}"
     try:
         data = load_shard(str(cache / where))
@@ -119,6 +105,13 @@ def _shard_problems(
         expected = entry_frames(entry, int(frames[row]))
         if len(values) != expected:
             problems.append(f"{where}:{key}: {len(values)} frames, the mel's give {expected}")
+        if scalars is not None and not np.array_equal(
+            values.reshape(-1)[:1], scalars[row : row + 1]
+        ):
+            problems.append(
+                f"{entry['folder']}/{VALUES_NAME}: row {row} ({key}) holds {scalars[row]!r}, its "
+                f"field shard {float(values.reshape(-1)[0])!r}"
+            )
     return problems
 
 
