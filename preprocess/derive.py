@@ -95,9 +95,8 @@ def derive(options: DeriveOptions) -> dict[str, Any] | None:
     meeting = Meeting(k, n)
     try:
         with running_build(state, options.part):
-            scalar = encoder.per_utterance and encoder.shape == ()
             jobs = [
-                _job(options, index, i, (folder, state), digest, scalar)
+                _job(options, index, i, (folder, state), digest, encoder.scalar)
                 for i in range(len(index["shards"]))
             ]
             todo = [job for i, job in enumerate(jobs) if i % n == k and not _done(job)]
@@ -234,7 +233,7 @@ def _finish(
     write_atomic(folder / ROWS_NAME, rows)
     shards = [r["shard"] for r in receipts]
     scalar: dict[str, Any] = {"per_utterance": True} if encoder.per_utterance else {}
-    if encoder.per_utterance and encoder.shape == ():
+    if encoder.scalar:
         values = values_array([v for r in receipts for v in r["values"]], encoder.dtype)
         write_atomic(folder / VALUES_NAME, values)
         scalar["values"] = _file_entry(VALUES_NAME, values)

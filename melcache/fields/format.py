@@ -93,6 +93,12 @@ class FieldEncoder:
                 "expected a rate in (0, 64] and a multiple ≥ 1"
             )
 
+    @property
+    def scalar(self) -> bool:
+        """One number per utterance (what ``data.where`` can select on; :func:`is_scalar` of
+        its index entry)."""
+        return self.per_utterance and self.shape == ()
+
     def field_frames(self, mel_frames: int) -> int:
         """Frames of the field for a mel of ``mel_frames`` (padded to ``mel_multiple``)."""
         if self.per_utterance:
