@@ -25,7 +25,7 @@ SORT_JITTER = 0.01
 # The even cut (plan_even_batches): 3, near-equal cost B·T·(1 + T/A) a batch; 2, near-equal
 # padded frames, sorted by padded length with ties in random order; 1, sorted by length with
 # SORT_JITTER. 4 cuts as 3 and deals each epoch whole to the job's slots
-# (melcache/loader/schedule.py, Deal.by_epoch). Plans 1–3 are the batches of earlier
+# (melcache/loader/deal.py, Deal.by_epoch). Plans 1–3 are the batches of earlier
 # releases, which their states resume.
 BATCH_PLAN_VERSION = 4
 COST_CUT_PLAN = 3  # the first plan that cuts by cost: attention frames matter from it on

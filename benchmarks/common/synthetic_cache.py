@@ -6,7 +6,7 @@ utterances is drawn (durations 0.8–32 s, log-normal around 3.75 s, texts at th
 second of ``benchmarks.common.speech``'s espeak-ng pool), bucketed and cut into shards by the build's
 own planner (``preprocess.plan.shard_plan``: default buckets, 128 MB shards at fp16 storage), and
 the loader's real planning code runs over index entries made from it, with
-``melcache.loader.shard_reads.read_shard`` answering from the table (empty mels: nothing decodes).
+``melcache.loader.reads.shards.read_shard`` answering from the table (empty mels: nothing decodes).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-import melcache.loader.shard_reads as shard_reads
+import melcache.loader.reads.shards as shard_reads
 from benchmarks.common.sentences import plan_pool
 from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.features import FeatureConfig

@@ -28,8 +28,9 @@ from pathlib import Path
 from benchmarks.common.caches import build_sample_cache
 from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.loader import DataConfig, StreamLoader, make_loader
+from melcache.loader.deal import fresh_deal
 from melcache.loader.resume.elsewhere import unread
-from melcache.loader.schedule import SubStream, fresh_deal
+from melcache.loader.schedule import SubStream
 
 # One utterance a batch, one length range a bucket: the sample corpus's largest sub-stream has
 # 17 batches an epoch, so a 4-rank job stops near any fraction of one.

@@ -46,7 +46,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import melcache.access as access_module
-import melcache.loader.shard_reads as shard_reads
+import melcache.loader.reads.shards as shard_reads
 from benchmarks.common.caches import speech_cache
 from benchmarks.common.synthetic_cache import LOCATION, draw_cache, reading, synthetic_spec
 from benchmarks.loader.step_costs import (

@@ -1,7 +1,7 @@
 """The loader's foot: the types every stage shares. A :class:`StreamSpec` is all a worker
 process needs to make its stream; a :class:`MixCache` is one cache of the mix; a
 :class:`Cursor` travels with each batch and a :class:`Position` is where a whole-cache reader
-continues. They sit below the stages (``stream``, ``shard_reads``, ``workers``) and the
+continues. They sit below the stages (``stream``, ``reads``, ``workers``) and the
 resume room, so each of those imports them downward."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.loader.batch import Tokenizer
 from melcache.loader.data_config import DataConfig
-from melcache.loader.schedule import Deal, Schedule, SubStream, fresh_deal
+from melcache.loader.deal import Deal, fresh_deal
+from melcache.loader.schedule import Schedule, SubStream
 from melcache.loader.sequence import TextLengths
 
 

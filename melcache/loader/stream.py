@@ -8,7 +8,7 @@ in that sub-stream *after* it, which is all the loader needs to resume.
 
 Two readers. A bucket sub-stream (``data.sync_buckets``, the default) is one endless sequence
 of batches whose counts come from the index; its position is one integer, the batches this
-worker's slot has taken, and any batch is located without reading (``schedule.locate``). A
+worker's slot has taken, and any batch is located without reading (``deal.locate``). A
 whole-cache sub-stream (``sync_buckets = false``) is the stream of earlier releases: each
 epoch the cache's shards are dealt to the slots and cut greedily; its position is (epoch,
 shard in the slot's list, batches taken from it), the batching a pure function of
@@ -41,10 +41,11 @@ from melcache.batch_plans import (
 )
 from melcache.errors import ShardError
 from melcache.loader.batch import PackedBatch, collate
-from melcache.loader.field_reads import BatchFields
-from melcache.loader.schedule import SubStream, locate
+from melcache.loader.deal import locate
+from melcache.loader.reads.fields import BatchFields
+from melcache.loader.reads.shards import SkipLog, disk_counts, read_checked
+from melcache.loader.schedule import SubStream
 from melcache.loader.sequence import TWO_AXES, declared_texts, plan_two_axis_batches
-from melcache.loader.shard_reads import SkipLog, disk_counts, read_checked
 from melcache.loader.spec import Cursor, Position, StreamSpec
 from melcache.loader.transport import BatchRing
 from melcache.loader.units import UnitMembers, ranged_unit, takes_little, whole_unit

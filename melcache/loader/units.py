@@ -20,7 +20,8 @@ import numpy as np
 
 from melcache.access import Cache
 from melcache.errors import ShardError
-from melcache.loader.schedule import Deal, SubStream, visit_run
+from melcache.loader.deal import Deal, visit_run
+from melcache.loader.schedule import SubStream
 from melcache.location import member_location
 from melcache.reader import RawSample
 from melcache.table import TABLE_NAME

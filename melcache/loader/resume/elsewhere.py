@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from melcache.loader.balance import selection_key
+from melcache.loader.deal import Deal, chunk_size, fresh_deal
 from melcache.loader.mix import content_digest, same_cache
 from melcache.loader.resume.state import (
     ELASTIC_VERSIONS,
@@ -27,7 +28,7 @@ from melcache.loader.resume.state import (
     Resumed,
     parse_deals,
 )
-from melcache.loader.schedule import Deal, SubStream, chunk_size, fresh_deal
+from melcache.loader.schedule import SubStream
 from melcache.loader.spec import StreamSpec
 
 

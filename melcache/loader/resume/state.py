@@ -11,7 +11,7 @@ from typing import Any
 from melcache.batch_plans import BATCH_PLAN_VERSION
 from melcache.errors import UserError
 from melcache.loader.data_config import MAX_ATTENTION_FRAMES, MAX_SYNC_SPLIT, DataConfig
-from melcache.loader.schedule import Deal, fresh_deal
+from melcache.loader.deal import Deal, fresh_deal
 
 
 class LoaderStateError(UserError):

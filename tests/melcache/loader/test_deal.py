@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import random
 
+from melcache.loader.deal import Deal
 from melcache.loader.resume.elsewhere import unread
-from melcache.loader.schedule import Deal, SubStream
+from melcache.loader.schedule import SubStream
 
 
 def test_a_deal_by_epoch_reads_each_part_whole_in_rank_order_and_knows_what_is_unread() -> None:

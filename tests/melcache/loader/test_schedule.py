@@ -31,7 +31,7 @@ from melcache.errors import UserError
 from melcache.format import INDEX_NAME
 from melcache.loader import DataConfig, StreamLoader, make_loader
 from melcache.loader.data_config import SYNC_SPLIT
-from melcache.loader.schedule import locate
+from melcache.loader.deal import locate
 from melcache.loader.stream import planned_stream
 from tests.support.helpers import REPO, metrics, run_ok, train_cmd
 from train.run.metrics import epochs_names

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import melcache.access
-import melcache.loader.shard_reads
+import melcache.loader.reads.shards
 import melcache.loader.spec
 import melcache.loader.units
 from melcache.access import Cache
@@ -49,7 +49,7 @@ def test_slots_sharing_a_unit_read_only_their_batches_and_get_the_same_stream(
 ) -> None:
     """Samples read, over samples handed out: near 1 by the table, several reading whole."""
     read = [0]
-    read_shard, raw_rows = melcache.loader.shard_reads.read_shard, Cache.raw_rows
+    read_shard, raw_rows = melcache.loader.reads.shards.read_shard, Cache.raw_rows
 
     def whole(location: str, entry: dict, check: object, disk: object = None) -> list:
         read[0] += entry["samples"]
@@ -59,7 +59,7 @@ def test_slots_sharing_a_unit_read_only_their_batches_and_get_the_same_stream(
         read[0] += len(rows)
         return raw_rows(self, rows)
 
-    monkeypatch.setattr(melcache.loader.shard_reads, "read_shard", whole)
+    monkeypatch.setattr(melcache.loader.reads.shards, "read_shard", whole)
     monkeypatch.setattr(Cache, "raw_rows", ranged)
     for rank in (0, RANKS - 1):
         spec = make(sample_cache, rank).spec

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import melcache.loader.batch
-import melcache.loader.shard_reads
+import melcache.loader.reads.shards
 import melcache.loader.stream
 from melcache.access import Cache
 from melcache.batch_plans import make_rng, plan_batches, round_up, worker_shards
@@ -197,11 +197,11 @@ def test_resume_continues_with_exactly_the_next_batches(
 def test_resume_reads_only_the_partial_shard(sample_cache: Path, monkeypatch, sync: bool) -> None:
     reads, decodes = [], []
     real_read, real_decode = (
-        melcache.loader.shard_reads.read_shard,
+        melcache.loader.reads.shards.read_shard,
         melcache.loader.batch.decode_mel_into,
     )
     monkeypatch.setattr(
-        melcache.loader.shard_reads,
+        melcache.loader.reads.shards,
         "read_shard",
         lambda *a, **k: reads.append(a[0]) or real_read(*a, **k),
     )
