@@ -88,7 +88,7 @@ def test_build_bench_prints_every_row(tmp_path: Path) -> None:
         low, high = rows["ratio"][f"{name}_iqr"]
         assert math.isfinite(low) and low <= rows["ratio"][name] <= high, name
     assert rows["ratio"]["concurrent_bound_over_bound_cpu"] > 0
-    assert build["cpu_s_per_audio_hour"] > 0
+    assert math.isfinite(build["cpu_s_per_audio_hour"])  # a difference too: no sign at 0.06 h
     # the 24 kHz copy holds the same utterances, resampled once
     assert sorted(p.name for p in data.glob("speech-0.06h-24k/**/*.wav")) == sorted(
         p.name for p in data.glob("speech-0.06h/**/*.wav")
