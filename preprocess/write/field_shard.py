@@ -29,7 +29,6 @@ from melcache.format import (
     META_MEMBER,
     HashingStream,
     open_tar_writer,
-    plain_tar_entries,
     temp_path,
     write_atomic,
 )
@@ -107,7 +106,7 @@ def derive_shard(job: DeriveJob) -> dict[str, Any]:
     names = [f"{mel_location}:{s.key}" for s in samples]
     values = encode_all(_encoder, mels, job.pad_value, _device, names)
     final = job.out / job.mel_entry["name"]
-    temp = temp_path(final)
+    temp, member, rows = temp_path(final), f"{job.field}.npy", []
     try:
         with open(temp, "wb") as raw:
             stream = HashingStream(raw)
@@ -115,20 +114,16 @@ def derive_shard(job: DeriveJob) -> dict[str, Any]:
                 bound = bound_member(job.mel_entry, job.field, job.digest)
                 writer.write({"__key__": "", BOUND_NAME[1:]: bound})
                 for sample, meta, value in zip(samples, metas, values, strict=True):
-                    member = {f"{job.field}.npy": encode_field(value), META_MEMBER: meta}
-                    writer.write({"__key__": sample.key, **member})
+                    data = encode_field(value)
+                    written = writer.write({"__key__": sample.key, member: data, META_MEMBER: meta})
+                    _, start, size = written.spans[member]  # rows.npy's, from the writer itself
+                    rows.append((start, size, len(value), sample_digest(data)))
+            size_bytes = writer.offset
         os.replace(temp, final)
     except OSError as exc:
         raise UserError(f"cannot write {final}: {exc.strerror}; free space and rerun") from None
     finally:
         temp.unlink(missing_ok=True)
-    data = final.read_bytes()
-    suffix = f".{job.field}.npy"
-    entries = [e for e in plain_tar_entries(data) or [] if e[0].endswith(suffix)]
-    rows = [
-        (start, size, len(v), sample_digest(data[start : start + size]))
-        for (_, start, size), v in zip(entries, values, strict=True)
-    ]
     frames = [len(v) for v in values]
     receipt = {
         "digest": job.digest,
@@ -139,7 +134,7 @@ def derive_shard(job: DeriveJob) -> dict[str, Any]:
             "frames": sum(frames),
             "min_frames": min(frames),
             "max_frames": max(frames),
-            "bytes": len(data),
+            "bytes": size_bytes,
             "mel_sha256": job.mel_entry["sha256"],
             **stream.hexdigests(),
         },
