@@ -41,6 +41,22 @@ def test_every_parameter_gets_a_gradient_from_both_axes() -> None:
         assert p.grad.abs().sum() > 0, name
 
 
+def test_activation_checkpointing_recomputes_both_sides_to_the_same_gradients() -> None:
+    batch, grads, calls = make_batch([7, 12], [3, 5]), [], []
+    for enabled in (False, True):
+        model = tiny_encoder_decoder()
+        model.set_activation_checkpointing(enabled)
+        calls.clear()
+        for block in (model.encoder[0], model.blocks[0]):
+            block.register_forward_pre_hook(lambda module, _: calls.append(module))
+        torch.manual_seed(1)  # the same dropout masks; checkpoint replays the RNG state
+        model(**batch)["loss_sum"].backward()
+        assert len(calls) == (4 if enabled else 2)  # each side's block entered again in backward
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1)
+
+
 def test_the_loss_sums_valid_frames_whatever_the_padding_holds() -> None:
     """Two utterances alone, then together padded further on both axes, the mel's padding
     NaN/inf and the text's padding other token ids: the same loss_sum."""
