@@ -5,9 +5,9 @@
 # trainer's overhead against a bare loop and its data wait (benchmarks/train/trainer_bench.py, kept
 # in benchmarks/gpu_trainer.json) and derive at the released DVAE size with its split
 # (benchmarks/build/derive_bench.py, kept in benchmarks/gpu_derive.jsonl), and train tune's budgets
-# on the declared sequence (text + frames) against today's at equal peak memory, on the cache
-# gpu_bench built (benchmarks/train/sequence_tune_bench.py, kept in
-# benchmarks/gpu_sequence_tune.jsonl). Arguments are passed on to gpu_bench and override these
+# on the declared sequence against today's at equal peak memory, on the cache gpu_bench built, for
+# the prefix LM (text + frames) and the reference encoder-decoder (text, frames: two axes)
+# (benchmarks/train/sequence_tune_bench.py, both kept in benchmarks/gpu_sequence_tune.jsonl). Arguments are passed on to gpu_bench and override these
 # defaults (MELCACHE_GPU_DATA: its --data folder); relative paths stay relative to where it is run.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,5 +19,7 @@ cd "$repo" && python3 -m benchmarks.results --only gpu
 python3 benchmarks/train/trainer_bench.py --steps 30 --rounds 10 | tee benchmarks/gpu_trainer.json
 python3 -m benchmarks.build.derive_bench --size released | tee benchmarks/gpu_derive.jsonl
 cache="$(ls -d "$data"/cache-*m | head -n 1)"
-python3 -m benchmarks.train.sequence_tune_bench --cache "$cache" --config base --max-batch-size 512 \
-    | tee benchmarks/gpu_sequence_tune.jsonl
+for model in prefix encoder-decoder; do
+    python3 -m benchmarks.train.sequence_tune_bench --cache "$cache" --config base \
+        --max-batch-size 512 --model "$model"
+done | tee benchmarks/gpu_sequence_tune.jsonl

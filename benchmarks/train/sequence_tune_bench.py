@@ -1,12 +1,16 @@
 """Budgets on the declared sequence: sequence positions per second at equal peak memory, from
-``train tune`` budgets on frames (today) against ``train tune`` budgets on ``text + frames``
-(``data.sequence``), side by side in one run.
+``train tune`` budgets on frames (today) against ``train tune`` budgets on the sequence the
+model declares (``data.sequence``), side by side in one run.
 
     python -m benchmarks.train.sequence_tune_bench --cache CACHE [--memory-limit-mib 384]
-        [--config tiny] [--max-batch-size 64]
+        [--config tiny] [--max-batch-size 64] [--model prefix|encoder-decoder]
 
-The model is ``--config``'s (``configs/tiny.toml``: the reference prefix LM, whose sequence is
-the text's tokens then the mel frames), fp32. For each arm ``train tune`` searches the
+``--model prefix`` (the default): ``--config``'s model (``configs/tiny.toml``: the reference
+prefix LM, whose sequence is the text's tokens then the mel frames), planned on frames against
+``"text+frames"``. ``--model encoder-decoder``: ``train.model:EncoderDecoder`` at
+``--config``'s size, planned on frames (:class:`PlannedOnFrames`, the same model without its
+declaration) against the ``"text,frames"`` it declares (each axis with its own tuned table,
+``data.batch_frames`` and ``data.batch_text``). fp32. For each arm ``train tune`` searches the
 per-bucket table: on CUDA against the device's memory (``train.memory.target`` of it, the
 allocator's peak), on CPU against ``--memory-limit-mib`` of live tensors
 (``train.memory.probes.MemoryCap``); then each arm's trainer, with its table, trains on the
@@ -30,22 +34,41 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
 from train.config.tables import Config, load_config
 from train.memory.probes import MIB, MemoryCap, tensor_bytes
+from train.model import EncoderDecoder
 from train.parallel.env import Env
 from train.trainer import Trainer
 from train.tune import _trainer_tensors, tune
 
 REPO = Path(__file__).resolve().parents[2]
-ARMS = ("frames", "text+frames")
+# Each model's arms: today's plan, then the declared sequence's, as [model] / [data] overrides.
+MODELS = {
+    "prefix": {
+        "frames": ['data.sequence="frames"'],
+        "text+frames": ['data.sequence="text+frames"'],
+    },
+    "encoder-decoder": {
+        "frames": ['model.impl="benchmarks.train.sequence_tune_bench:PlannedOnFrames"'],
+        "text,frames": ['model.impl="train.model:EncoderDecoder"'],
+    },
+}
 
 
-def config(arm: str, preset: str, max_batch_size: int) -> Config:
-    overrides = ["train.precision=fp32", f"data.max_batch_size={max_batch_size}"]
-    return load_config(REPO / "configs" / f"{preset}.toml", [*overrides, f'data.sequence="{arm}"'])
+class PlannedOnFrames(EncoderDecoder):
+    """The reference encoder-decoder without its declaration: planned and budgeted on frames
+    alone, as every model was before ``data.sequence``."""
+
+    melcache_contract: ClassVar[dict[str, Any]] = {}
+
+
+def config(overrides: list[str], preset: str, max_batch_size: int) -> Config:
+    sized = ["train.precision=fp32", f"data.max_batch_size={max_batch_size}"]
+    return load_config(REPO / "configs" / f"{preset}.toml", [*sized, *overrides])
 
 
 def positions(batch: object) -> int:
@@ -86,6 +109,25 @@ def peak_mib(trainer: Trainer, batches: Iterator, steps: int) -> float:
     return peak / MIB
 
 
+def tuned_trainer(
+    arm: str, overrides: list[str], args: argparse.Namespace, out: Path, device: torch.device
+) -> Trainer:
+    """``train tune``'s tables for one arm (printed), and a trainer planning with them."""
+    cfg = config(overrides, args.config, args.max_batch_size)
+    rows, where = tune(cfg, args.cache, memory_limit_mib=args.memory_limit_mib)
+    frames = {str(r.bucket): r.budget for r in rows}
+    text = {str(r.bucket): r.text_budget for r in rows} if any(r.text_budget for r in rows) else 0
+    print(json.dumps({"measure": "tune", "model": args.model, "sequence": arm, "where": where,
+                      "budgets": frames, **({"text_budgets": text} if text else {}),
+                      "samples": {r.bucket: r.samples for r in rows},
+                      "peak_mib": {r.bucket: round(r.peak_mib, 1) for r in rows}}),
+          flush=True)  # fmt: skip
+    data = dataclasses.replace(cfg.data, batch_frames=frames, batch_text=text)
+    env = Env(rank=0, world_size=1, local_rank=0, device=device)
+    name = arm.replace("+", "_").replace(",", "_")
+    return Trainer(dataclasses.replace(cfg, data=data), args.cache, out / name, env)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -96,45 +138,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peak-steps", type=int, default=30)
     p.add_argument("--config", default="tiny", help="a preset of configs/")
     p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--model", choices=sorted(MODELS), default="prefix")
     args = p.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":  # shared cores: a second OpenMP thread's spinning swamps the timing
         torch.set_num_threads(1)
-    trainers, streams, tables = {}, {}, {}
+    arms = MODELS[args.model]
+    trainers, streams = {}, {}
     with tempfile.TemporaryDirectory(prefix="sequence-tune-") as out:
-        for arm in ARMS:
-            cfg = config(arm, args.config, args.max_batch_size)
-            rows, where = tune(cfg, args.cache, memory_limit_mib=args.memory_limit_mib)
-            tables[arm] = {str(r.bucket): r.budget for r in rows}
-            print(json.dumps({"measure": "tune", "sequence": arm, "where": where,
-                              "budgets": tables[arm],
-                              "samples": {r.bucket: r.samples for r in rows},
-                              "peak_mib": {r.bucket: round(r.peak_mib, 1) for r in rows}}),
-                  flush=True)  # fmt: skip
-            cfg = dataclasses.replace(
-                cfg, data=dataclasses.replace(cfg.data, batch_frames=tables[arm])
-            )
-            env = Env(rank=0, world_size=1, local_rank=0, device=device)
-            trainers[arm] = Trainer(cfg, args.cache, Path(out) / arm.replace("+", "_"), env)
+        for arm, overrides in arms.items():
+            trainers[arm] = tuned_trainer(arm, overrides, args, Path(out), device)
             streams[arm] = iter(trainers[arm].parts.loader)
             timed_turn(trainers[arm], streams[arm], 3)  # warm-up
-        rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        rates: dict[str, list[float]] = {arm: [] for arm in arms}
         for _ in range(args.rounds):
-            for arm in ARMS:
+            for arm in arms:
                 seconds, count = timed_turn(trainers[arm], streams[arm], args.turn)
                 rates[arm].append(count / seconds)
-        for arm in ARMS:
+        for arm in arms:
             peak = peak_mib(trainers[arm], streams[arm], args.peak_steps)
-            print(json.dumps({"measure": "train", "sequence": arm,
+            print(json.dumps({"measure": "train", "model": args.model, "sequence": arm,
                               "positions_per_s_median": round(statistics.median(rates[arm])),
                               "positions_per_s_turns": [round(r) for r in rates[arm]],
                               "peak_mib": round(peak, 1)}), flush=True)  # fmt: skip
-        ratio = [d / f for f, d in zip(rates["frames"], rates["text+frames"], strict=True)]
-        print(
-            json.dumps(
-                {"measure": "ratio", "median_within_round": round(statistics.median(ratio), 3)}
-            )
-        )
+        today, declared = (rates[arm] for arm in arms)
+        ratio = [d / f for f, d in zip(today, declared, strict=True)]
+        print(json.dumps({"measure": "ratio", "model": args.model,
+                          "median_within_round": round(statistics.median(ratio), 3)}))  # fmt: skip
         for trainer in trainers.values():
             trainer.close()
 

@@ -163,8 +163,10 @@ class DataConfig:
                 f"0 (each bucket's batch_frames) or {_BUDGET}",
             )
         require(self.sequence in SEQUENCES, "data.sequence", self.sequence, " or ".join(SEQUENCES))
+        # "frames" may yet become "text,frames" by the model's declaration (train/model/
+        # contract.py): the loader refuses a text budget that no axis of text takes.
         require(
-            self.sequence == "text,frames" or self.batch_text == 0,
+            self.sequence != "text+frames" or self.batch_text == 0,
             "data.batch_text",
             self.batch_text,
             '0 unless data.sequence = "text,frames" (the text is budgeted on its own only there)',

@@ -320,6 +320,13 @@ def make_loader(
     require(_is_int(seed) and seed >= 0, "loader seed", seed, "a non-negative integer")
     require(isinstance(data, DataConfig), "loader data", data, "a DataConfig")
     require(tokenizer is None or callable(tokenizer), "loader tokenizer", tokenizer, "a callable")
+    require(
+        data.sequence == "text,frames" or data.batch_text == 0,
+        "data.batch_text",
+        data.batch_text,
+        '0 unless data.sequence = "text,frames", or the model declares it (the text is '
+        "budgeted on its own only there)",
+    )
     tokenizer = tokenizer or utf8_tokens
     opened = with_choice(open_mix(cache, data, expect_features), data)
     texts = with_text(opened.sources, opened.indexes, data, tokenizer)  # data.sequence

@@ -3,6 +3,9 @@ the reference :class:`~train.model.text_to_mel.TextToMel` with one thing a real 
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -11,7 +14,7 @@ from torch import nn
 
 from melcache.loader import Batch
 from tests.support.oom_model import OutOfMemoryAbove
-from train.model import TextToMel
+from train.model import EncoderDecoder, TextToMel
 
 
 class WholeBatchMean(TextToMel):
@@ -203,3 +206,17 @@ class RaisesInForward(TextToMel):
 
     def forward(self, mel, mel_lengths, text, text_lengths):
         raise ValueError(f"cannot take a mel of {mel.shape[-1]} bands")
+
+
+class ShapeRecording(EncoderDecoder):
+    """The reference encoder-decoder, writing each training batch's ``[rows, padded text,
+    padded frames]`` as a JSON line to ``{record}-rank{RANK}`` (torchrun's rank)."""
+
+    def __init__(self, *, record: str, **args) -> None:
+        super().__init__(**args)
+        self.record = Path(f"{record}-rank{os.environ.get('RANK', '0')}")
+
+    def forward(self, mel, mel_lengths, text, text_lengths):
+        with self.record.open("a") as out:
+            out.write(json.dumps([len(mel), text.shape[1], mel.shape[1]]) + "\n")
+        return super().forward(mel, mel_lengths, text, text_lengths)

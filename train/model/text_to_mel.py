@@ -126,8 +126,20 @@ def prefix_mask(
     allowed = (key_valid[:, None, :] & causal[None]) | torch.eye(
         L + T, dtype=torch.bool, device=device
     )
-    zeros = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(allowed, zeros, float("-inf"))[:, None]
+    return additive(allowed, dtype)[:, None]
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean ``allowed`` as an additive attention mask: 0 where allowed, -inf elsewhere."""
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device), float("-inf"))
+
+
+def mask_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in for ``x``: under autocast the autocast dtype, which the
+    mask must match."""
+    device_type = x.device.type
+    amp = torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if amp else x.dtype
 
 
 class Block(nn.Module):
@@ -193,7 +205,8 @@ class TextToMel(nn.Module):
         # Tacotron's prenet: a bottleneck with dropout kept on, so the decoder must
         # use the text instead of copying the previous frame.
         self.prenet = nn.Sequential(nn.Linear(n_mels, dim), nn.ReLU(), nn.Linear(dim, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, dropout) for _ in range(layers))
+        self.block_shape = (dim, heads, mlp_ratio, dropout)  # of every Block
+        self.blocks = nn.ModuleList(Block(*self.block_shape) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.mel_head, self.stop_head = nn.Linear(dim, n_mels), nn.Linear(dim, 1)
         self.register_buffer("mel_mean", torch.zeros(n_mels))
@@ -218,25 +231,27 @@ class TextToMel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states of the mel positions ``[B, T, dim]`` for normalised inputs."""
         L, T = text.shape[1], mel_in.shape[1]
-        prenet = F.dropout(self.prenet(mel_in), self.prenet_dropout, self.training)
-        x = torch.cat(
-            [
-                self.text_embed(text) + sinusoid(L, self.dim, text.device) + self.segment[0],
-                prenet + sinusoid(T, self.dim, text.device) + self.segment[1],
-            ],
-            dim=1,
-        )
-        # Under autocast the attention runs in the autocast dtype; the mask must match it.
-        device_type = text.device.type
-        amp = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type) if amp else x.dtype
-        mask = prefix_mask(text_lengths, mel_lengths, L, T, dtype)
+        x = torch.cat([self._text_input(text), self._frames_input(mel_in)], dim=1)
+        mask = prefix_mask(text_lengths, mel_lengths, L, T, mask_dtype(x))
         for block in self.blocks:
-            if self.checkpointing and self.training:
-                x = checkpoint(block, x, mask, use_reentrant=False)
-            else:
-                x = block(x, mask)
+            x = self._run_block(block, x, mask)
         return self.norm(x[:, L:])
+
+    def _text_input(self, text: torch.Tensor) -> torch.Tensor:
+        """Token embeddings with positions ``[B, L, dim]``."""
+        positions = sinusoid(text.shape[1], self.dim, text.device)
+        return self.text_embed(text) + positions + self.segment[0]
+
+    def _frames_input(self, mel_in: torch.Tensor) -> torch.Tensor:
+        """The prenet of the shifted frames with positions ``[B, T, dim]``."""
+        prenet = F.dropout(self.prenet(mel_in), self.prenet_dropout, self.training)
+        return prenet + sinusoid(mel_in.shape[1], self.dim, mel_in.device) + self.segment[1]
+
+    def _run_block(self, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        """``block(*args)``, recomputed in the backward pass under activation checkpointing."""
+        if self.checkpointing and self.training:
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
     def forward(
         self,

@@ -76,6 +76,10 @@ def test_budgets_that_do_not_fit_the_text_axis_are_refused_by_name(sample_cache:
         loader(sample_cache, batch_text={"0": 4000}, **TWO)
     with pytest.raises(UserError, match=r"data\.batch_text"):
         DataConfig(batch_text=400, sequence="text+frames")
+    # "frames" in the config may be a model's "text,frames" (train/model/contract.py); a
+    # loader given no axis of text refuses the text budget
+    with pytest.raises(UserError, match=r"data\.batch_text = 400 .* or the model declares it"):
+        loader(sample_cache, batch_text=400)
     with pytest.raises(UserError, match=r"data\.batch_text\.1"):
         DataConfig(batch_text={"1": 0}, **TWO)
 
