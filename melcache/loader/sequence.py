@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
+from numpy.lib.stride_tricks import sliding_window_view
 
 from melcache.access import Cache
 from melcache.batch_plans import batches_at_ends, least_true, round_up
@@ -344,10 +345,13 @@ def plan_two_axis_batches(
     order = two_axis_order(t, f, rng=rng, count=count, pad=pad_multiple, attention=attention_frames)
     t = -(-t[order] // pad_multiple) * pad_multiple
     f = -(-f[order] // pad_multiple) * pad_multiple
-    equal = [run for run in np.array_split(np.arange(len(t)), count) if len(run)]
-    text_cap = max(len(run) * int(t[run].max()) for run in equal)
-    frame_cap = max(len(run) * int(f[run].max()) for run in equal)
-    top = max(len(r) * int(two_axis_cost(t[r].max(), f[r].max(), attention_frames)) for r in equal)
+    sizes = np.full(count, len(t) // count)  # count equal runs, as np.array_split cuts them
+    sizes[: len(t) % count] += 1
+    sizes = sizes[sizes > 0]
+    starts = np.cumsum(sizes) - sizes
+    longest_t, longest_f = np.maximum.reduceat(t, starts), np.maximum.reduceat(f, starts)
+    text_cap, frame_cap = int((sizes * longest_t).max()), int((sizes * longest_f).max())
+    top = int((sizes * two_axis_cost(longest_t, longest_f, attention_frames)).max())
     # Caps on a geometric grid from the least any count runs can reach (each sample's own
     # cost, and the mean run's) to ``top``: 0.1 % apart, so the search takes ~10 tries.
     alone = two_axis_cost(t, f, attention_frames)
@@ -355,20 +359,38 @@ def plan_two_axis_batches(
     tries = math.ceil(math.log(top / low) / math.log1p(CAP_STEP))
     cap = lambda k: top if k >= tries else math.ceil(low * (1 + CAP_STEP) ** k)  # noqa: E731
 
+    run_cost = _run_costs(t, f, max_batch_size, (text_cap, frame_cap), attention_frames)
+
     def ends(cap: int) -> list[int]:
+        longest_run = (run_cost <= cap).sum(axis=1)  # from each place: costs rise with size
         out, start = [], 0
         while start < len(t):
-            stop = min(len(t), start + max_batch_size)
-            longest_t = np.maximum.accumulate(t[start:stop])
-            longest_f = np.maximum.accumulate(f[start:stop])
-            size = np.arange(1, stop - start + 1)
-            fits = (size * longest_t <= text_cap) & (size * longest_f <= frame_cap)
-            fits &= size * two_axis_cost(longest_t, longest_f, attention_frames) <= cap
-            misfit = np.flatnonzero(~fits)
-            start += max(1, int(misfit[0]) if len(misfit) else stop - start)
+            start += max(1, int(longest_run[start]))
             out.append(start)
         return out
 
     return batches_at_ends(
         order, ends(cap(least_true(0, tries, lambda k: len(ends(cap(k))) <= count))), count, rng
     )
+
+
+def _run_costs(
+    t: np.ndarray, f: np.ndarray, max_batch_size: int, caps: tuple[int, int], attention: int
+) -> np.ndarray:
+    """``[place, size - 1]``: the cost of the run of ``size`` samples from ``place`` (size ×
+    :func:`two_axis_cost` of its longest text and frames), the int64 maximum where it passes
+    the unit's end or a cap (``caps``: of size × longest text, size × longest frames). Costs
+    rise with size, so the runs that fit a cost are a prefix of each row, counted in one pass
+    for every place at once: the cap search costs ``tries`` vector sums, not ``tries`` ×
+    ``count`` slices. No run is longer than the frames cap over the unit's shortest frames."""
+    text_cap, frame_cap = caps
+    width = max(1, min(max_batch_size, len(t), frame_cap // max(1, int(f.min()))))
+    past_end = np.full(width - 1, frame_cap + 1, dtype=np.int64)  # frames no run fits
+    windows = [np.concatenate([x, past_end]) for x in (t, f)]
+    longest_t, longest_f = (
+        np.maximum.accumulate(sliding_window_view(x, width), axis=1) for x in windows
+    )
+    size = np.arange(1, width + 1)
+    cost = size * two_axis_cost(longest_t, longest_f, attention)
+    cost[(size * longest_t > text_cap) | (size * longest_f > frame_cap)] = np.iinfo(np.int64).max
+    return cost
