@@ -7,8 +7,9 @@
 # (benchmarks/build/derive_bench.py, kept in benchmarks/gpu_derive.jsonl), and train tune's budgets
 # on the declared sequence against today's at equal peak memory, on the cache gpu_bench built, for
 # the prefix LM (text + frames) and the reference encoder-decoder (text, frames: two axes)
-# (benchmarks/train/sequence_tune_bench.py, both kept in benchmarks/gpu_sequence_tune.jsonl). Arguments are passed on to gpu_bench and override these
-# defaults (MELCACHE_GPU_DATA: its --data folder); relative paths stay relative to where it is run.
+# (benchmarks/train/sequence_tune_bench.py, both kept in benchmarks/gpu_sequence_tune.jsonl).
+# Arguments are passed on to gpu_bench and override these defaults (MELCACHE_GPU_DATA: its
+# --data folder); relative paths stay relative to where it is run.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
