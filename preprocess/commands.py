@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from melcache.cpus import allotment
 from melcache.errors import UserError
+from melcache.host.cpus import allotment
 from preprocess.config import load_config
 
 if TYPE_CHECKING:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from melcache.cpus import allotment
 from melcache.errors import UserError
+from melcache.host.cpus import allotment
 from melcache.loader import Batch
 from train.config.tables import Config
 from train.model import describe

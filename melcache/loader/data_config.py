@@ -11,8 +11,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from melcache.cpus import usable_cpus
 from melcache.fields.format import name_problem
+from melcache.host.cpus import usable_cpus
 from melcache.loader.balance import check_balance
 from melcache.reader import SHARD_CHECKS
 from melcache.sections import Bounds, as_float, bounded, check_numbers, require

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from melcache.format import HOST_TAG, temp_owner
-from melcache.lock import process_alive
+from melcache.host.lock import process_alive
 
 log = logging.getLogger(__name__)
 MARKER_PREFIX = "running."

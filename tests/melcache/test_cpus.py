@@ -1,4 +1,4 @@
-"""The CPUs this process may use (``melcache/cpus.py``): affinity mask and cgroup quota, and the
+"""The CPUs this process may use (``melcache/host/cpus.py``): affinity mask and cgroup quota, and the
 default worker counts of the build and the loader that follow them (issue #41)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from melcache.cpus import Allotment, allotment, cgroup_quota
+from melcache.host.cpus import Allotment, allotment, cgroup_quota
 from tests.support.helpers import REPO, SAMPLE_CORPUS, build_command
 
 

@@ -28,7 +28,7 @@ from melcache.format import (
     group_samples,
     iter_members,
 )
-from melcache.lock import process_stat
+from melcache.host.lock import process_stat
 from preprocess.check.verify import verify
 from preprocess.job.owners import sweep_temps
 from tests.support.helpers import (

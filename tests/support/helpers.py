@@ -36,7 +36,7 @@ from melcache.format import (
     group_samples,
     iter_members,
 )
-from melcache.lock import process_stat
+from melcache.host.lock import process_stat
 from melcache.reader import DIGESTS
 
 # ---- the sample corpus and the build ------------------------------------------------------

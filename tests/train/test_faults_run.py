@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from melcache.lock import FolderLock
+from melcache.host.lock import FolderLock
 from tests.support.helpers import (
     REPO,
     STEPS,

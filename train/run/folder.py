@@ -3,7 +3,7 @@
 Two trainers writing one folder delete each other's checkpoints and interleave their
 metrics; a folder that is a file or read-only would fail at the first checkpoint, after the
 work. Rank 0 checks and locks it (``OUT/trainer.lock``, held for the whole run: see
-``melcache/lock.py``) and tells every rank the outcome, so that all stop together, before
+``melcache/host/lock.py``) and tells every rank the outcome, so that all stop together, before
 any of them builds a model, and none waits in a collective for a rank that left.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from melcache.errors import UserError
-from melcache.lock import FolderLock
+from melcache.host.lock import FolderLock
 from train.parallel.env import Env
 
 LOCK_NAME = "trainer.lock"
