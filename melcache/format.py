@@ -187,10 +187,7 @@ class SampleTarWriter:
             if member.startswith("_"):  # __key__, and metadata wds.TarWriter leaves out too
                 continue
             data = sample[member]
-            info = tarfile.TarInfo(f"{key}.{member}")
-            info.size, info.mtime, info.mode = len(data), TAR_MTIME, 0o444
-            info.uname = info.gname = TAR_OWNER
-            header = info.tobuf(tarfile.PAX_FORMAT)  # a pax header first where one is needed
+            header = tar_header(f"{key}.{member}", len(data))
             spans[member] = (at, at + len(header), len(data))
             padding = -len(data) % _BLOCK
             parts += [header, data, _zeros(padding)]
@@ -212,6 +209,42 @@ class SampleTarWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """The header tarfile writes for a member of the writer's fixed metadata (``TarInfo``'s
+    ``tobuf`` in pax format: a pax header first where the name or size needs one)."""
+    if len(name) > _NAME_FIELD or size >= _LARGEST_SIZE or not name.isascii():
+        return _tarfile_header(name, size)
+    # A plain ustar header differs from member to member only in its name, size and checksum
+    # fields, so it is patched into tarfile's own: 3 µs, against tobuf's 20 µs (2-3 a sample).
+    name_field = name.encode("ascii").ljust(_NAME_FIELD, b"\0")
+    size_field = b"%011o\0" % size
+    checksum = _TEMPLATE_SUM + sum(name_field) + sum(size_field)
+    return b"".join(
+        (
+            name_field,
+            _TEMPLATE[100:124],
+            size_field,
+            _TEMPLATE[136:148],
+            b"%06o\0 " % checksum,
+            _TEMPLATE[156:],
+        )
+    )
+
+
+def _tarfile_header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, TAR_MTIME, 0o444
+    info.uname = info.gname = TAR_OWNER
+    return info.tobuf(tarfile.PAX_FORMAT)
+
+
+_NAME_FIELD = 100
+_LARGEST_SIZE = 8**11  # the size field's 11 octal digits; tarfile adds a pax header beyond
+_TEMPLATE = _tarfile_header("", 0)
+# The checksum counts its own 8-byte field as spaces (8 × 32); name and size are added per member.
+_TEMPLATE_SUM = sum(_TEMPLATE[100:124]) + sum(_TEMPLATE[136:148]) + 8 * 32 + sum(_TEMPLATE[156:])
 
 
 @functools.cache
