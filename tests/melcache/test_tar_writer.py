@@ -12,15 +12,9 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from melcache.format import (
-    TAR_MTIME,
-    TAR_OWNER,
-    encode_npy,
-    encode_sample,
-    open_tar_writer,
-    tar_header,
-    tar_members,
-)
+from melcache.format import encode_npy, encode_sample
+from melcache.tar.reader import tar_members
+from melcache.tar.writer import TAR_MTIME, TAR_OWNER, open_tar_writer, tar_header
 from tests.support.tars import shard_bytes
 
 
