@@ -25,16 +25,10 @@ import xxhash
 
 from melcache.errors import ShardError
 from melcache.extras import sample_extras
-from melcache.format import (
-    AUDIO_MEMBER,
-    META_MEMBER,
-    decode_meta,
-    group_samples,
-    is_unicode,
-    tar_members,
-)
+from melcache.format import AUDIO_MEMBER, META_MEMBER, decode_meta, is_unicode
 from melcache.location import read_bytes
 from melcache.storage import STORAGE_OF_MEMBER
+from melcache.tar.reader import group_samples, tar_members
 
 if TYPE_CHECKING:
     from melcache.remote.disk_cache import DiskCache

@@ -42,8 +42,9 @@ import numpy as np
 
 from melcache.bounded import loads_json
 from melcache.errors import ShardError, UserError
-from melcache.format import META_MEMBER, plain_tar_entries
+from melcache.format import META_MEMBER
 from melcache.index import check_shard_entry
+from melcache.tar.reader import plain_tar_entries
 
 FIELDS_KEY = "fields"  # in index.json
 FIELDS_DIR = "fields"

@@ -22,9 +22,10 @@ from melcache.fields.format import (
     field_samples,
     read_bound,
 )
-from melcache.format import INDEX_NAME, plain_tar_entries
+from melcache.format import INDEX_NAME
 from melcache.reader import integrity_problems, load_shard
 from melcache.table import Table, sample_digest
+from melcache.tar.reader import plain_tar_entries
 
 
 def field_problems(cache: Path, index: dict[str, Any]) -> list[str]:

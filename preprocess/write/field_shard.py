@@ -25,16 +25,11 @@ import torch
 from melcache.codec import decode_mel
 from melcache.errors import UserError, user_code_error
 from melcache.fields.format import BOUND_NAME, FieldEncoder, bound_member, encode_field
-from melcache.format import (
-    META_MEMBER,
-    HashingStream,
-    open_tar_writer,
-    temp_path,
-    write_atomic,
-)
+from melcache.format import META_MEMBER, temp_path, write_atomic
 from melcache.location import member_location
 from melcache.reader import ShardCheck, load_shard, read_shard, shard_samples
 from melcache.table import sample_digest
+from melcache.tar.writer import HashingStream, open_tar_writer
 
 # Mel frames per encoder call: big enough to fill a GPU, small enough for CPU memory.
 BATCH_FRAMES = 32_768

@@ -23,7 +23,7 @@ import numpy as np
 from melcache.bounded import loads_json, open_regular, read_limited
 from melcache.errors import ShardError, UserError
 from melcache.extras import sample_extras
-from melcache.format import META_MEMBER, decode_meta, plain_tar_entries, write_atomic
+from melcache.format import META_MEMBER, decode_meta, write_atomic
 from melcache.index import index_storage, read_index, write_index
 from melcache.storage import MEL_MEMBERS
 from melcache.table import (
@@ -34,6 +34,7 @@ from melcache.table import (
     sample_digest,
     write_table,
 )
+from melcache.tar.reader import plain_tar_entries
 from preprocess.inputs.records import RECEIPTS
 from preprocess.job.pool import ordered_map
 

@@ -26,15 +26,9 @@ from melcache.codec import encode_mel
 from melcache.errors import UserError
 from melcache.extras import META_FIELD, value_problem
 from melcache.features import FeatureConfig
-from melcache.format import (
-    HashingStream,
-    SampleTarWriter,
-    encode_sample,
-    open_tar_writer,
-    temp_path,
-    write_atomic,
-)
+from melcache.format import encode_sample, temp_path, write_atomic
 from melcache.storage import FP16, MEL_MEMBERS
+from melcache.tar.writer import HashingStream, SampleTarWriter, open_tar_writer
 from preprocess.config import BuildConfig
 from preprocess.inputs.archives import audio_input
 from preprocess.inputs.audio import AudioError, encode_flac, load_mono

@@ -22,18 +22,11 @@ from packaging.version import Version
 from melcache.batch_plans import padding_fraction
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
-from melcache.format import (
-    INDEX_NAME,
-    decode_meta,
-    encode_sample,
-    fast_decode_mel,
-    group_samples,
-    iter_members,
-    tar_members,
-)
+from melcache.format import INDEX_NAME, decode_meta, encode_sample, fast_decode_mel
 from melcache.index import read_index, read_stats, write_stats
 from melcache.reader import DIGESTS, ShardCheck, integrity_problems, read_shard
 from melcache.sections import make_section
+from melcache.tar.reader import group_samples, iter_members, tar_members
 from preprocess.check.verify import verify
 from preprocess.config import BuildConfig
 from tests.support.helpers import REPO

@@ -30,13 +30,13 @@ from melcache.format import (
     STATS_NAME,
     encode_sample,
     finite_mel,
-    open_tar_writer,
     shard_name,
 )
 from melcache.index import read_index, write_index, write_stats
 from melcache.loader import DataConfig, make_loader
 from melcache.loader.batch import collate, utf8_tokens
 from melcache.reader import ShardCheck, read_shard
+from melcache.tar.writer import open_tar_writer
 from preprocess.check.inspect import summarize
 from preprocess.check.verify import verify
 from tests.support.helpers import recorded

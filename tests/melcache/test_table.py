@@ -321,8 +321,8 @@ def test_fuzzed_table_gives_one_line_errors_or_true_utterances(
 def test_index_table_reads_shards_other_tools_wrote(sample_cache: Path, tmp_path: Path) -> None:
     """A shard rewritten with pax headers (another tar writer, a repacked download): the
     table is made through tarfile, and lookups parse the sample through the general reader."""
-    from melcache.format import iter_members
     from melcache.reader import DIGESTS
+    from melcache.tar.reader import iter_members
     from preprocess.write.index_table import index_table
 
     cache = copied(sample_cache, tmp_path)

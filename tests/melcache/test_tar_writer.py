@@ -5,20 +5,16 @@ quick."""
 from __future__ import annotations
 
 import io
+import random
 import tarfile
 
 import numpy as np
 import pytest
 import webdataset as wds
 
-from melcache.format import (
-    TAR_MTIME,
-    TAR_OWNER,
-    encode_npy,
-    encode_sample,
-    open_tar_writer,
-    tar_members,
-)
+from melcache.format import encode_npy, encode_sample
+from melcache.tar.reader import tar_members
+from melcache.tar.writer import TAR_MTIME, TAR_OWNER, open_tar_writer, tar_header
 from tests.support.tars import shard_bytes
 
 
@@ -72,6 +68,23 @@ def test_write_says_where_each_member_went(seed: int) -> None:
         first, (_, at, size) = where.spans[members[0]][0], where.spans[members[-1]]
         assert first == where.offset
         assert bytes(where.data) == data[first : at + size]
+
+
+def test_each_header_is_the_one_tarfile_writes() -> None:
+    """The header patched into tarfile's template equals tarfile's own for names of every
+    length around the field's 100 bytes, ASCII or not (a pax header), and sizes on and off
+    the blocks up to and past the largest the size field holds (a pax header again)."""
+    rng = random.Random(0)
+    alphabet = "abcXYZ019._-/ é\0"
+    largest = 8**11 - 1
+    sizes = [0, 1, 511, 512, 513, 10**6, largest, largest + 1, 2**40]
+    for _ in range(5000):
+        name = "".join(rng.choice(alphabet) for _ in range(rng.choice([1, 60, 99, 100, 101, 150])))
+        size = rng.choice([*sizes, rng.randrange(largest)])
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = size, TAR_MTIME, 0o444
+        info.uname = info.gname = TAR_OWNER
+        assert tar_header(name, size) == info.tobuf(tarfile.PAX_FORMAT), (name, size)
 
 
 def test_mel_npy_is_what_np_save_writes() -> None:

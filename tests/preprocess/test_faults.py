@@ -22,13 +22,9 @@ from pathlib import Path
 import pytest
 
 from melcache.errors import ShardError
-from melcache.format import (
-    HOST_TAG,
-    INDEX_NAME,
-    group_samples,
-    iter_members,
-)
+from melcache.format import HOST_TAG, INDEX_NAME
 from melcache.host.lock import process_stat
+from melcache.tar.reader import group_samples, iter_members
 from preprocess.check.verify import verify
 from preprocess.job.owners import sweep_temps
 from tests.support.helpers import (

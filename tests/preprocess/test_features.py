@@ -15,7 +15,8 @@ import torch
 import torchaudio
 
 from melcache.features import FeatureConfig
-from melcache.format import INDEX_NAME, group_samples, iter_members
+from melcache.format import INDEX_NAME
+from melcache.tar.reader import group_samples, iter_members
 from preprocess.config import load_config
 from preprocess.inputs.audio import _INTEGER_READS, read_float32
 from tests.support.helpers import REPO, SAMPLE_CORPUS, run_preprocess

@@ -17,7 +17,8 @@ import pytest
 import soundfile as sf
 
 from melcache.errors import UserError
-from melcache.format import decode_meta, group_samples, iter_members
+from melcache.format import decode_meta
+from melcache.tar.reader import group_samples, iter_members
 from preprocess.inputs.corpus import open_corpus
 from tests.support.helpers import (
     SAMPLE_CORPUS,

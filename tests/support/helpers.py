@@ -28,16 +28,10 @@ import pytest
 import soundfile as sf
 import torch
 
-from melcache.format import (
-    INDEX_NAME,
-    REJECTED_NAME,
-    decode_meta,
-    fast_decode_mel,
-    group_samples,
-    iter_members,
-)
+from melcache.format import INDEX_NAME, REJECTED_NAME, decode_meta, fast_decode_mel
 from melcache.host.lock import process_stat
 from melcache.reader import DIGESTS
+from melcache.tar.reader import group_samples, iter_members
 
 # ---- the sample corpus and the build ------------------------------------------------------
 REPO = Path(__file__).resolve().parents[2]

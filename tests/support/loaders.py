@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from melcache.format import INDEX_NAME, decode_meta, group_samples, iter_members
+from melcache.format import INDEX_NAME, decode_meta
 from melcache.loader import Batch, DataConfig, StreamLoader, make_loader
+from melcache.tar.reader import group_samples, iter_members
 from tests.support.helpers import REPO
 
 TENSORS = ("mel", "mel_lengths", "text", "text_lengths")

@@ -6,7 +6,7 @@ import io
 from collections.abc import Callable
 from typing import Any
 
-from melcache.format import open_tar_writer
+from melcache.tar.writer import open_tar_writer
 
 
 def shard_bytes(samples: list[dict], open_writer: Callable[[Any], Any] = open_tar_writer) -> bytes:

@@ -24,16 +24,9 @@ import pytest
 from melcache.batch_plans import round_up
 from melcache.errors import ShardError, UserError
 from melcache.features import FeatureConfig
-from melcache.format import (
-    INDEX_NAME,
-    decode_mel_npy,
-    encode_sample,
-    fast_decode_mel,
-    group_samples,
-    iter_members,
-    open_tar_writer,
-    tar_members,
-)
+from melcache.format import INDEX_NAME, decode_mel_npy, encode_sample, fast_decode_mel
+from melcache.tar.reader import group_samples, iter_members, tar_members
+from melcache.tar.writer import open_tar_writer
 from tests.support.helpers import REPO, group_gone, recorded
 from tests.support.loaders import all_keys, epoch_keys, index_of, loader, run_script, take
 
