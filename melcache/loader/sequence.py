@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -135,7 +136,10 @@ def text_lengths(
         if per_row is None:
             per_row = _count(cache, tokenizer, shard_rows)
             folder.mkdir(parents=True, exist_ok=True)
-            np.save(stem.with_suffix(".npy"), per_row, allow_pickle=False)
+            # Atomic: the ranks of a node (or two jobs) share the folder and may count at once.
+            array = io.BytesIO()
+            np.save(array, per_row, allow_pickle=False)
+            write_atomic(stem.with_suffix(".npy"), array.getvalue())
             header = {**binding, "rows": len(per_row), "xxh3_64": _digest(per_row)}
             write_atomic(stem.with_suffix(".json"), json.dumps(header).encode())
         frames = cache.lengths if field is None else cache.fields.rows(field)[:, FIELD_FRAMES]
@@ -154,7 +158,7 @@ def _read_sidecar(stem: Path, binding: Mapping[str, Any], rows: int) -> np.ndarr
         values = np.load(stem.with_suffix(".npy"), allow_pickle=False)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError) as exc:  # np.load says EOFError of an empty file
         logger.warning("text lengths %s unreadable (%s): counting them again", stem, exc)
         return None
     whole = {**binding, "rows": rows, "xxh3_64": _digest(values)}

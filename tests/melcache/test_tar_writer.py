@@ -72,14 +72,16 @@ def test_write_says_where_each_member_went(seed: int) -> None:
 
 def test_each_header_is_the_one_tarfile_writes() -> None:
     """The header patched into tarfile's template equals tarfile's own for names of every
-    length around the field's 100 bytes, ASCII or not (a pax header), and sizes on and off
-    the blocks up to and past the largest the size field holds (a pax header again)."""
+    length around the field's 100 bytes (empty too), ASCII or not (a pax header), control
+    characters among them, and sizes on and off the blocks up to and past the largest the
+    size field holds (a pax header again)."""
     rng = random.Random(0)
-    alphabet = "abcXYZ019._-/ é\0"
+    alphabet = "abcXYZ019._-/ é\0\t\n\x7f" + "".join(map(chr, range(1, 32)))
     largest = 8**11 - 1
     sizes = [0, 1, 511, 512, 513, 10**6, largest, largest + 1, 2**40]
     for _ in range(5000):
-        name = "".join(rng.choice(alphabet) for _ in range(rng.choice([1, 60, 99, 100, 101, 150])))
+        length = rng.choice([0, 1, 60, 99, 100, 101, 150])
+        name = "".join(rng.choice(alphabet) for _ in range(length))
         size = rng.choice([*sizes, rng.randrange(largest)])
         info = tarfile.TarInfo(name)
         info.size, info.mtime, info.mode = size, TAR_MTIME, 0o444

@@ -99,6 +99,11 @@ def test_text_lengths_are_counted_once_then_read_and_checked(
         assert loader(sample_cache, **TEXT).spec.sources[0].text.per_row.tolist() == expected
     assert "do not match this table: counting them again" in caplog.text
     assert np.load(array).tolist() == expected
+    array.write_bytes(b"")  # as another process's write once left it, before writes were atomic
+    with caplog.at_level(logging.WARNING):
+        assert loader(sample_cache, **TEXT).spec.sources[0].text.per_row.tolist() == expected
+    assert "unreadable (" in caplog.text
+    assert np.load(array).tolist() == expected
     loader(sample_cache, tokenizer=doubled, **TEXT)
     assert len(list(sidecars.glob("*.npy"))) == 2  # one per tokenizer
 
