@@ -27,11 +27,18 @@ from tests.support.helpers import (
 
 pytestmark = pytest.mark.slow  # builds in subprocesses
 
-# Runs `python -m preprocess ARGS` with an audit hook that records every file Python opens.
+# Runs `python -m preprocess ARGS` recording every file Python opens (an audit hook) and every
+# file libsndfile opens (soundfile's SoundFile): audio is checked by a stat, then read in C.
 AUDITED = """
 import json, runpy, sys
+import soundfile
 opened = []
 sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" else None)
+sound_file = soundfile.SoundFile.__init__
+def recorded(self, file, *args, **kwargs):
+    opened.append(str(file))
+    sound_file(self, file, *args, **kwargs)
+soundfile.SoundFile.__init__ = recorded
 log, sys.argv = sys.argv[1], ["preprocess", *sys.argv[2:]]
 try:
     runpy.run_module("preprocess", run_name="__main__")
