@@ -77,16 +77,7 @@ def tar_header(name: str, size: int) -> bytes:
     name_field = name.encode("ascii").ljust(_NAME_FIELD, b"\0")
     size_field = b"%011o\0" % size
     checksum = _TEMPLATE_SUM + sum(name_field) + sum(size_field)
-    return b"".join(
-        (
-            name_field,
-            _TEMPLATE[100:124],
-            size_field,
-            _TEMPLATE[136:148],
-            b"%06o\0 " % checksum,
-            _TEMPLATE[156:],
-        )
-    )
+    return b"".join((name_field, _MODE_TO_GID, size_field, _MTIME, b"%06o\0 " % checksum, _TYPE_ON))
 
 
 def _tarfile_header(name: str, size: int) -> bytes:
@@ -98,9 +89,12 @@ def _tarfile_header(name: str, size: int) -> bytes:
 
 _NAME_FIELD = 100
 _LARGEST_SIZE = 8**11  # the size field's 11 octal digits; tarfile adds a pax header beyond
+# The fields every plain header shares, cut once from tarfile's own: mode, uid and gid; mtime;
+# and from the type flag on (owner names, magic, padding).
 _TEMPLATE = _tarfile_header("", 0)
+_MODE_TO_GID, _MTIME, _TYPE_ON = _TEMPLATE[100:124], _TEMPLATE[136:148], _TEMPLATE[156:]
 # The checksum counts its own 8-byte field as spaces (8 × 32); name and size are added per member.
-_TEMPLATE_SUM = sum(_TEMPLATE[100:124]) + sum(_TEMPLATE[136:148]) + 8 * 32 + sum(_TEMPLATE[156:])
+_TEMPLATE_SUM = sum(_MODE_TO_GID) + sum(_MTIME) + 8 * 32 + sum(_TYPE_ON)
 
 
 @functools.cache
