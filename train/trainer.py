@@ -30,6 +30,7 @@ from melcache.errors import UserError
 from melcache.host.cpus import allotment
 from melcache.loader import Batch
 from train.config.tables import Config
+from train.memory.oom import release_interrupted_backward
 from train.model import describe
 from train.model.contract import inverse_count, model_inputs, normalise, rescale_gradients
 from train.model.guards import translate_ddp_error
@@ -324,6 +325,7 @@ class Trainer:
         but trains nothing. The failures are gathered and lower their buckets' budgets."""
         failures = [f for f in self.parts.vote.gather(self.parts.budgets.failure) if f is not None]
         self.parts.optimizer.zero_grad(set_to_none=True)
+        release_interrupted_backward(self.env.device)
         if self.parts.powersgd is not None:
             self.parts.powersgd.roll_back()
         self.parts.measures.dropped()

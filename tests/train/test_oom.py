@@ -5,6 +5,7 @@ checkpointed and resumed."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -19,7 +20,8 @@ from melcache.errors import UserError
 from melcache.loader import Batch
 from tests.support.helpers import REPO, checkpoint, load, metrics, run_ok, train_cmd
 from train.config.tables import load_config
-from train.memory.oom import Budgets
+from train.memory.oom import Budgets, release_interrupted_backward
+from train.memory.probes import MemoryCap
 from train.parallel.env import Env
 from train.trainer import Trainer
 
@@ -143,6 +145,27 @@ def test_backward_oom_without_ddp_is_a_skipped_step_too(train_cache: Path, tmp_p
     assert logged and {e["stage"] for e in logged} == {"backward"}
     raised = replay(tmp_path / "record.jsonl", logged, {}, bucket_of(train_cache))
     assert raised == trainer.parts.budgets.skipped_steps == len(logged)
+
+
+def test_an_interrupted_backward_keeps_its_graph_until_released() -> None:
+    """An out-of-memory error mid-backward leaves the graph's saved tensors queued in the
+    autograd engine even with every reference dropped (pytorch/pytorch#82218); the trainer
+    releases them when it drops the step (as ChatTTS's GPT needed in ``train tune``)."""
+    n = 1 << 18
+    live = MemoryCap(math.inf)  # bytes of the tensors made inside it that are still alive
+    with live:
+        x = torch.randn(n, requires_grad=True)
+        branches = [(x * (i + 2)).exp() for i in range(4)]  # each saves its n floats
+        loss = sum(b.sum() for b in branches)
+    del branches
+    live.limit = live.current + 2 * n  # half of one gradient: the backward's first runs out
+    with pytest.raises(torch.OutOfMemoryError), live:
+        loss.backward()
+    del loss
+    gc.collect()
+    assert live.current >= 3 * 4 * n  # three branches' saved tensors still alive
+    release_interrupted_backward(torch.device("cpu"))
+    assert live.current == 4 * n  # x alone
 
 
 def test_batches_over_a_lowered_budget_are_cut_into_pieces() -> None:

@@ -4,10 +4,11 @@ A ``torch.OutOfMemoryError`` is raised on the host when the op whose allocation 
 launched, so the rank it happens on knows at once, without waiting for the device. The trainer
 (``train/trainer.py``) then, with :class:`Budgets`:
 
-1. lets :meth:`Budgets.watch` swallow the error (the failed pass's tensors go with it) and
-   computes nothing more this step except what DDP needs from every rank: one synchronised
-   forward and backward, run on a one-utterance :meth:`Budgets.stand_in` if this rank's own
-   last micro-batch is lost;
+1. lets :meth:`Budgets.watch` swallow the error and computes nothing more this step except
+   what DDP needs from every rank: one synchronised forward and backward, run on a
+   one-utterance :meth:`Budgets.stand_in` if this rank's own last micro-batch is lost (the
+   failed pass's tensors go with it; those of a backward the error interrupted are let go by
+   :func:`release_interrupted_backward` when the step is dropped);
 2. votes at the end of the step (``train.parallel.votes.HostVote``: one small all-reduce on the
    host, the stop signal riding along); if any rank lost its share, every rank drops the step's
    gradients and skips its optimizer step, and the ranks' failures are gathered;
@@ -304,6 +305,16 @@ def _rows(batch: Batch, start: int, stop: int) -> Batch:
         fields={name: v[start:stop] for name, v in batch.fields.items()},
         field_lengths={name: v[start:stop] for name, v in batch.field_lengths.items()},
     )
+
+
+def release_interrupted_backward(device: torch.device) -> None:
+    """Free what a backward interrupted by an error still holds: its graph's saved
+    activations stay queued in the autograd engine's ready queue for ``device`` (one per
+    device thread) until the next backward there drains it (pytorch/pytorch#82218: an
+    out-of-memory error in the backward leaks memory). Measured on CPU: a failed backward of
+    ChatTTS's GPT kept 292 MiB live into the next steps, which then ran out of memory too;
+    a one-element backward here frees it."""
+    (torch.ones((), device=device, requires_grad=True) * 1).backward()
 
 
 def no_recovery(sharded: bool, forward_collectives: bool) -> str | None:
