@@ -33,6 +33,16 @@ from tests.support.helpers import (
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``XDG_CACHE_HOME`` in a folder of this session (each xdist worker its own), for this
+    process and every child: what the suite keeps there (the text-length sidecars, matplotlib's
+    and wandb's caches) stays out of the user's home and cannot carry over between runs."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def small_shards_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A build config TOML giving many small shards."""

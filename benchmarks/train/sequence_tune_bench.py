@@ -3,14 +3,18 @@
 model declares (``data.sequence``), side by side in one run.
 
     python -m benchmarks.train.sequence_tune_bench --cache CACHE [--memory-limit-mib 384]
-        [--config tiny] [--max-batch-size 64] [--model prefix|encoder-decoder]
+        [--config tiny] [--max-batch-size 64] [--model prefix|encoder-decoder|chattts-gpt]
+        [--set KEY=VALUE ...]
 
 ``--model prefix`` (the default): ``--config``'s model (``configs/tiny.toml``: the reference
-prefix LM, whose sequence is the text's tokens then the mel frames), planned on frames against
-``"text+frames"``. ``--model encoder-decoder``: ``train.model:EncoderDecoder`` at
+prefix LM, whose sequence is the text's tokens then the mel frames, each padded to its own
+longest), planned on frames against ``"text+frames"`` and against ``"text,frames"``. ``--model encoder-decoder``: ``train.model:EncoderDecoder`` at
 ``--config``'s size, planned on frames (:class:`PlannedOnFrames`, the same model without its
 declaration) against the ``"text,frames"`` it declares (each axis with its own tuned table,
-``data.batch_frames`` and ``data.batch_text``). fp32. For each arm ``train tune`` searches the
+``data.batch_frames`` and ``data.batch_text``). ``--model chattts-gpt``: ChatTTS's GPT
+(``--config examples/chattts_gpt/config.toml``, ``--set 'data.vocab="TOKENIZER"'``, a cache with
+codes derived), planned on code frames (``benchmarks/train/gpt_on_frames.py``) against the
+``"text+frames"`` it declares. fp32. For each arm ``train tune`` searches the
 per-bucket table: on CUDA against the device's memory (``train.memory.target`` of it, the
 allocator's peak), on CPU against ``--memory-limit-mib`` of live tensors
 (``train.memory.probes.MemoryCap``); then each arm's trainer, with its table, trains on the
@@ -18,8 +22,13 @@ batches its own loader yields, in alternating turns of ``--turn`` steps (``--rou
 a change in the machine's load falls on both: text + frames positions (real, not padding) per
 second of training steps, and the peak memory over ``--peak-steps`` more steps (CUDA: the
 allocator's peak allocated; CPU: live tensors under the same counter, not timed, as counting
-slows each op). Prints one JSON line per arm. ``benchmarks/gpu_bench.sh`` runs it on a GPU
-with ``configs/base.toml`` and room for 512 rows, where memory, not the row cap, binds.
+slows each op). Prints one JSON line per arm, then each declared arm's ratio to today's, then
+the ceiling: the most any plan of today's utterances could gain on this device
+(:func:`ceiling`: each timed step fitted as a cost per step, per padded position and per padded
+query-key pair; today's time over its utterances' work with no padding and no per-step cost),
+so a ratio short of a target says whether planning could reach it here at all.
+``benchmarks/gpu_bench.sh`` runs it on a GPU with ``configs/base.toml`` and room for 512 rows,
+where memory, not the row cap, binds.
 """
 
 from __future__ import annotations
@@ -32,10 +41,11 @@ import logging
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
 import torch
 
 from train.config.tables import Config, load_config
@@ -46,17 +56,52 @@ from train.trainer import Trainer
 from train.tune import _trainer_tensors, tune
 
 REPO = Path(__file__).resolve().parents[2]
-# Each model's arms: today's plan, then the declared sequence's, as [model] / [data] overrides.
+
+
+def prefix_pairs(text: Any, frames: Any) -> Any:
+    """Query-key pairs of one sequence attending over ``S = text + frames`` (ints or per-row
+    tensors)."""
+    return (text + frames) ** 2
+
+
+def encoder_decoder_pairs(text: Any, frames: Any) -> Any:
+    """Query-key pairs of the encoder over the text, the decoder over the frames and the
+    frames over the text."""
+    return text * text + frames * frames + text * frames
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model's arms (today's plan, then the declared sequence's, as [model] / [data]
+    overrides) and how its step's work is counted: its query-key pairs, whether a row is its
+    text then its frames padded at its end (``packed``, else each padded apart), and the
+    derived field whose frames it reads (else the mel's)."""
+
+    arms: dict[str, list[str]]
+    pairs: Callable[[Any, Any], Any] = prefix_pairs
+    packed: bool = False
+    field: str | None = None
+
+
 MODELS = {
-    "prefix": {
+    # The reference prefix LM pads its text and its frames each to their own longest, so it
+    # is also planned on two axes, the layout its batches have.
+    "prefix": Model({
         "frames": ['data.sequence="frames"'],
         "text+frames": ['data.sequence="text+frames"'],
-    },
-    "encoder-decoder": {
+        "text,frames": ['data.sequence="text,frames"'],
+    }),
+    "encoder-decoder": Model({
         "frames": ['model.impl="benchmarks.train.sequence_tune_bench:PlannedOnFrames"'],
         "text,frames": ['model.impl="train.model:EncoderDecoder"'],
-    },
-}
+    }, pairs=encoder_decoder_pairs),
+    # ChatTTS's GPT (--config examples/chattts_gpt/config.toml, the chattts extra, a cache
+    # with codes derived): its adapter packs each row, text then code frames.
+    "chattts-gpt": Model({
+        "frames": ['model.impl="benchmarks.train.gpt_on_frames:GPTPlannedOnFrames"'],
+        "text+frames": ['model.impl="examples.chattts_gpt.adapter:GPT"'],
+    }, packed=True, field="codes"),
+}  # fmt: skip
 
 
 class PlannedOnFrames(EncoderDecoder):
@@ -67,27 +112,88 @@ class PlannedOnFrames(EncoderDecoder):
 
 
 def config(overrides: list[str], preset: str, max_batch_size: int) -> Config:
+    """``preset`` (a name of configs/ or a TOML file) in fp32 with ``overrides``."""
+    path = Path(preset) if preset.endswith(".toml") else REPO / "configs" / f"{preset}.toml"
     sized = ["train.precision=fp32", f"data.max_batch_size={max_batch_size}"]
-    return load_config(REPO / "configs" / f"{preset}.toml", [*sized, *overrides])
+    return load_config(path, [*sized, *overrides])
 
 
-def positions(batch: object) -> int:
-    """Real text + frames positions of a batch."""
-    return int((batch.text_lengths + batch.mel_lengths).sum())  # type: ignore[attr-defined]
+class Step(NamedTuple):
+    """One timed training step and what it computed: positions and attended query-key pairs,
+    as padded (what the step ran) and as the utterances alone (no padding)."""
+
+    seconds: float
+    positions: int
+    padded_positions: int
+    pairs: int
+    padded_pairs: int
 
 
-def timed_turn(trainer: Trainer, batches: Iterator, steps: int) -> tuple[float, int]:
-    """Seconds and real positions of ``steps`` training steps."""
-    seconds, count = 0.0, 0
+def measured_step(model: Model, batch: Any, seconds: float) -> Step:
+    """``batch``'s work, as padded and as its utterances alone, and its time."""
+    text = batch.text_lengths.long()
+    frames = (batch.field_lengths[model.field] if model.field else batch.mel_lengths).long()
+    if model.packed:
+        padded_text, padded_frames = 0, int((text + frames).max())
+    else:
+        frames_tensor = batch.fields[model.field] if model.field else batch.mel
+        padded_text, padded_frames = batch.text.shape[1], frames_tensor.shape[1]
+    return Step(
+        seconds,
+        positions=int((text + frames).sum()),
+        padded_positions=len(batch) * (padded_text + padded_frames),
+        pairs=int(model.pairs(text, frames).sum()),
+        padded_pairs=len(batch) * model.pairs(padded_text, padded_frames),
+    )
+
+
+def timed_turn(trainer: Trainer, batches: Iterator, steps: int, model: Model) -> list[Step]:
+    """``steps`` training steps, each timed."""
+    done = []
     cuda = trainer.env.device.type == "cuda"
     for batch in itertools.islice(batches, steps):
         start = time.perf_counter()
         trainer.train_step([batch])
         if cuda:  # the step's kernels, not their launch
             torch.cuda.synchronize(trainer.env.device)
-        seconds += time.perf_counter() - start
-        count += positions(batch)
-    return seconds, count
+        done.append(measured_step(model, batch, time.perf_counter() - start))
+    return done
+
+
+def rate(steps: list[Step]) -> float:
+    """Real positions per second of ``steps``."""
+    return sum(s.positions for s in steps) / sum(s.seconds for s in steps)
+
+
+def padded_share(steps: list[Step]) -> float:
+    """The share of padding among the positions ``steps`` computed."""
+    return 1 - sum(s.positions for s in steps) / sum(s.padded_positions for s in steps)
+
+
+def ceiling(model: str, steps: dict[str, list[Step]]) -> dict[str, Any]:
+    """The most any plan could gain over today's on this device: every step's time fitted as
+    ``c0 + c1·padded positions + c2·padded pairs`` (least squares over both arms' steps), then
+    today's fitted time over the time of its utterances with no padding and no per-step cost
+    (``c1·positions + c2·pairs``). Also each arm's share of time in padding and per-step cost."""
+    every = [s for arm in steps.values() for s in arm]
+    x = np.array([[1.0, s.padded_positions, s.padded_pairs] for s in every])
+    y = np.array([s.seconds for s in every])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    fitted = x @ coef
+    shares = {}
+    for arm, arm_steps in steps.items():
+        total = sum(coef @ [1.0, s.padded_positions, s.padded_pairs] for s in arm_steps)
+        bare = sum(coef[1] * s.positions + coef[2] * s.pairs for s in arm_steps)
+        shares[arm] = {"overhead": coef[0] * len(arm_steps) / total,
+                       "padding": (total - bare - coef[0] * len(arm_steps)) / total,
+                       "fitted_over_bare": total / bare}  # fmt: skip
+    today = next(iter(steps))
+    return {"measure": "ceiling", "model": model,
+            "coefficients": {"per_step_s": coef[0], "per_position_s": coef[1], "per_pair_s": coef[2]},
+            "r2": 1 - float(((y - fitted) ** 2).sum() / ((y - y.mean()) ** 2).sum()),
+            "steps": len(every), "most_any_plan_gains": round(shares[today]["fitted_over_bare"], 3),
+            "shares": {arm: {k: round(float(v), 4) for k, v in share.items()}
+                       for arm, share in shares.items()}}  # fmt: skip
 
 
 def peak_mib(trainer: Trainer, batches: Iterator, steps: int) -> float:
@@ -113,7 +219,7 @@ def tuned_trainer(
     arm: str, overrides: list[str], args: argparse.Namespace, out: Path, device: torch.device
 ) -> Trainer:
     """``train tune``'s tables for one arm (printed), and a trainer planning with them."""
-    cfg = config(overrides, args.config, args.max_batch_size)
+    cfg = config([*args.set, *overrides], args.config, args.max_batch_size)
     rows, where = tune(cfg, args.cache, memory_limit_mib=args.memory_limit_mib)
     frames = {str(r.bucket): r.budget for r in rows}
     text = {str(r.bucket): r.text_budget for r in rows} if any(r.text_budget for r in rows) else 0
@@ -136,35 +242,49 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--turn", type=int, default=15)
     p.add_argument("--peak-steps", type=int, default=30)
-    p.add_argument("--config", default="tiny", help="a preset of configs/")
+    p.add_argument("--config", default="tiny", help="a preset of configs/, or a TOML file")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for both arms (repeatable)",
+    )
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--model", choices=sorted(MODELS), default="prefix")
     args = p.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":  # shared cores: a second OpenMP thread's spinning swamps the timing
         torch.set_num_threads(1)
-    arms = MODELS[args.model]
+    model = MODELS[args.model]
+    arms = model.arms
     trainers, streams = {}, {}
     with tempfile.TemporaryDirectory(prefix="sequence-tune-") as out:
         for arm, overrides in arms.items():
             trainers[arm] = tuned_trainer(arm, overrides, args, Path(out), device)
             streams[arm] = iter(trainers[arm].parts.loader)
-            timed_turn(trainers[arm], streams[arm], 3)  # warm-up
+            timed_turn(trainers[arm], streams[arm], 3, model)  # warm-up
+        steps: dict[str, list[Step]] = {arm: [] for arm in arms}
         rates: dict[str, list[float]] = {arm: [] for arm in arms}
         for _ in range(args.rounds):
             for arm in arms:
-                seconds, count = timed_turn(trainers[arm], streams[arm], args.turn)
-                rates[arm].append(count / seconds)
+                turn = timed_turn(trainers[arm], streams[arm], args.turn, model)
+                steps[arm] += turn
+                rates[arm].append(rate(turn))
         for arm in arms:
             peak = peak_mib(trainers[arm], streams[arm], args.peak_steps)
             print(json.dumps({"measure": "train", "model": args.model, "sequence": arm,
                               "positions_per_s_median": round(statistics.median(rates[arm])),
                               "positions_per_s_turns": [round(r) for r in rates[arm]],
+                              "positions_per_step": round(statistics.fmean(s.positions for s in steps[arm])),
+                              "padded_share": round(padded_share(steps[arm]), 4),
                               "peak_mib": round(peak, 1)}), flush=True)  # fmt: skip
-        today, declared = (rates[arm] for arm in arms)
-        ratio = [d / f for f, d in zip(today, declared, strict=True)]
-        print(json.dumps({"measure": "ratio", "model": args.model,
-                          "median_within_round": round(statistics.median(ratio), 3)}))  # fmt: skip
+        today, *declared = arms
+        for arm in declared:
+            ratio = [d / f for f, d in zip(rates[today], rates[arm], strict=True)]
+            print(json.dumps({"measure": "ratio", "model": args.model, "sequence": arm,
+                              "median_within_round": round(statistics.median(ratio), 3)}))  # fmt: skip
+        print(json.dumps(ceiling(args.model, steps)))
         for trainer in trainers.values():
             trainer.close()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -432,22 +431,3 @@ def test_elastic_repeats_prints_every_job_change_beside_its_uninterrupted_job(
                for r in rows)  # fmt: skip
     assert all(r["early_repeats"] == 0 for r in rows[:4]), rows[:4]
     assert all(0 <= r["window_repeats"] < 1 for r in rows if "window_repeats" in r), rows
-
-
-@pytest.mark.slow
-def test_sequence_tune_bench_runs_the_encoder_decoder_on_both_axes(
-    train_cache: Path, tmp_path: Path
-) -> None:
-    command = [sys.executable, "-m", "benchmarks.train.sequence_tune_bench"]
-    command += ["--cache", str(train_cache), "--model", "encoder-decoder", "--rounds", "2"]
-    command += ["--turn", "2", "--peak-steps", "2", "--memory-limit-mib", "64"]
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the text lengths' sidecar
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    today, tuned, *trained, ratio = (json.loads(line) for line in done.stdout.splitlines())
-    assert (today["sequence"], tuned["sequence"]) == ("frames", "text,frames")
-    assert "text_budgets" in tuned and "text_budgets" not in today  # a table per axis
-    assert "EncoderDecoder" in tuned["where"] and "PlannedOnFrames" in today["where"]
-    assert [r["sequence"] for r in trained] == ["frames", "text,frames"]
-    assert all(r["positions_per_s_median"] > 0 and r["peak_mib"] > 0 for r in trained)
-    assert ratio["model"] == "encoder-decoder" and ratio["median_within_round"] > 0
