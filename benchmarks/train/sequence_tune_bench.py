@@ -22,11 +22,10 @@ batches its own loader yields, in alternating turns of ``--turn`` steps (``--rou
 a change in the machine's load falls on both: text + frames positions (real, not padding) per
 second of training steps, and the peak memory over ``--peak-steps`` more steps (CUDA: the
 allocator's peak allocated; CPU: live tensors under the same counter, not timed, as counting
-slows each op). Prints one JSON line per arm, then each declared arm's ratio to today's, then
-the ceiling: the most any plan of today's utterances could gain on this device
-(:func:`ceiling`: each timed step fitted as a cost per step, per padded position and per padded
-query-key pair; today's time over its utterances' work with no padding and no per-step cost),
-so a ratio short of a target says whether planning could reach it here at all.
+slows each op). Prints one JSON line per arm (with its positions per step and their padded
+share), then each declared arm's ratio to today's, then each one's bound (:func:`bound`): the
+most its budgets could gain on any device, from the batches alone, so a ratio short of a
+target on one device says whether another could reach it.
 ``benchmarks/gpu_bench.sh`` runs it on a GPU with ``configs/base.toml`` and room for 512 rows,
 where memory, not the row cap, binds.
 """
@@ -45,7 +44,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-import numpy as np
 import torch
 
 from train.config.tables import Config, load_config
@@ -118,33 +116,33 @@ def config(overrides: list[str], preset: str, max_batch_size: int) -> Config:
     return load_config(path, [*sized, *overrides])
 
 
+# What a step computes, padded, that its time can follow: one step (the optimizer's, launches),
+# rows, positions, frames (the heads and loss run on those) and attended query-key pairs.
+WORK = ("step", "rows", "positions", "frames", "pairs")
+
+
 class Step(NamedTuple):
-    """One timed training step and what it computed: positions and attended query-key pairs,
-    as padded (what the step ran) and as the utterances alone (no padding)."""
+    """One timed training step: its real text + frames positions and its :data:`WORK`."""
 
     seconds: float
     positions: int
-    padded_positions: int
-    pairs: int
-    padded_pairs: int
+    work: tuple[int, ...]
 
 
 def measured_step(model: Model, batch: Any, seconds: float) -> Step:
-    """``batch``'s work, as padded and as its utterances alone, and its time."""
+    """``batch``'s real positions and its work as padded, and its time."""
     text = batch.text_lengths.long()
     frames = (batch.field_lengths[model.field] if model.field else batch.mel_lengths).long()
-    if model.packed:
-        padded_text, padded_frames = 0, int((text + frames).max())
-    else:
-        frames_tensor = batch.fields[model.field] if model.field else batch.mel
-        padded_text, padded_frames = batch.text.shape[1], frames_tensor.shape[1]
-    return Step(
-        seconds,
-        positions=int((text + frames).sum()),
-        padded_positions=len(batch) * (padded_text + padded_frames),
-        pairs=int(model.pairs(text, frames).sum()),
-        padded_pairs=len(batch) * model.pairs(padded_text, padded_frames),
-    )
+    padded_frames = (batch.fields[model.field] if model.field else batch.mel).shape[1]
+    rows = len(batch)
+    if model.packed:  # each row its text then its frames, to the longest row's
+        length = int((text + frames).max())
+        pairs = model.pairs(0, length)
+    else:  # the text to the longest text, the frames to the longest frames
+        length = batch.text.shape[1] + padded_frames
+        pairs = model.pairs(batch.text.shape[1], padded_frames)
+    work = (1, rows, rows * length, rows * padded_frames, rows * pairs)
+    return Step(seconds, int((text + frames).sum()), work)
 
 
 def timed_turn(trainer: Trainer, batches: Iterator, steps: int, model: Model) -> list[Step]:
@@ -167,33 +165,33 @@ def rate(steps: list[Step]) -> float:
 
 def padded_share(steps: list[Step]) -> float:
     """The share of padding among the positions ``steps`` computed."""
-    return 1 - sum(s.positions for s in steps) / sum(s.padded_positions for s in steps)
+    padded = sum(s.work[WORK.index("positions")] for s in steps)
+    return 1 - sum(s.positions for s in steps) / padded
 
 
-def ceiling(model: str, steps: dict[str, list[Step]]) -> dict[str, Any]:
-    """The most any plan could gain over today's on this device: every step's time fitted as
-    ``c0 + c1·padded positions + c2·padded pairs`` (least squares over both arms' steps), then
-    today's fitted time over the time of its utterances with no padding and no per-step cost
-    (``c1·positions + c2·pairs``). Also each arm's share of time in padding and per-step cost."""
-    every = [s for arm in steps.values() for s in arm]
-    x = np.array([[1.0, s.padded_positions, s.padded_pairs] for s in every])
-    y = np.array([s.seconds for s in every])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    fitted = x @ coef
-    shares = {}
-    for arm, arm_steps in steps.items():
-        total = sum(coef @ [1.0, s.padded_positions, s.padded_pairs] for s in arm_steps)
-        bare = sum(coef[1] * s.positions + coef[2] * s.pairs for s in arm_steps)
-        shares[arm] = {"overhead": coef[0] * len(arm_steps) / total,
-                       "padding": (total - bare - coef[0] * len(arm_steps)) / total,
-                       "fitted_over_bare": total / bare}  # fmt: skip
-    today = next(iter(steps))
-    return {"measure": "ceiling", "model": model,
-            "coefficients": {"per_step_s": coef[0], "per_position_s": coef[1], "per_pair_s": coef[2]},
-            "r2": 1 - float(((y - fitted) ** 2).sum() / ((y - y.mean()) ** 2).sum()),
-            "steps": len(every), "most_any_plan_gains": round(shares[today]["fitted_over_bare"], 3),
-            "shares": {arm: {k: round(float(v), 4) for k, v in share.items()}
-                       for arm, share in shares.items()}}  # fmt: skip
+def bound(model: str, steps: dict[str, list[Step]]) -> list[dict[str, Any]]:
+    """For each declared arm, the most its budgets could gain over today's on any device
+    whose step time is a sum (or a maximum) of nonnegative costs per item of :data:`WORK`
+    (per step, per row, per padded position, per padded frame, per query-key pair): its real
+    positions per step over today's × the largest ratio of today's mean work per step to its
+    own, item by item (a ratio of two such sums is at most the largest ratio of their terms).
+    From the batches alone: exact, with no timing or fit."""
+    today, *declared = steps
+
+    def mean(arm: str, item: int) -> float:
+        return statistics.fmean(s.work[item] for s in steps[arm])
+
+    out = []
+    for arm in declared:
+        more = statistics.fmean(s.positions for s in steps[arm]) / statistics.fmean(
+            s.positions for s in steps[today]
+        )
+        lighter = {name: mean(today, i) / mean(arm, i) for i, name in enumerate(WORK)}
+        out.append({"measure": "bound", "model": model, "sequence": arm,
+                    "most_on_any_device": round(more * max(lighter.values()), 3),
+                    "positions_per_step_ratio": round(more, 4),
+                    "today_work_over_declared": {k: round(v, 4) for k, v in lighter.items()}})  # fmt: skip
+    return out
 
 
 def peak_mib(trainer: Trainer, batches: Iterator, steps: int) -> float:
@@ -284,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
             ratio = [d / f for f, d in zip(rates[today], rates[arm], strict=True)]
             print(json.dumps({"measure": "ratio", "model": args.model, "sequence": arm,
                               "median_within_round": round(statistics.median(ratio), 3)}))  # fmt: skip
-        print(json.dumps(ceiling(args.model, steps)))
+        for line in bound(args.model, steps):
+            print(json.dumps(line))
         for trainer in trainers.values():
             trainer.close()
 
