@@ -171,7 +171,7 @@ def padded_share(steps: list[Step]) -> float:
 
 def bound(model: str, steps: dict[str, list[Step]]) -> list[dict[str, Any]]:
     """For each declared arm, the most its budgets could gain over today's on any device
-    whose step time is a sum (or a maximum) of nonnegative costs per item of :data:`WORK`
+    whose step time is a sum of nonnegative costs per item of :data:`WORK`
     (per step, per row, per padded position, per padded frame, per query-key pair): its real
     positions per step over today's × the largest ratio of today's mean work per step to its
     own, item by item (a ratio of two such sums is at most the largest ratio of their terms).
