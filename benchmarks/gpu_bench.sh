@@ -6,7 +6,7 @@
 # in benchmarks/gpu_trainer.json) and derive at the released DVAE size with its split
 # (benchmarks/build/derive_bench.py, kept in benchmarks/gpu_derive.jsonl), and train tune's budgets
 # on the declared sequence against today's at equal peak memory, on the cache gpu_bench built, for
-# the prefix LM (text + frames) and the reference encoder-decoder (text, frames: two axes)
+# the prefix LM (text + frames, and its two axes) and the reference encoder-decoder (two axes)
 # (benchmarks/train/sequence_tune_bench.py, both kept in benchmarks/gpu_sequence_tune.jsonl).
 # Arguments are passed on to gpu_bench and override these defaults (MELCACHE_GPU_DATA: its
 # --data folder); relative paths stay relative to where it is run.
