@@ -308,12 +308,12 @@ def _rows(batch: Batch, start: int, stop: int) -> Batch:
 
 
 def release_interrupted_backward(device: torch.device) -> None:
-    """Free what a backward interrupted by an error still holds: its graph's saved
-    activations stay queued in the autograd engine's ready queue for ``device`` (one per
-    device thread) until the next backward there drains it (pytorch/pytorch#82218: an
-    out-of-memory error in the backward leaks memory). Measured on CPU: a failed backward of
-    ChatTTS's GPT kept 292 MiB live into the next steps, which then ran out of memory too;
-    a one-element backward here frees it."""
+    """Free what a backward interrupted by an error still holds: the tasks it had queued, and
+    through them its graph's saved activations, stay in the autograd engine's ready queue
+    (the calling thread's on CPU, the device's own thread on CUDA) until the next backward
+    there drains it (pytorch/pytorch#82218: an out-of-memory error in the backward leaks
+    memory). Measured on CPU: a failed backward of ChatTTS's GPT kept 292 MiB live into the
+    next steps, which then ran out of memory too; a one-element backward here frees it."""
     (torch.ones((), device=device, requires_grad=True) * 1).backward()
 
 
