@@ -46,6 +46,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from melcache.batch_plans import padding_fraction
 from train.config.tables import Config, load_config
 from train.memory.probes import MIB, MemoryCap, tensor_bytes
 from train.model import EncoderDecoder
@@ -166,7 +167,7 @@ def rate(steps: list[Step]) -> float:
 def padded_share(steps: list[Step]) -> float:
     """The share of padding among the positions ``steps`` computed."""
     padded = sum(s.work[WORK.index("positions")] for s in steps)
-    return 1 - sum(s.positions for s in steps) / padded
+    return padding_fraction(sum(s.positions for s in steps), padded)
 
 
 def bound(model: str, steps: dict[str, list[Step]]) -> list[dict[str, Any]]:
