@@ -52,7 +52,7 @@ from train.memory.probes import MIB, MemoryCap, tensor_bytes
 from train.model import EncoderDecoder
 from train.parallel.env import Env
 from train.trainer import Trainer
-from train.tune import _trainer_tensors, tune
+from train.tune import trainer_tensors, tune
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -204,7 +204,7 @@ def peak_mib(trainer: Trainer, batches: Iterator, steps: int) -> float:
         for batch in itertools.islice(batches, steps):
             trainer.train_step([batch])
         return torch.cuda.max_memory_allocated(device) / MIB
-    cap = MemoryCap(float("inf"), tensor_bytes(_trainer_tensors(trainer)))
+    cap = MemoryCap(float("inf"), tensor_bytes(trainer_tensors(trainer)))
     peak = 0
     for batch in itertools.islice(batches, steps):
         cap.reset_peak()

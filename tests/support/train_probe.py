@@ -49,7 +49,7 @@ from train.parallel.env import setup, teardown  # noqa: E402
 from train.parallel.fsdp import abandon_step  # noqa: E402
 from train.run import checkpoint  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
-from train.tune import tune  # noqa: E402
+from train.tune import ragged, tune  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.toml"
 
@@ -224,12 +224,13 @@ def powersgd_overflow_main(cache: str, out: Path, overrides: list[str]) -> None:
 
 
 def worst_batch(size: int, frames: int, tokens: int, bucket: int) -> Batch:
-    """``size`` utterances as long as ``frames``, with ``tokens`` of text: a bucket's worst."""
+    """``size`` utterances as long as ``frames``, with ``tokens`` of text, the last one a frame
+    and a token shorter (``train.tune.ragged``): a bucket's worst."""
     return Batch(
         mel=torch.zeros(size, round_up(frames, 8), 100, dtype=torch.float16),
-        mel_lengths=torch.full((size,), frames),
+        mel_lengths=ragged(size, frames),
         text=torch.ones(size, round_up(tokens, 8), dtype=torch.int64),
-        text_lengths=torch.full((size,), tokens),
+        text_lengths=ragged(size, tokens),
         keys=["k"] * size,
         speaker=[None] * size,
         bucket=bucket,
