@@ -25,7 +25,8 @@ allocator's peak allocated; CPU: live tensors under the same counter, not timed,
 slows each op). Prints one JSON line per arm (with its positions per step and their padded
 share), then each declared arm's ratio to today's, then each one's bound (:func:`bound`): the
 most its budgets could gain on any device, from the batches alone, so a ratio short of a
-target on one device says whether another could reach it.
+target on one device says whether another could reach it; over the timed batches, then over
+every batch of one epoch of each arm's plan (:func:`epoch_steps`).
 ``benchmarks/gpu_bench.sh`` runs it on a GPU with ``configs/base.toml`` and room for 512 rows,
 where memory, not the row cap, binds.
 """
@@ -47,6 +48,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from melcache.batch_plans import padding_fraction
+from melcache.loader import make_loader
 from train.config.tables import Config, load_config
 from train.memory.probes import MIB, MemoryCap, tensor_bytes
 from train.model import EncoderDecoder
@@ -170,6 +172,19 @@ def padded_share(steps: list[Step]) -> float:
     return padding_fraction(sum(s.positions for s in steps), padded)
 
 
+def epoch_steps(trainer: Trainer, cache: str, model: Model) -> list[Step]:
+    """Every batch of one epoch that ``trainer``'s loader plans, from a loader of its own
+    started afresh, each a :class:`Step` of no time: the whole epoch for :func:`bound`, not
+    only the timed batches."""
+    spec = trainer.parts.loader.spec
+    loader = make_loader(cache, spec.data, seed=trainer.cfg.train.seed, tokenizer=spec.tokenizer)
+    try:
+        batches = sum(sub.per_epoch for sub in loader.spec.subs)
+        return [measured_step(model, b, 0.0) for b in itertools.islice(iter(loader), batches)]
+    finally:
+        loader.close()
+
+
 def bound(model: str, steps: dict[str, list[Step]]) -> list[dict[str, Any]]:
     """For each declared arm, the most its budgets could gain over today's on any device
     whose step time is a sum of nonnegative costs per item of :data:`WORK`
@@ -284,7 +299,10 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"measure": "ratio", "model": args.model, "sequence": arm,
                               "median_within_round": round(statistics.median(ratio), 3)}))  # fmt: skip
         for line in bound(args.model, steps):
-            print(json.dumps(line))
+            print(json.dumps({**line, "batches": "timed"}))
+        epoch = {arm: epoch_steps(trainer, args.cache, model) for arm, trainer in trainers.items()}
+        for line in bound(args.model, epoch):
+            print(json.dumps({**line, "batches": f"one epoch ({len(epoch[line['sequence']])})"}))
         for trainer in trainers.values():
             trainer.close()
 

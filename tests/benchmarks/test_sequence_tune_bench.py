@@ -1,5 +1,5 @@
 """``benchmarks.train.sequence_tune_bench``: budgets on the declared sequence against today's,
-run end to end on small caches, and the work and ceiling it counts per step."""
+run end to end on small caches, and the work and bound it counts per step."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def test_sequence_tune_bench_runs_the_encoder_decoder_on_both_axes(train_cache: 
     command += ["--turn", "2", "--peak-steps", "2", "--memory-limit-mib", "64"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    today, tuned, *trained, ratio, most = (json.loads(line) for line in done.stdout.splitlines())
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    today, tuned, *trained, ratio, most, whole = lines
     assert (today["sequence"], tuned["sequence"]) == ("frames", "text,frames")
     assert "text_budgets" in tuned and "text_budgets" not in today  # a table per axis
     assert "EncoderDecoder" in tuned["where"] and "PlannedOnFrames" in today["where"]
@@ -35,6 +36,12 @@ def test_sequence_tune_bench_runs_the_encoder_decoder_on_both_axes(train_cache: 
     assert ratio["model"] == "encoder-decoder" and ratio["median_within_round"] > 0
     assert (most["measure"], most["sequence"]) == ("bound", "text,frames")
     assert most["most_on_any_device"] > 0 and set(most["today_work_over_declared"]) == set(WORK)
+    assert (most["batches"], whole["measure"], whole["sequence"]) == (
+        "timed",
+        "bound",
+        "text,frames",
+    )
+    assert whole["batches"].startswith("one epoch (") and whole["most_on_any_device"] > 0
 
 
 @pytest.mark.slow
@@ -47,11 +54,13 @@ def test_sequence_tune_bench_runs_chattts_gpt_on_its_code_frames(
                "--turn", "2", "--peak-steps", "2", "--memory-limit-mib", "200"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    today, tuned, *trained, ratio, most = (json.loads(line) for line in done.stdout.splitlines())
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    today, tuned, *trained, ratio, most, whole = lines
     assert "GPTPlannedOnFrames" in today["where"] and "adapter:GPT" in tuned["where"]
     assert [r["sequence"] for r in trained] == ["frames", "text+frames"]
     assert all(r["positions_per_step"] > 0 and 0 <= r["padded_share"] < 1 for r in trained)
     assert ratio["median_within_round"] > 0 and most["most_on_any_device"] > 0
+    assert whole["batches"].startswith("one epoch (") and whole["most_on_any_device"] > 0
 
 
 def test_a_step_counts_the_work_its_model_lays_out() -> None:
