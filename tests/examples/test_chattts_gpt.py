@@ -182,8 +182,8 @@ def test_the_tunes_worst_batch_is_padded_as_the_batches_it_bounds_are() -> None:
     """``transformers``' Llama drops its attention mask where no row is padded, and the causal
     kernel then holds no ``S × S`` weights: a worst batch without padding peaks below real
     batches of shorter rows, and budgets tuned on it ran 14 % over their target on #52's
-    50 h cache. ``train tune``'s worst batch is padded: a batch of rows no longer than its
-    peaks no higher."""
+    50 h cache. ``train tune``'s worst batch is padded: a real batch, its rows no longer than
+    the worst batch's, peaks no higher."""
     torch.manual_seed(0)
     model = GPT(vocab_size=257, hidden=32, layers=2, heads=8, intermediate=64)
     frames, tokens, size = 200, 20, 6
@@ -201,8 +201,9 @@ def test_train_tune_sizes_a_model_of_codes_alone_in_code_frames_and_training_sta
     derived: Path, chattts_tokenizer: Path, tmp_path: Path
 ) -> None:
     """``train tune`` builds its worst batches from the field shards' longest code frames, and
-    training on its budgets stays under its target: the worst batch is padded as real batches
-    are, so the Llama keeps the attention mask it drops where no row is padded."""
+    training on its budgets, where memory and not the cap on rows binds, stays under its
+    target (the sample's rows are too short for the unpadded worst batch of the test above
+    to show here)."""
     out, limit_mib = tmp_path / "budgets.toml", 60
     overrides = [f"data.vocab={json.dumps(str(chattts_tokenizer))}", "data.max_batch_size=64"]
     command = [sys.executable, "-m", "train", "tune", "--shards", str(derived), "--config",
