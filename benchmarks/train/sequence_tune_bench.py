@@ -56,8 +56,6 @@ from train.parallel.env import Env
 from train.trainer import Trainer
 from train.tune import trainer_tensors, tune
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def prefix_pairs(text: Any, frames: Any) -> Any:
     """Query-key pairs of one sequence attending over ``S = text + frames`` (ints or per-row
@@ -113,10 +111,10 @@ class PlannedOnFrames(EncoderDecoder):
 
 
 def config(overrides: list[str], preset: str, max_batch_size: int) -> Config:
-    """``preset`` (a name of configs/ or a TOML file) in fp32 with ``overrides``."""
-    path = Path(preset) if preset.endswith(".toml") else REPO / "configs" / f"{preset}.toml"
+    """``preset`` (a TOML file, or a preset's name as ``--config`` takes it) in fp32 with
+    ``overrides``."""
     sized = ["train.precision=fp32", f"data.max_batch_size={max_batch_size}"]
-    return load_config(path, [*sized, *overrides])
+    return load_config(Path(preset), [*sized, *overrides])
 
 
 # What a step computes, padded, that its time can follow: one step (the optimizer's, launches),
