@@ -40,7 +40,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from melcache.batch_plans import round_up  # noqa: E402
 from melcache.errors import UserError  # noqa: E402
 from melcache.loader import Batch  # noqa: E402
 from train.config.tables import load_config  # noqa: E402
@@ -49,7 +48,7 @@ from train.parallel.env import setup, teardown  # noqa: E402
 from train.parallel.fsdp import abandon_step  # noqa: E402
 from train.run import checkpoint  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
-from train.tune import ragged, tune  # noqa: E402
+from train.tune import WorstBatch, tune  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.toml"
 
@@ -224,17 +223,9 @@ def powersgd_overflow_main(cache: str, out: Path, overrides: list[str]) -> None:
 
 
 def worst_batch(size: int, frames: int, tokens: int, bucket: int) -> Batch:
-    """``size`` utterances as long as ``frames``, with ``tokens`` of text, the last one a frame
-    and a token shorter (``train.tune.ragged``): a bucket's worst."""
-    return Batch(
-        mel=torch.zeros(size, round_up(frames, 8), 100, dtype=torch.float16),
-        mel_lengths=ragged(size, frames),
-        text=torch.ones(size, round_up(tokens, 8), dtype=torch.int64),
-        text_lengths=ragged(size, tokens),
-        keys=["k"] * size,
-        speaker=[None] * size,
-        bucket=bucket,
-    )
+    """``size`` utterances as long as ``frames``, with ``tokens`` of text (100 mel bins, padded
+    to 8): the bucket's worst batch ``train tune`` measures (``train.tune.WorstBatch``)."""
+    return WorstBatch(bucket, frames, tokens, pad_multiple=8, n_mels=100).batch(size)
 
 
 def tune_check_main(cache: str, budgets: Path, limit_mib: float, out: Path, overrides: list[str]):
