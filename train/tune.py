@@ -309,8 +309,8 @@ def _trial(trainer: Trainer, probe: Any, batch: Batch) -> int | None:
 
 
 def trainer_tensors(trainer: Trainer) -> Iterator[torch.Tensor]:
-    """What a trainer holds before any batch: the model's, the optimizer's and the EMA's
-    tensors (a :class:`~train.memory.probes.MemoryCap`'s baseline)."""
+    """What a trainer holds between steps: the model's, the optimizer's (none before its
+    first step) and the EMA's tensors (a :class:`~train.memory.probes.MemoryCap`'s baseline)."""
     yield from trainer.parts.raw_model.state_dict().values()
     for state in trainer.parts.optimizer.state.values():
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
